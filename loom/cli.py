@@ -1,0 +1,97 @@
+"""The `loom` command: train (plan, profile and analyze arrive with their issues).
+
+User errors end as one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from loom.errors import LoomError
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="TOML config file (defaults are used without one)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, e.g. --set parallel.strategy=ddp (repeatable)")
+    p.add_argument("--out", type=Path, help="run directory (default runs/<time>-<strategy>)")
+    p.add_argument("--nproc", type=int, default=None, help="ranks on this machine (re-launches under torchrun)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the run")
+    p.add_argument("--node-rank", type=int, default=None, help="this machine's rank (static rendezvous)")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, same on every node")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of a failed group")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from loom.config import load_config, validate
+    from loom.launch import LaunchSpec, adopt_slurm_env, check_spec, relaunch, under_launcher
+
+    cfg = load_config(args.config, args.set)
+    if under_launcher():  # a rank started by torchrun/srun: join and train
+        adopt_slurm_env()
+        from loom.train.loop import train
+
+        train(cfg, args.out)
+        return 0
+
+    default_nproc = 2 if args.nproc is None and args.config is None and not args.set else 1
+    spec = LaunchSpec(nproc=args.nproc or default_nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
+    check_spec(spec)
+    validate(cfg, spec.world_size)
+    _preflight_data(cfg, spec.world_size)
+    run_dir = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.parallel.strategy}"
+    if spec.world_size == 1 and spec.nnodes == 1:
+        from loom.train.loop import train
+
+        train(cfg, run_dir)
+        return 0
+    forwarded = ([args.config] if args.config else []) + [a for s in args.set for a in ("--set", s)]
+    rc = relaunch(spec, ["train", *forwarded, "--out", str(run_dir)])
+    if rc != 0:
+        print(f"loom: error: training exited with code {rc} (the failing rank's message is above)",
+              file=sys.stderr)
+    return rc
+
+
+def _preflight_data(cfg, world_size: int) -> None:
+    """Load the data once before ranks start: a missing path or a too-small corpus fails here."""
+    from loom.config import resolve_dims
+    from loom.data.corpus import load_tokens
+    from loom.data.loader import GlobalBatchSampler, split_train_eval
+    from loom.train.loop import model_config
+
+    d = cfg.data
+    tokens, vocab = load_tokens(d.source, d.tokenizer, d.bpe_vocab_size, d.bin_dtype,
+                                Path(d.cache_dir).expanduser())
+    train_set, _ = split_train_eval(tokens, d.seq_len, d.eval_fraction)
+    dims = resolve_dims(cfg.parallel, world_size)
+    GlobalBatchSampler(len(train_set), cfg.train.batch_size, 0, dims.dp, cfg.train.grad_accum, cfg.train.seed)
+    model_config(cfg, vocab)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loom", description="PyTorch-native distributed training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model with the configured strategy")
+    _add_train_args(train)
+    train.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except LoomError as e:
+        print(f"loom: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

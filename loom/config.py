@@ -1,0 +1,298 @@
+"""The run configuration: one dataclass per TOML section, dotted `--set` overrides, validation.
+
+Everything a run does is decided here, before any process starts, so that a bad value is one
+line of error instead of a traceback from rank 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loom.errors import ConfigError
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+STRATEGY_ALIASES = {"fsdp": "zero3", "zero0": "ddp"}
+FSDP_STRATEGIES = ("zero2", "zero3", "hsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+OFFLOADS = ("none", "cpu")
+OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
+DEVICES = ("auto", "cpu", "cuda")
+TOKENIZERS = ("byte", "bpe")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "small"
+    # Any of these replaces the preset's value; None keeps the preset's.
+    vocab_size: int | None = None
+    d_model: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # "stdlib" | text file | directory | glob | .bin token file
+    tokenizer: str = "byte"  # byte | bpe
+    bpe_vocab_size: int = 2048
+    bin_dtype: str = "uint16"
+    seq_len: int = 128
+    eval_fraction: float = 0.02
+    num_workers: int = 1
+    prefetch_factor: int = 4
+    pin_memory: bool = True
+    cache_dir: str = "~/.cache/loom"
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "zero3"
+    dp_replicate: int = 1  # hsdp: replica groups (across nodes)
+    dp_shard: int = -1  # hsdp: ranks sharing one shard group; -1 = world / dp_replicate
+    offload: str = "none"  # none | cpu (FSDP2 CPUOffloadPolicy, needs an accelerator)
+    ddp_bucket_mb: float = 25.0
+    ddp_static_graph: bool = False
+    reshard_after_forward: bool | None = None  # None = by strategy: zero2 False, zero3/hsdp True
+    fsdp_prefetch: int = 1  # blocks all-gathered ahead in forward and backward
+    activation_checkpointing: str = "none"  # none | full | selective
+    ac_every: int = 2  # selective: checkpoint every k-th block
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    seed: int = 0
+    batch_size: int = 16  # global batch, sequences per optimizer step
+    grad_accum: int = 1
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses loss scaling)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
+    optimizer_impl: str = "auto"  # auto | foreach | fused
+    eval_every: int = 0  # 0 = only at the end
+    eval_batches: int = 2
+    log_every: int = 10
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and overrides
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; known: {', '.join(sorted(choices))}"
+
+
+def _coerce(path: str, value: Any, hint: Any) -> Any:
+    """Check `value` against the field's type hint; ints are accepted where floats are."""
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }[hint](value)
+    if not ok:
+        raise ConfigError(
+            f"{path} must be {hint.__name__}, got {type(value).__name__} {value!r}; "
+            f"e.g. --set {path}={_example(hint)}"
+        )
+    return float(value) if hint is float else value
+
+
+def _example(hint: type) -> str:
+    return {bool: "true", int: "2", float: "0.5", str: "value"}[hint]
+
+
+def _apply(cfg: Config, path: str, value: Any) -> None:
+    section, _, key = path.partition(".")
+    sections = {f.name: _hints(type(getattr(cfg, f.name))) for f in dataclasses.fields(Config)}
+    if section not in sections or not key:
+        raise ConfigError(f"unknown config section '{section}' in '{path}'{_did_you_mean(section, sections)}")
+    hints = sections[section]
+    if key not in hints:
+        # The key may belong to another section (train.strategy -> parallel.strategy).
+        elsewhere = [f"{s}.{key}" for s, keys in sections.items() if key in keys]
+        if not elsewhere:
+            elsewhere = [f"{section}.{k}" for k in difflib.get_close_matches(key, list(hints), n=1)]
+        hint = f"; did you mean '{elsewhere[0]}'?" if elsewhere else f"; known: {', '.join(hints)}"
+        raise ConfigError(f"unknown config key '{path}'{hint}")
+    setattr(getattr(cfg, section), key, _coerce(path, value, hints[key]))
+
+
+def _parse_value(text: str) -> Any:
+    """`--set` values are TOML values (3, 0.5, true, "x"); a bare word is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults ← TOML file ← `--set section.key=value` overrides, each checked as it is applied."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass an existing .toml file")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML ({e}); fix the syntax at that position") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: '{section}' must be a [section] table, e.g. [{section}]")
+            for key, value in table.items():
+                _apply(cfg, f"{section}.{key}", value)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set '{item}' must look like section.key=value, e.g. --set train.steps=10")
+        _apply(cfg, key.strip(), _parse_value(text.strip()))
+    cfg.parallel.strategy = STRATEGY_ALIASES.get(cfg.parallel.strategy, cfg.parallel.strategy)
+    return cfg
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (None values, meaning 'the preset's', are left out)."""
+    lines: list[str] = []
+    for section, table in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            if value is None:
+                continue
+            text = ("true" if value else "false") if isinstance(value, bool) else json.dumps(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: everything that can be known before a process group starts
+
+
+def _choice(path: str, value: str, choices: typing.Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{path} = '{value}' is not one of {', '.join(choices)}"
+                          f"{_did_you_mean(value, choices) if difflib.get_close_matches(value, choices, n=1) else ''}")
+
+
+def _positive(path: str, value: float, minimum: float = 1) -> None:
+    if value < minimum:
+        raise ConfigError(f"{path} = {value} must be ≥ {minimum}; set it to {minimum} or more")
+
+
+@dataclass(frozen=True)
+class DataParallelDims:
+    """How the data-parallel ranks are arranged: dp = dp_replicate × dp_shard."""
+
+    dp_replicate: int
+    dp_shard: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def resolve_dims(p: ParallelConfig, world_size: int) -> DataParallelDims:
+    """DDP/ZeRO-1 replicate over every rank, ZeRO-2/3 shard over every rank, HSDP does both."""
+    if p.strategy in ("ddp", "zero1"):
+        return DataParallelDims(dp_replicate=world_size, dp_shard=1)
+    if p.strategy in ("zero2", "zero3"):
+        return DataParallelDims(dp_replicate=1, dp_shard=world_size)
+    shard = p.dp_shard if p.dp_shard != -1 else world_size // max(p.dp_replicate, 1)
+    if p.dp_replicate * shard != world_size or shard < 1:
+        raise ConfigError(
+            f"hsdp needs parallel.dp_replicate × parallel.dp_shard = world size, but "
+            f"{p.dp_replicate} × {p.dp_shard} = {p.dp_replicate * p.dp_shard} ≠ {world_size}; "
+            f"pick degrees whose product is {world_size}"
+        )
+    return DataParallelDims(dp_replicate=p.dp_replicate, dp_shard=shard)
+
+
+def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -> DataParallelDims:
+    """Check every value and their combinations for `world_size` ranks; returns the dp layout."""
+    p, t, d = cfg.parallel, cfg.train, cfg.data
+    _choice("parallel.strategy", p.strategy, STRATEGIES + tuple(STRATEGY_ALIASES))
+    _choice("parallel.offload", p.offload, OFFLOADS)
+    _choice("parallel.activation_checkpointing", p.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+    _choice("train.precision", t.precision, PRECISIONS)
+    _choice("train.optimizer_impl", t.optimizer_impl, OPTIMIZER_IMPLS)
+    _choice("train.device", t.device, DEVICES)
+    _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
+    _choice("data.bin_dtype", d.bin_dtype, ("uint16", "uint32"))
+    _positive("train.grad_accum", t.grad_accum)
+    _positive("train.steps", t.steps)
+    _positive("train.batch_size", t.batch_size)
+    _positive("train.log_every", t.log_every)
+    _positive("data.seq_len", d.seq_len)
+    _positive("parallel.ac_every", p.ac_every)
+    _positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb, 0.001)
+    _positive("data.prefetch_factor", d.prefetch_factor)
+    if d.num_workers < 0:
+        raise ConfigError(f"data.num_workers = {d.num_workers} must be ≥ 0 (0 loads in the main process)")
+    if not 0 <= d.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction = {d.eval_fraction} must be in [0, 1), e.g. 0.02")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr = {t.lr} must be > 0, e.g. 3e-4")
+    if p.offload != "none":
+        if p.strategy not in FSDP_STRATEGIES:
+            raise ConfigError(
+                f"parallel.offload = '{p.offload}' needs a sharded strategy (zero2, zero3 or hsdp), "
+                f"not '{p.strategy}'; set parallel.strategy=zero3 or parallel.offload=none")
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        if not cuda_available or t.device == "cpu":
+            raise ConfigError(
+                "parallel.offload = 'cpu' uses FSDP2's CPUOffloadPolicy, which needs an accelerator, "
+                "and this run is on CPU only; set parallel.offload=none")
+    if t.device == "cuda" and cuda_available is False:
+        raise ConfigError("train.device = 'cuda' but no CUDA device is visible; set train.device=cpu or auto")
+    dims = resolve_dims(p, world_size)
+    per = dims.dp * t.grad_accum
+    if t.batch_size % per:
+        multiples = ", ".join(str(per * k) for k in range(1, 4))
+        raise ConfigError(
+            f"train.batch_size = {t.batch_size} is not divisible by grad_accum ({t.grad_accum}) × "
+            f"data-parallel size ({dims.dp}) = {per}; use a multiple of {per} such as {multiples}")
+    return dims

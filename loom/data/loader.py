@@ -1,0 +1,161 @@
+"""Token windows, and a sampler whose global batches are the same whatever the parallel layout.
+
+Step k always trains on global batch k of a seeded permutation; data-parallel ranks and
+gradient-accumulation micro-steps only decide who takes which part of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from loom.errors import ConfigError, LoomError
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Non-overlapping windows of seq_len+1 tokens; item i -> LongTensor[seq_len+1] (inputs = [:-1], targets = [1:])."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, start_window: int = 0, num_windows: int | None = None) -> None:
+        if seq_len < 1:
+            raise ConfigError(f"data.seq_len={seq_len} must be at least 1; use e.g. 256")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.window = seq_len + 1
+        total = len(tokens) // self.window
+        if num_windows is None:
+            num_windows = total - start_window
+        if start_window < 0 or num_windows < 0 or start_window + num_windows > total:
+            raise LoomError(f"windows {start_window}..{start_window + num_windows} are outside the {total} windows "
+                            f"of {self.window} tokens in the corpus; pick a range inside 0..{total}")
+        self.start_window = start_window
+        self.num_windows = num_windows
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.num_windows:
+            raise IndexError(f"window {i} out of range 0..{self.num_windows - 1}")
+        start = (self.start_window + i) * self.window
+        # int64 copy: memmapped uint16/uint32 tokens cannot become a LongTensor in place.
+        return torch.from_numpy(np.asarray(self.tokens[start:start + self.window], dtype=np.int64))
+
+
+def split_train_eval(tokens: np.ndarray, seq_len: int, eval_fraction: float) -> tuple[TokenWindows, TokenWindows]:
+    """Hold out the last windows for eval (at least one when eval_fraction > 0)."""
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={eval_fraction} must be in [0, 1); use e.g. 0.05, or 0 for no eval")
+    if seq_len < 1:
+        raise ConfigError(f"data.seq_len={seq_len} must be at least 1; use e.g. 256")
+    window = seq_len + 1
+    total = len(tokens) // window
+    n_eval = max(1, int(total * eval_fraction)) if eval_fraction > 0 else 0
+    if total - n_eval < 1:
+        raise LoomError(f"the corpus has {len(tokens)} tokens = {total} windows of {window} tokens, too few to train "
+                        f"on with {n_eval} held out for eval; use a bigger corpus or smaller data.seq_len")
+    train = TokenWindows(tokens, seq_len, 0, total - n_eval)
+    evals = TokenWindows(tokens, seq_len, total - n_eval, n_eval)
+    return train, evals
+
+
+def _nearby_multiples(value: int, unit: int) -> str:
+    """Two valid values near the invalid one, for the error message."""
+    below = value // unit * unit
+    options = [below, below + unit] if below > 0 else [unit, 2 * unit]
+    return f"{options[0]} or {options[1]}"
+
+
+def micro_batch_size(global_batch: int, dp_size: int, grad_accum: int) -> int:
+    """Sequences per micro-batch on one rank; global_batch must split evenly over ranks and micro-steps."""
+    if dp_size < 1 or grad_accum < 1:
+        raise ConfigError(f"data-parallel size ({dp_size}) and train.grad_accum ({grad_accum}) must both be at least 1")
+    unit = dp_size * grad_accum
+    if global_batch < 1 or global_batch % unit:
+        raise ConfigError(f"train.batch_size={global_batch} is not divisible by grad_accum({grad_accum}) × "
+                          f"data-parallel size({dp_size}) = {unit}; use a multiple of {unit} such as "
+                          f"{_nearby_multiples(global_batch, unit)}")
+    return global_batch // unit
+
+
+class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Yields this rank's micro-batches (lists of window indices), step after step.
+
+    Global batch k = the k-th block of `global_batch` indices of a seeded permutation of all windows
+    (a new permutation each epoch: seed + epoch), so step k sees the same sequences whatever the layout.
+    Within the global batch, data-parallel rank r takes the contiguous slice r of dp_size equal parts,
+    and splits it into grad_accum micro-batches in order. The tail of each epoch that does not fill a
+    global batch is skipped (it is a different tail next epoch).
+    """
+
+    def __init__(self, num_windows: int, global_batch: int, dp_rank: int, dp_size: int, grad_accum: int,
+                 seed: int, start_step: int = 0, num_steps: int | None = None, seq_len: int | None = None) -> None:
+        self.micro_batch = micro_batch_size(global_batch, dp_size, grad_accum)
+        if not 0 <= dp_rank < dp_size:
+            raise ConfigError(f"data-parallel rank {dp_rank} is outside 0..{dp_size - 1}")
+        if num_windows < global_batch:
+            of_len = f" of {seq_len + 1} tokens" if seq_len is not None else ""
+            raise ConfigError(f"the corpus has {num_windows} windows{of_len} but one global batch needs {global_batch}; "
+                              "use a bigger corpus or smaller train.batch_size / data.seq_len")
+        if start_step < 0 or (num_steps is not None and num_steps < 0):
+            raise ConfigError(f"start_step ({start_step}) and num_steps ({num_steps}) must not be negative")
+        self.num_windows = num_windows
+        self.global_batch = global_batch
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.grad_accum = grad_accum
+        self.seed = seed
+        self.start_step = start_step
+        self.num_steps = num_steps
+        self.steps_per_epoch = num_windows // global_batch
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        # numpy's PCG64 stream is stable across versions and platforms, unlike some global RNGs.
+        return np.random.default_rng(self.seed + epoch).permutation(self.num_windows)
+
+    def global_batch_indices(self, step: int) -> list[int]:
+        """All window indices of global batch `step`, in order (every rank and micro-step together)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        perm = self._permutation(epoch)
+        return perm[k * self.global_batch:(k + 1) * self.global_batch].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        steps = itertools.count(self.start_step) if self.num_steps is None \
+            else range(self.start_step, self.start_step + self.num_steps)
+        per_rank = self.global_batch // self.dp_size
+        epoch, perm = -1, np.empty(0, dtype=np.int64)
+        for step in steps:
+            step_epoch, k = divmod(step, self.steps_per_epoch)
+            if step_epoch != epoch:  # one permutation per epoch, not per step
+                epoch, perm = step_epoch, self._permutation(step_epoch)
+            start = k * self.global_batch + self.dp_rank * per_rank
+            mine = perm[start:start + per_rank]
+            for m in range(self.grad_accum):
+                yield mine[m * self.micro_batch:(m + 1) * self.micro_batch].tolist()
+
+    def __len__(self) -> int:
+        """Number of micro-batches yielded (num_steps × grad_accum); only when finite."""
+        if self.num_steps is None:
+            raise TypeError("GlobalBatchSampler with num_steps=None is infinite and has no length")
+        return self.num_steps * self.grad_accum
+
+
+def make_loader(dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler[list[int]], num_workers: int,
+                prefetch_factor: int | None, pin_memory: bool) -> torch.utils.data.DataLoader:
+    """A DataLoader over the sampler's micro-batches; items stack into LongTensor[micro_batch, seq_len+1]."""
+    if num_workers < 0:
+        raise ConfigError(f"data.num_workers={num_workers} must be 0 (load in the training process) or more")
+    if num_workers > 0 and prefetch_factor is not None and prefetch_factor < 1:
+        raise ConfigError(f"data.prefetch_factor={prefetch_factor} must be at least 1; use e.g. 2")
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        # DataLoader rejects prefetch_factor without workers; pinning needs an accelerator.
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        persistent_workers=num_workers > 0,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+    )

@@ -1,0 +1,95 @@
+"""Start the ranks: re-exec under torchrun when --nproc/--nnodes ask for it, or join one.
+
+loom never launches processes or moves bytes itself: torchrun (c10d rendezvous) starts and
+restarts the ranks, and under Slurm each srun task joins with the env that srun gives it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from loom.errors import LoomError
+
+
+@dataclass
+class LaunchSpec:
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    max_restarts: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+def under_launcher() -> bool:
+    """True inside a rank started by torchrun or srun (then we just join the group)."""
+    return "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def adopt_slurm_env() -> None:
+    """Translate srun's task variables into the env:// variables torch.distributed reads."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    if "MASTER_ADDR" not in os.environ:
+        nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                               capture_output=True, text=True, check=True).stdout.split()
+        os.environ["MASTER_ADDR"] = nodes[0]
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
+def max_local_processes() -> tuple[int, str]:
+    """How many ranks one machine may run: one per GPU, or a few per core on a CPU-only host."""
+    import torch
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return n, f"{n} visible GPU(s)"
+    cores = os.cpu_count() or 1
+    return max(8, 4 * cores), f"{cores} CPU core(s), no GPU: at most max(8, 4 × cores) gloo ranks"
+
+
+def check_spec(spec: LaunchSpec) -> None:
+    if spec.nproc < 1 or spec.nnodes < 1:
+        raise LoomError(f"--nproc ({spec.nproc}) and --nnodes ({spec.nnodes}) must be ≥ 1")
+    limit, why = max_local_processes()
+    if spec.nproc > limit:
+        raise LoomError(f"--nproc {spec.nproc} is more than this machine allows ({why}); "
+                        f"use --nproc {limit} or fewer, and add machines with --nnodes")
+    if spec.nnodes > 1 and not spec.rdzv_endpoint:
+        raise LoomError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+
+
+def torchrun_command(spec: LaunchSpec, loom_args: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={spec.nproc}",
+           f"--max-restarts={spec.max_restarts}"]
+    if spec.nnodes == 1 and not spec.rdzv_endpoint:
+        cmd.append("--standalone")  # local rendezvous on a free port
+    elif spec.node_rank is not None:  # static rendezvous: fixed node ranks
+        host, _, port = spec.rdzv_endpoint.partition(":")
+        cmd += [f"--nnodes={spec.nnodes}", f"--node-rank={spec.node_rank}",
+                f"--master-addr={host}", f"--master-port={port or 29500}"]
+    else:  # elastic c10d rendezvous
+        cmd += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={spec.rdzv_endpoint}", "--rdzv-id=loom"]
+    return cmd + ["-m", "loom.cli", *loom_args]
+
+
+def relaunch(spec: LaunchSpec, loom_args: list[str]) -> int:
+    """Run the same loom command on every rank under torchrun; returns its exit code."""
+    env = dict(os.environ)
+    # One rank per core share: avoids oversubscribing CPU threads (and torchrun's warning).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        return subprocess.run(torchrun_command(spec, loom_args), env=env).returncode
+    except KeyboardInterrupt:
+        return 130

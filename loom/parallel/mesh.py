@@ -1,0 +1,76 @@
+"""The process group and the DeviceMesh: world -> [dp_replicate, dp_shard] (pp and tp come later).
+
+The mesh dims are named so every engine takes the sub-mesh it needs: DDP and ZeRO-1 use the
+flattened "dp" group, FSDP2 uses "dp_shard", HSDP the 2-D ("dp_replicate", "dp_shard").
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from loom.config import DataParallelDims
+
+
+@dataclass
+class Dist:
+    """What a rank knows about its place in the run."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh  # named dims ("dp_replicate", "dp_shard")
+    dp_mesh: DeviceMesh  # all data-parallel ranks as one 1-D mesh (DDP, ZeRO-1, batch slicing)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(requested: str) -> torch.device:
+    use_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(dims_for_world, device_request: str = "auto", timeout_s: float = 600.0) -> Dist:
+    """Join (or, run alone, create) the process group and build the mesh.
+
+    `dims_for_world(world_size) -> DataParallelDims` chooses the layout once the world size is
+    known. A plain `python` run without torchrun becomes a world of one.
+    """
+    if "RANK" not in os.environ:  # not under torchrun/srun: a single-process world
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    device = pick_device(device_request)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    dims: DataParallelDims = dims_for_world(world)
+    mesh = init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+    return Dist(rank=dist.get_rank(), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                world_size=world, device=device, mesh=mesh, dp_mesh=dp_mesh)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

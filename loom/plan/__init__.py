@@ -1,0 +1,1 @@
+"""The planner: predicted memory, communication and step time. Pure Python: no torch import."""

@@ -1,0 +1,268 @@
+"""The training loop: data -> forward -> backward -> optimizer, the same for every strategy.
+
+Every rank runs this. Reading values back to the host (loss, grad norm) happens one step late,
+so on a GPU the host never waits for the step it has just queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from loom.config import Config, to_toml, validate
+from loom.data.corpus import load_tokens
+from loom.data.loader import GlobalBatchSampler, make_loader, split_train_eval
+from loom.errors import ConfigError
+from loom.models.gpt import GPTConfig, build_model, preset
+from loom.observe.memory import PeakMemory, RankMemory, measure_model_states
+from loom.parallel.apply import parallelize
+from loom.parallel.data_parallel import DTYPES, FSDP_STRATEGIES, gradient_sync
+from loom.parallel.mesh import Dist, init_distributed
+from loom.plan.memory import formula_text, model_state_bytes
+from loom.train.meters import MetricsFile, Progress, format_duration
+from loom.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+
+
+@dataclass
+class RunResult:
+    losses: list[float]  # mean loss over each step's whole global batch
+    grad_norms: list[float]
+    eval_loss: float | None
+    memory: list[dict]  # one entry per rank (RankMemory.to_dict)
+    tokens_per_s: float
+    elapsed_s: float
+    state_dict: dict[str, torch.Tensor] | None = None  # full (gathered) weights, if asked for
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def model_config(cfg: Config, data_vocab: int) -> GPTConfig:
+    """The preset with the config's overrides; the vocabulary must cover the data's token ids."""
+    m = cfg.model
+    overrides = {k: v for k, v in vars(m).items() if k != "preset" and v is not None}
+    if "vocab_size" not in overrides and cfg.data.tokenizer == "bpe":
+        overrides["vocab_size"] = data_vocab
+    gpt = preset(m.preset, **overrides)
+    if gpt.vocab_size < data_vocab:
+        raise ConfigError(f"model vocab_size {gpt.vocab_size} is smaller than the tokenizer's {data_vocab}; "
+                          f"set model.vocab_size={data_vocab}")
+    if cfg.data.seq_len > gpt.max_seq_len:
+        raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's max_seq_len "
+                          f"{gpt.max_seq_len}; lower data.seq_len or set model.max_seq_len")
+    return gpt
+
+
+def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = model(inputs)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _autocast(cfg: Config, device: torch.device):
+    """DDP/ZeRO-1 use autocast for bf16/fp16; FSDP2 casts parameters itself (MixedPrecisionPolicy)."""
+    if cfg.train.precision == "fp32" or cfg.parallel.strategy in FSDP_STRATEGIES:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[cfg.train.precision])
+
+
+def _grad_scaler(cfg: Config, device: torch.device):
+    """fp16 needs loss scaling; bf16 and fp32 do not."""
+    if cfg.train.precision != "fp16":
+        return None
+    if cfg.parallel.strategy in FSDP_STRATEGIES:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
+
+
+def _all_reduce_mean(t: torch.Tensor, world: int) -> torch.Tensor:
+    dist.all_reduce(t)  # SUM: gloo has no AVG
+    return t / world
+
+
+def evaluate(model: nn.Module, loader, d: Dist, cfg: Config) -> float | None:
+    if loader is None:
+        return None
+    model.eval()
+    total = torch.zeros((), device=d.device)
+    count = 0
+    with torch.no_grad(), _autocast(cfg, d.device):
+        for batch in loader:
+            total += _loss(model, batch.to(d.device, non_blocking=True))
+            count += 1
+    model.train()
+    return _all_reduce_mean(total / max(count, 1), d.world_size).item()
+
+
+def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, quiet: bool = False) -> RunResult:
+    """Run `cfg` on this rank (joining the torchrun group, or as a world of one)."""
+    d = init_distributed(lambda world: validate(cfg, world), cfg.train.device)
+    t, p = cfg.train, cfg.parallel
+    main = d.is_main
+    torch.manual_seed(t.seed)
+
+    # Data: every dp rank reads its own disjoint slice of each global batch.
+    tokens, vocab = load_tokens(cfg.data.source, cfg.data.tokenizer, cfg.data.bpe_vocab_size,
+                                cfg.data.bin_dtype, Path(cfg.data.cache_dir).expanduser())
+    train_set, eval_set = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
+    dp_rank, dp_size = d.dp_mesh.get_local_rank(), d.dp_mesh.size()
+    sampler = GlobalBatchSampler(len(train_set), t.batch_size, dp_rank, dp_size, t.grad_accum, t.seed,
+                                 num_steps=t.steps)
+    micro_batch = t.batch_size // (dp_size * t.grad_accum)
+    pin = cfg.data.pin_memory and d.device.type == "cuda"
+    loader = make_loader(train_set, sampler, cfg.data.num_workers, cfg.data.prefetch_factor, pin)
+    eval_loader = None
+    eval_batch = min(t.batch_size, len(eval_set) // dp_size * dp_size) if eval_set is not None else 0
+    if eval_batch >= dp_size:
+        eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, 1, t.seed,
+                                          num_steps=min(t.eval_batches, len(eval_set) // eval_batch))
+        eval_loader = make_loader(eval_set, eval_sampler, 0, None, pin)
+
+    # Model: built on meta, parallelized, then materialized and initialized from the seed.
+    gpt_cfg = model_config(cfg, vocab)
+    model = parallelize(build_model(gpt_cfg, device="meta"), cfg, d)
+    optimizer = build_optimizer(model, t, p.strategy, d)
+    scheduler = build_scheduler(optimizer, t)
+    scaler = _grad_scaler(cfg, d.device)
+    params = [q for q in model.parameters() if q.requires_grad]
+    num_params = sum(q.numel() for q in params)
+    tokens_per_step = t.batch_size * cfg.data.seq_len
+
+    if run_dir is not None and main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+    metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir is not None and main else None)
+    if main and not quiet:
+        print(f"loom: {p.strategy} on {d.world_size} rank(s) ({d.device.type}), dp={dp_size} "
+              f"[replicate {d.mesh['dp_replicate'].size()} × shard {d.mesh['dp_shard'].size()}], "
+              f"model {gpt_cfg.n_layers}L d{gpt_cfg.d_model} = {num_params / 1e6:.2f}M params, "
+              f"global batch {t.batch_size} = micro-batch {micro_batch} × grad_accum {t.grad_accum} "
+              f"× dp {dp_size}, {cfg.data.seq_len} tokens each, precision {t.precision}", flush=True)
+    progress = Progress(t.steps, t.log_every, enabled=main and not quiet)
+
+    losses: list[float] = []
+    grad_norms: list[float] = []
+    step_times: list[float] = []
+    memory: RankMemory | None = None
+    peak = PeakMemory(d.device, model, optimizer)
+    pending: dict | None = None  # last step's device values, read back after the next step is queued
+
+    def flush(record: dict) -> None:
+        loss, gnorm = record.pop("values").tolist()
+        losses.append(loss)
+        grad_norms.append(gnorm)
+        record.update(loss=loss, grad_norm=gnorm,
+                      tokens_per_s=tokens_per_step / record["step_time_s"])
+        metrics.write(record)
+        progress.update(record["step"], loss, record["tokens_per_s"])
+
+    batches = iter(loader)
+    start = time.perf_counter()
+    for step in range(1, t.steps + 1):
+        step_start = time.perf_counter()
+        tracking = peak.track() if step == 2 else contextlib.nullcontext()
+        with tracking:
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = torch.zeros((), device=d.device)
+            data_wait = 0.0
+            for micro in range(t.grad_accum):
+                wait_start = time.perf_counter()
+                batch = next(batches).to(d.device, non_blocking=True)
+                data_wait += time.perf_counter() - wait_start
+                with gradient_sync(model, enabled=micro == t.grad_accum - 1), _autocast(cfg, d.device):
+                    loss = _loss(model, batch)
+                    scaled = loss / t.grad_accum
+                    (scaler.scale(scaled) if scaler else scaled).backward()
+                loss_sum += loss.detach()
+            if scaler:
+                scaler.unscale_(optimizer)
+            grad_norm = clip_grad_norm(params, t.grad_clip)
+            lr = scheduler.get_last_lr()[0]
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            scheduler.step()
+        if step == 1:
+            memory = measure_model_states(model, optimizer)
+        # Mean loss over the global batch: each rank's micro-steps, then all ranks.
+        values = torch.stack([_all_reduce_mean(loss_sum / t.grad_accum, d.world_size),
+                              grad_norm.float().reshape(())])
+        if pending is not None:
+            flush(pending)
+        step_time = time.perf_counter() - step_start
+        step_times.append(step_time)
+        pending = dict(step=step, lr=lr, step_time_s=step_time, data_wait_s=data_wait, values=values)
+        if t.eval_every and step % t.eval_every == 0 and step < t.steps:
+            eval_loss = evaluate(model, eval_loader, d, cfg)
+            if main and not quiet and eval_loss is not None:
+                print(f"\neval loss at step {step}: {eval_loss:.4f}", flush=True)
+    flush(pending)
+    elapsed = time.perf_counter() - start
+    eval_loss = evaluate(model, eval_loader, d, cfg)
+    metrics.close()
+
+    memory.peak_bytes = peak.peak_bytes
+    rank_memory: list[dict] = [None] * d.world_size  # type: ignore[list-item]
+    dist.all_gather_object(rank_memory, memory.to_dict())
+    # Step 1 pays for warm-up and step 2 for memory tracking: time the steady state after them.
+    timed = step_times[2:] or step_times
+    tokens_per_s = tokens_per_step * len(timed) / sum(timed)
+    state = _full_state_dict(model) if return_state else None
+    result = RunResult(losses, grad_norms, eval_loss, rank_memory, tokens_per_s, elapsed, state)
+    if main:
+        shard = d.mesh["dp_shard"].size() if p.strategy in FSDP_STRATEGIES else dp_size
+        expected = model_state_bytes(p.strategy, num_params, shard)
+        summary = _summary(cfg, result, expected.total, dp_size, shard)
+        if run_dir is not None:
+            (run_dir / "memory.json").write_text(json.dumps(
+                {"strategy": p.strategy, "formula": formula_text(p.strategy), "shard_size": shard,
+                 "expected_model_state_bytes": expected.total,
+                 "ranks": {str(r): m for r, m in enumerate(rank_memory)}}, indent=2))
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if not quiet:
+            _print_summary(summary, rank_memory, p.strategy, expected.total, run_dir)
+    return result
+
+
+def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().cpu().clone() for k, v in sd.items()}
+
+
+def _summary(cfg: Config, r: RunResult, expected: float, dp: int, shard: int) -> dict:
+    return {
+        "strategy": cfg.parallel.strategy, "steps": len(r.losses), "dp": dp, "shard_size": shard,
+        "first_loss": r.losses[0], "final_loss": r.losses[-1], "eval_loss": r.eval_loss,
+        "tokens_per_s": r.tokens_per_s, "elapsed_s": r.elapsed_s,
+        "expected_model_state_bytes": expected,
+    }
+
+
+def _print_summary(s: dict, ranks: list[dict], strategy: str, expected: float, run_dir: Path | None) -> None:
+    mib = 2**20
+    eval_text = f", eval {s['eval_loss']:.4f}" if s["eval_loss"] is not None else ""
+    print(f"\ndone: {s['steps']} steps in {format_duration(s['elapsed_s'])}, loss {s['first_loss']:.4f} → "
+          f"{s['final_loss']:.4f}{eval_text}, {s['tokens_per_s']:,.0f} tokens/s")
+    print(f"memory per rank (MiB)   params    grads   optim   model states   formula "
+          f"{formula_text(strategy)} = {expected / mib:.2f}   peak in step")
+    for rank, m in enumerate(ranks):
+        peak = f"{m['peak_bytes'] / mib:8.2f}" if m["peak_bytes"] is not None else "     n/a"
+        ratio = m["model_state_bytes"] / expected
+        print(f"  rank {rank:<17} {m['params_bytes'] / mib:8.2f} {m['grads_bytes'] / mib:8.2f} "
+              f"{m['optimizer_bytes'] / mib:7.2f} {m['model_state_bytes'] / mib:14.2f}   "
+              f"measured/formula {ratio:.3f}        {peak}")
+    if run_dir is not None:
+        print(f"run directory: {run_dir}")

@@ -1,0 +1,68 @@
+"""AdamW (foreach or fused), ZeRO-1's sharded wrapper, the LR schedule and gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from loom.config import TrainConfig
+from loom.parallel.mesh import Dist
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (linears, embeddings); leave norms' gains undecayed."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig, strategy: str, d: Dist) -> torch.optim.Optimizer:
+    impl = t.optimizer_impl
+    if impl == "auto":
+        impl = "fused" if d.device.type == "cuda" else "foreach"
+    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **{impl: True})
+    groups = param_groups(model, t.weight_decay)
+    if strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # Each rank keeps Adam state for its partition only and broadcasts its updated params.
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW,
+                                       process_group=d.dp_mesh.get_group(), **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_lambda(t: TrainConfig):
+    """Linear warmup to lr, then cosine decay to lr · min_lr_ratio at the last step."""
+    warmup = min(t.warmup_steps, t.steps)
+
+    def factor(step: int) -> float:  # `step` = optimizer steps already taken
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(t.steps - warmup, 1)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, foreach: bool = True) -> torch.Tensor:
+    """The global gradient norm (across shards), clipping in place when max_norm > 0.
+
+    Stays on the device: no host sync here; the caller reads the value a step later.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=foreach)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # sharded grads: the reduction over shards happens here
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    return total
