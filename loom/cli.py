@@ -60,13 +60,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _preflight_data(cfg, world_size: int) -> None:
     """Load the data once before ranks start: a missing path or a too-small corpus fails here."""
     from loom.config import resolve_dims
-    from loom.data.corpus import load_tokens
     from loom.data.loader import GlobalBatchSampler, split_train_eval
-    from loom.train.loop import model_config
+    from loom.train.loop import load_data, model_config
 
     d = cfg.data
-    tokens, vocab = load_tokens(d.source, d.tokenizer, d.bpe_vocab_size, d.bin_dtype,
-                                Path(d.cache_dir).expanduser())
+    tokens, vocab = load_data(cfg)
     train_set, _ = split_train_eval(tokens, d.seq_len, d.eval_fraction)
     dims = resolve_dims(cfg.parallel, world_size)
     GlobalBatchSampler(len(train_set), cfg.train.batch_size, 0, dims.dp, cfg.train.grad_accum, cfg.train.seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -24,7 +25,8 @@ def _worker(fn: Callable, rank: int, world: int, port: int, results, args: tuple
 
     torch.set_num_threads(1)  # N ranks share the machine's few cores
     try:
-        results.put((rank, "ok", fn(*args)))
+        # Plain pickle copies tensors; torch's queue pickler would share memory that dies with us.
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - report anything to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -52,7 +54,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 240.0) -> l
                 raise TimeoutError(f"{world - len(out)} rank(s) did not finish in {timeout}s") from None
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -80,6 +80,12 @@ class PeakMemory:
     def __init__(self, device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.device, self.model, self.optimizer = device, model, optimizer
         self.peak_bytes: int | None = None
+        self._tracker = None
+
+    def new_micro_step(self) -> None:
+        """MemTracker follows one forward per module; gradient accumulation runs several."""
+        if self._tracker is not None:
+            self._tracker.reset_mod_stats()  # keeps the peak, forgets per-module stats
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
@@ -92,9 +98,12 @@ class PeakMemory:
             return
         from torch.distributed._tools.mem_tracker import MemTracker
 
-        tracker = MemTracker()
+        tracker = self._tracker = MemTracker()
         tracker.track_external(self.model, self.optimizer)  # states that already exist
-        with tracker:
-            yield
+        try:
+            with tracker:
+                yield
+        finally:
+            self._tracker = None
         peaks = tracker.get_tracker_snapshot("peak")
         self.peak_bytes = int(sum(v.get("Total", 0) for v in peaks.values()))

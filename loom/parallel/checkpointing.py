@@ -18,8 +18,8 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str, every: int 
     step = 1 if mode == "full" else every
     wrapped = 0
     for i, block in enumerate(layers):
-        # selective: blocks every-1, 2·every-1, ... so `every=1` equals full
-        if (i + 1) % step == 0:
+        # selective: blocks 0, k, 2k, ...: the earliest blocks' activations live longest
+        if i % step == 0:
             layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
             wrapped += 1
     return wrapped

@@ -60,6 +60,15 @@ def model_config(cfg: Config, data_vocab: int) -> GPTConfig:
     return gpt
 
 
+def load_data(cfg: Config) -> tuple[Any, int]:
+    """The run's token stream and its vocabulary size (a .bin file's vocab is the model's)."""
+    d = cfg.data
+    vocab = d.bpe_vocab_size
+    if d.source.endswith(".bin"):
+        vocab = cfg.model.vocab_size or preset(cfg.model.preset).vocab_size
+    return load_tokens(d.source, d.tokenizer, vocab, d.bin_dtype, Path(d.cache_dir).expanduser())
+
+
 def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = model(inputs)
@@ -111,8 +120,7 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     torch.manual_seed(t.seed)
 
     # Data: every dp rank reads its own disjoint slice of each global batch.
-    tokens, vocab = load_tokens(cfg.data.source, cfg.data.tokenizer, cfg.data.bpe_vocab_size,
-                                cfg.data.bin_dtype, Path(cfg.data.cache_dir).expanduser())
+    tokens, vocab = load_data(cfg)
     train_set, eval_set = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
     dp_rank, dp_size = d.dp_mesh.get_local_rank(), d.dp_mesh.size()
     sampler = GlobalBatchSampler(len(train_set), t.batch_size, dp_rank, dp_size, t.grad_accum, t.seed,
@@ -175,6 +183,7 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
             loss_sum = torch.zeros((), device=d.device)
             data_wait = 0.0
             for micro in range(t.grad_accum):
+                peak.new_micro_step()
                 wait_start = time.perf_counter()
                 batch = next(batches).to(d.device, non_blocking=True)
                 data_wait += time.perf_counter() - wait_start
