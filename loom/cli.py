@@ -18,7 +18,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set parallel.strategy=ddp (repeatable)")
     p.add_argument("--out", type=Path, help="run directory (default runs/<time>-<strategy>)")
-    p.add_argument("--nproc", type=int, default=None, help="ranks on this machine (re-launches under torchrun)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks on this machine (default: one per GPU, or 2 on a CPU-only host)")
     p.add_argument("--nnodes", type=int, default=1, help="machines in the run")
     p.add_argument("--node-rank", type=int, default=None, help="this machine's rank (static rendezvous)")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, same on every node")
@@ -27,7 +28,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from loom.config import load_config, validate
-    from loom.launch import LaunchSpec, adopt_slurm_env, check_spec, relaunch, under_launcher
+    from loom.launch import LaunchSpec, adopt_slurm_env, check_spec, default_nproc, relaunch, under_launcher
 
     cfg = load_config(args.config, args.set)
     if under_launcher():  # a rank started by torchrun/srun: join and train
@@ -37,8 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         train(cfg, args.out)
         return 0
 
-    default_nproc = 2 if args.nproc is None and args.config is None and not args.set else 1
-    spec = LaunchSpec(nproc=args.nproc or default_nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+    spec = LaunchSpec(nproc=args.nproc if args.nproc is not None else default_nproc(), nnodes=args.nnodes, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
     check_spec(spec)
     validate(cfg, spec.world_size)

@@ -267,6 +267,8 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     _positive("parallel.ac_every", p.ac_every)
     _positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb, 0.001)
     _positive("data.prefetch_factor", d.prefetch_factor)
+    if t.eval_batches < 0 or t.eval_every < 0:
+        raise ConfigError("train.eval_batches and train.eval_every must be ≥ 0 (0 turns eval off / to the end)")
     if d.num_workers < 0:
         raise ConfigError(f"data.num_workers = {d.num_workers} must be ≥ 0 (0 loads in the main process)")
     if not 0 <= d.eval_fraction < 1:

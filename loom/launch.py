@@ -57,6 +57,13 @@ def max_local_processes() -> tuple[int, str]:
     return max(8, 4 * cores), f"{cores} CPU core(s), no GPU: at most max(8, 4 × cores) gloo ranks"
 
 
+def default_nproc() -> int:
+    """Every local GPU; on a CPU-only host two gloo ranks (a distributed run you can watch)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
 def check_spec(spec: LaunchSpec) -> None:
     if spec.nproc < 1 or spec.nnodes < 1:
         raise LoomError(f"--nproc ({spec.nproc}) and --nnodes ({spec.nnodes}) must be ≥ 1")

@@ -130,7 +130,7 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     loader = make_loader(train_set, sampler, cfg.data.num_workers, cfg.data.prefetch_factor, pin)
     eval_loader = None
     eval_batch = min(t.batch_size, len(eval_set) // dp_size * dp_size) if eval_set is not None else 0
-    if eval_batch >= dp_size:
+    if eval_batch >= dp_size and t.eval_batches > 0:
         eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, 1, t.seed,
                                           num_steps=min(t.eval_batches, len(eval_set) // eval_batch))
         eval_loader = make_loader(eval_set, eval_sampler, 0, None, pin)

@@ -1,0 +1,94 @@
+"""The hand-written PyTorch loop loom is measured against (run under torchrun by overhead.py).
+
+Same model, data, optimizer, schedule and clipping as `loom train`, written the way one would
+without a framework: DDP or FSDP2 directly, a DistributedSampler, AdamW(foreach).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from loom.data.corpus import load_tokens
+from loom.data.loader import split_train_eval
+from loom.models.gpt import build_model, preset
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", choices=["ddp", "zero3"], required=True)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--num-workers", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    tokens, _ = load_tokens("stdlib")
+    train_set, _ = split_train_eval(tokens, a.seq_len, 0.02)
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(train_set, batch_size=a.batch_size // world, sampler=sampler, drop_last=True,
+                        num_workers=a.num_workers, persistent_workers=a.num_workers > 0,
+                        prefetch_factor=4 if a.num_workers else None)
+
+    with torch.device("meta"):
+        model = build_model(preset(a.preset), device="meta")
+    if a.strategy == "zero3":
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+    else:
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        model = DDP(model, gradient_as_bucket_view=True)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=3e-3, betas=(0.9, 0.95), foreach=True)
+    warmup = 10
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warmup if s < warmup
+        else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min((s - warmup) / max(a.steps - warmup, 1), 1))))
+
+    step_times = []
+    batches = iter(loader)
+    for step in range(a.steps):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        batch = next(batches)
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        dist.all_reduce(loss.detach())  # report the global loss like any real loop
+        step_times.append(time.perf_counter() - start)
+    timed = step_times[2:]
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"tokens_per_s": a.batch_size * a.seq_len * len(timed) / sum(timed)}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
