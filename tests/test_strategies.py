@@ -141,3 +141,45 @@ def test_model_state_bytes_match_formula(corpus, strategy, world, extra):
                            ("optimizer_bytes", expected.optimizer)):
             assert abs(m[part] - want) <= 0.01 * want, f"rank {rank} {part}: {m[part]} vs {want:.0f}"
         assert abs(m["model_state_bytes"] - expected.total) <= 0.01 * expected.total
+
+
+def _grad_collectives(strategy: str) -> list[dict[str, int]]:
+    """Collectives issued by one backward with gradient sync off, then on."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from loom.config import validate
+    from loom.models.gpt import preset
+    from loom.parallel.apply import parallelize
+    from loom.parallel.data_parallel import gradient_sync
+    from loom.parallel.mesh import init_distributed
+
+    cfg = load_config(None, ["model.preset=tiny", f"parallel.strategy={strategy}"])
+    d = init_distributed(lambda world: validate(cfg, world))
+    model = parallelize(build_model(preset("tiny")), cfg, d)
+    counts = []
+    for enabled in (False, True):
+        batch = torch.randint(0, 256, (2, 17))
+        with CommDebugMode() as comm, gradient_sync(model, enabled):
+            loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+            loss.backward()
+        counts.append({str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()})
+    return counts
+
+
+@pytest.mark.parametrize("strategy,reduce_op", [("ddp", "allreduce_"), ("zero2", "_reduce_scatter_base_")])
+def test_no_gradient_sync_on_non_final_micro_steps(strategy, reduce_op):
+    off, on = run_ranks(_grad_collectives, 2, strategy)[0]
+    assert off.get(reduce_op, 0) == 0, off
+    assert on.get(reduce_op, 0) >= 1, on
+
+
+PRECISION_CASES = [("zero3", "bf16"), ("ddp", "bf16"), ("zero2", "fp16"), ("ddp", "fp16")]
+
+
+@pytest.mark.parametrize("strategy,precision", PRECISION_CASES, ids=[f"{s}-{p}" for s, p in PRECISION_CASES])
+def test_mixed_precision_tracks_fp32(corpus, strategy, precision):
+    """Low-precision compute follows the fp32 reference closely (not bit-exactly)."""
+    ref_losses, _ = _reference(corpus)
+    losses = _run(corpus, strategy, 2, (f"train.precision={precision}",))[0][0]
+    assert all(abs(a - b) / b < 0.02 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    assert losses[-1] < losses[0]

@@ -63,6 +63,7 @@ def apply_ddp(model: nn.Module, p: ParallelConfig, d: Dist) -> nn.Module:
         process_group=d.dp_mesh.get_group(),
         bucket_cap_mb=p.ddp_bucket_mb,
         gradient_as_bucket_view=True,  # grads live in the buckets: no second 4Ψ copy
+        broadcast_buffers=False,  # loom's buffers (RoPE tables) are computed, never trained
         static_graph=p.ddp_static_graph,
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,10 @@ from loom.parallel.mesh import Dist, init_distributed
 from loom.plan.memory import formula_text, model_state_bytes
 from loom.train.meters import MetricsFile, Progress, format_duration
 from loom.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+
+
+# The root module returns logits from a Linear (a view); the loss never edits them in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 @dataclass
