@@ -46,19 +46,20 @@ def main() -> None:
                         num_workers=a.num_workers, persistent_workers=a.num_workers > 0,
                         prefetch_factor=4 if a.num_workers else None)
 
-    with torch.device("meta"):
-        model = build_model(preset(a.preset), device="meta")
+    model = build_model(preset(a.preset), device="meta")
     if a.strategy == "zero3":
         mesh = init_device_mesh("cpu", (world,))
         for block in model.layers:
             fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model.tok_embeddings, mesh=mesh)
+        fully_shard([model.norm, model.output], mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh)
         model.to_empty(device="cpu")
         model.init_weights(0)
     else:
         model.to_empty(device="cpu")
         model.init_weights(0)
-        model = DDP(model, gradient_as_bucket_view=True)
+        model = DDP(model, gradient_as_bucket_view=True, broadcast_buffers=False)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],

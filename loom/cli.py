@@ -33,9 +33,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
     if under_launcher():  # a rank started by torchrun/srun: join and train
         adopt_slurm_env()
+        from loom.parallel.mesh import shutdown
         from loom.train.loop import train
 
-        train(cfg, args.out)
+        try:
+            train(cfg, args.out)
+        finally:
+            shutdown()
         return 0
 
     spec = LaunchSpec(nproc=args.nproc if args.nproc is not None else default_nproc(), nnodes=args.nnodes, node_rank=args.node_rank,
@@ -45,9 +49,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     _preflight_data(cfg, spec.world_size)
     run_dir = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.parallel.strategy}"
     if spec.world_size == 1 and spec.nnodes == 1:
+        from loom.parallel.mesh import shutdown
         from loom.train.loop import train
 
-        train(cfg, run_dir)
+        try:
+            train(cfg, run_dir)
+        finally:
+            shutdown()
         return 0
     forwarded = ([args.config] if args.config else []) + [a for s in args.set for a in ("--set", s)]
     rc = relaunch(spec, ["train", *forwarded, "--out", str(run_dir)])

@@ -31,7 +31,7 @@ def reshard_after_forward(p: ParallelConfig) -> bool:
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, precision: str,
                d: Dist) -> nn.Module:
-    """Shard each block as one FSDP unit, then the root (embeddings, final norm, head)."""
+    """Shard each block as one FSDP unit, the embedding and the head as their own, then the root."""
     mesh = d.mesh if p.strategy == "hsdp" else d.mesh["dp_shard"]
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward(p)}
     if precision != "fp32":
@@ -41,10 +41,21 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, preci
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     for block in blocks:
         fully_shard(block, **kwargs)
-    # The root's params are needed right after the last block's backward anyway.
-    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    _shard_embeddings_and_head(model, kwargs)
+    fully_shard(model, **kwargs)
     _set_prefetch(list(blocks), p.fsdp_prefetch)
     return model
+
+
+def _shard_embeddings_and_head(model: nn.Module, kwargs: dict) -> None:
+    """Own units for the embedding and for norm + head, so a big vocabulary is not held whole
+    through the step. The head's unit is needed first in backward: keep it unsharded after forward.
+    Tied weights cannot live in two units; then the root keeps both."""
+    emb, norm, head = (getattr(model, n, None) for n in ("tok_embeddings", "norm", "output"))
+    if emb is None or norm is None or head is None or head.weight is emb.weight:
+        return
+    fully_shard(emb, **kwargs)
+    fully_shard([norm, head], **{**kwargs, "reshard_after_forward": False})
 
 
 def _set_prefetch(blocks: list[nn.Module], depth: int) -> None:
