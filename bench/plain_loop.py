@@ -71,7 +71,7 @@ def main() -> None:
 
     step_times = []
     batches = iter(loader)
-    for step in range(a.steps):
+    for _ in range(a.steps):
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         batch = next(batches)

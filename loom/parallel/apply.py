@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from loom.config import Config
+from loom.config import FSDP_STRATEGIES, Config
 from loom.parallel.checkpointing import apply_activation_checkpointing
-from loom.parallel.data_parallel import FSDP_STRATEGIES, apply_ddp, apply_fsdp
+from loom.parallel.data_parallel import apply_ddp, apply_fsdp
 from loom.parallel.mesh import Dist
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from loom.config import FSDP_STRATEGIES, ParallelConfig
+from loom.config import ParallelConfig
 from loom.parallel.mesh import Dist
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -18,15 +18,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
-from loom.config import Config, to_toml, validate
+from loom.config import FSDP_STRATEGIES, Config, to_toml, validate
 from loom.data.corpus import load_tokens
 from loom.data.loader import GlobalBatchSampler, make_loader, split_train_eval
 from loom.errors import ConfigError
 from loom.models.gpt import GPTConfig, build_model, preset
 from loom.observe.memory import PeakMemory, RankMemory, measure_model_states
 from loom.parallel.apply import parallelize
-from loom.parallel.data_parallel import DTYPES, FSDP_STRATEGIES, gradient_sync
+from loom.parallel.data_parallel import DTYPES, gradient_sync
 from loom.parallel.mesh import Dist, init_distributed
 from loom.plan.memory import formula_text, model_state_bytes
 from loom.train.meters import MetricsFile, Progress, format_duration
@@ -117,6 +118,67 @@ def evaluate(model: nn.Module, loader, d: Dist, cfg: Config) -> float | None:
     return _all_reduce_mean(total / max(count, 1), d.world_size).item()
 
 
+@dataclass
+class Data:
+    train: DataLoader  # this rank's micro-batches, step after step
+    eval: DataLoader | None  # this rank's slice of the held-out batches
+    micro_batch: int
+    vocab: int
+
+
+def build_data(cfg: Config, d: Dist) -> Data:
+    """Every data-parallel rank reads its own disjoint slice of each global batch."""
+    t = cfg.train
+    tokens, vocab = load_data(cfg)
+    train_set, eval_set = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
+    dp_rank, dp_size = d.dp_mesh.get_local_rank(), d.dp_mesh.size()
+    pin = cfg.data.pin_memory and d.device.type == "cuda"
+    sampler = GlobalBatchSampler(len(train_set), t.batch_size, dp_rank, dp_size, t.grad_accum, t.seed,
+                                 num_steps=t.steps)
+    train_loader = make_loader(train_set, sampler, cfg.data.num_workers, cfg.data.prefetch_factor, pin)
+    eval_loader = None
+    eval_batch = min(t.batch_size, len(eval_set) // dp_size * dp_size) if eval_set is not None else 0
+    if eval_batch >= dp_size and t.eval_batches > 0:
+        eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, 1, t.seed,
+                                          num_steps=min(t.eval_batches, len(eval_set) // eval_batch))
+        eval_loader = make_loader(eval_set, eval_sampler, 0, None, pin)
+    return Data(train_loader, eval_loader, t.batch_size // (dp_size * t.grad_accum), vocab)
+
+
+def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: list[torch.Tensor],
+               cfg: Config, d: Dist, peak: PeakMemory) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """One optimizer step over grad_accum micro-batches; gradients sync on the last one only.
+
+    Returns (sum of micro-batch losses, global grad norm) as device tensors, the lr used and the
+    seconds spent waiting for data.
+    """
+    t = cfg.train
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=d.device)
+    data_wait = 0.0
+    for micro in range(t.grad_accum):
+        peak.new_micro_step()
+        wait_start = time.perf_counter()
+        batch = next(batches).to(d.device, non_blocking=True)
+        data_wait += time.perf_counter() - wait_start
+        with gradient_sync(model, enabled=micro == t.grad_accum - 1), _autocast(cfg, d.device):
+            loss = _loss(model, batch)
+            scaled = loss / t.grad_accum
+            (scaler.scale(scaled) if scaler else scaled).backward()
+        loss_sum += loss.detach()
+    if scaler:
+        scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm(params, t.grad_clip)
+    lr = scheduler.get_last_lr()[0]
+    if scaler:
+        scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
+        scaler.update()
+    else:
+        optimizer.step()
+    scheduler.step()
+    return loss_sum, grad_norm, lr, data_wait
+
+
 def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, quiet: bool = False) -> RunResult:
     """Run `cfg` on this rank (joining the torchrun group, or as a world of one)."""
     d = init_distributed(lambda world: validate(cfg, world), cfg.train.device)
@@ -124,24 +186,11 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     main = d.is_main
     torch.manual_seed(t.seed)
 
-    # Data: every dp rank reads its own disjoint slice of each global batch.
-    tokens, vocab = load_data(cfg)
-    train_set, eval_set = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
-    dp_rank, dp_size = d.dp_mesh.get_local_rank(), d.dp_mesh.size()
-    sampler = GlobalBatchSampler(len(train_set), t.batch_size, dp_rank, dp_size, t.grad_accum, t.seed,
-                                 num_steps=t.steps)
-    micro_batch = t.batch_size // (dp_size * t.grad_accum)
-    pin = cfg.data.pin_memory and d.device.type == "cuda"
-    loader = make_loader(train_set, sampler, cfg.data.num_workers, cfg.data.prefetch_factor, pin)
-    eval_loader = None
-    eval_batch = min(t.batch_size, len(eval_set) // dp_size * dp_size) if eval_set is not None else 0
-    if eval_batch >= dp_size and t.eval_batches > 0:
-        eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, 1, t.seed,
-                                          num_steps=min(t.eval_batches, len(eval_set) // eval_batch))
-        eval_loader = make_loader(eval_set, eval_sampler, 0, None, pin)
+    data = build_data(cfg, d)
+    dp_size = d.dp_mesh.size()
 
     # Model: built on meta, parallelized, then materialized and initialized from the seed.
-    gpt_cfg = model_config(cfg, vocab)
+    gpt_cfg = model_config(cfg, data.vocab)
     model = parallelize(build_model(gpt_cfg, device="meta"), cfg, d)
     optimizer = build_optimizer(model, t, p.strategy, d)
     scheduler = build_scheduler(optimizer, t)
@@ -158,7 +207,7 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
         print(f"loom: {p.strategy} on {d.world_size} rank(s) ({d.device.type}), dp={dp_size} "
               f"[replicate {d.mesh['dp_replicate'].size()} × shard {d.mesh['dp_shard'].size()}], "
               f"model {gpt_cfg.n_layers}L d{gpt_cfg.d_model} = {num_params / 1e6:.2f}M params, "
-              f"global batch {t.batch_size} = micro-batch {micro_batch} × grad_accum {t.grad_accum} "
+              f"global batch {t.batch_size} = micro-batch {data.micro_batch} × grad_accum {t.grad_accum} "
               f"× dp {dp_size}, {cfg.data.seq_len} tokens each, precision {t.precision}", flush=True)
     progress = Progress(t.steps, t.log_every, enabled=main and not quiet)
 
@@ -178,35 +227,14 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
         metrics.write(record)
         progress.update(record["step"], loss, record["tokens_per_s"])
 
-    batches = iter(loader)
+    batches = iter(data.train)
     start = time.perf_counter()
     for step in range(1, t.steps + 1):
         step_start = time.perf_counter()
         tracking = peak.track() if step == 2 else contextlib.nullcontext()
         with tracking:
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), device=d.device)
-            data_wait = 0.0
-            for micro in range(t.grad_accum):
-                peak.new_micro_step()
-                wait_start = time.perf_counter()
-                batch = next(batches).to(d.device, non_blocking=True)
-                data_wait += time.perf_counter() - wait_start
-                with gradient_sync(model, enabled=micro == t.grad_accum - 1), _autocast(cfg, d.device):
-                    loss = _loss(model, batch)
-                    scaled = loss / t.grad_accum
-                    (scaler.scale(scaled) if scaler else scaled).backward()
-                loss_sum += loss.detach()
-            if scaler:
-                scaler.unscale_(optimizer)
-            grad_norm = clip_grad_norm(params, t.grad_clip)
-            lr = scheduler.get_last_lr()[0]
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            scheduler.step()
+            loss_sum, grad_norm, lr, data_wait = train_step(model, optimizer, scheduler, scaler, batches,
+                                                            params, cfg, d, peak)
         if step == 1:
             memory = measure_model_states(model, optimizer)
         # Mean loss over the global batch: each rank's micro-steps, then all ranks.
@@ -218,12 +246,12 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
         step_times.append(step_time)
         pending = dict(step=step, lr=lr, step_time_s=step_time, data_wait_s=data_wait, values=values)
         if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-            eval_loss = evaluate(model, eval_loader, d, cfg)
+            eval_loss = evaluate(model, data.eval, d, cfg)
             if main and not quiet and eval_loss is not None:
                 print(f"\neval loss at step {step}: {eval_loss:.4f}", flush=True)
     flush(pending)
     elapsed = time.perf_counter() - start
-    eval_loss = evaluate(model, eval_loader, d, cfg)
+    eval_loss = evaluate(model, data.eval, d, cfg)
     metrics.close()
 
     memory.peak_bytes = peak.peak_bytes
