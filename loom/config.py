@@ -66,6 +66,8 @@ class ParallelConfig:
     ddp_static_graph: bool = False
     reshard_after_forward: bool | None = None  # None = by strategy: zero2 False, zero3/hsdp True
     fsdp_prefetch: int = 1  # blocks all-gathered ahead in forward and backward
+    tp: int = 1  # tensor-parallel degree (innermost mesh dim: the ranks of one node)
+    sequence_parallel: bool = False  # tp: shard norms and residuals along the sequence
     activation_checkpointing: str = "none"  # none | full | selective
     ac_every: int = 2  # selective: checkpoint every k-th block
 
@@ -221,34 +223,46 @@ def _positive(path: str, value: float, minimum: float = 1) -> None:
 
 
 @dataclass(frozen=True)
-class DataParallelDims:
-    """How the data-parallel ranks are arranged: dp = dp_replicate × dp_shard."""
+class ParallelDims:
+    """The mesh [pp, dp_replicate, dp_shard, tp]; their product is the world size."""
 
     dp_replicate: int
     dp_shard: int
+    tp: int = 1
+    pp: int = 1
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
 
-def resolve_dims(p: ParallelConfig, world_size: int) -> DataParallelDims:
-    """DDP/ZeRO-1 replicate over every rank, ZeRO-2/3 shard over every rank, HSDP does both."""
+
+def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
+    """DDP/ZeRO-1 replicate over the dp ranks, ZeRO-2/3 shard over them, HSDP does both."""
+    _positive("parallel.tp", p.tp)
+    tp, pp = p.tp, 1
+    if world_size % (pp * tp):
+        raise ConfigError(f"pp × tp = {pp} × {tp} = {pp * tp} does not divide the world size {world_size}; "
+                          f"pick degrees whose product divides {world_size}")
+    dp = world_size // (pp * tp)
     if p.strategy in ("ddp", "zero1"):
-        return DataParallelDims(dp_replicate=world_size, dp_shard=1)
+        return ParallelDims(dp_replicate=dp, dp_shard=1, tp=tp, pp=pp)
     if p.strategy in ("zero2", "zero3"):
-        return DataParallelDims(dp_replicate=1, dp_shard=world_size)
-    shard = p.dp_shard if p.dp_shard != -1 else world_size // max(p.dp_replicate, 1)
-    if p.dp_replicate * shard != world_size or shard < 1:
+        return ParallelDims(dp_replicate=1, dp_shard=dp, tp=tp, pp=pp)
+    shard = p.dp_shard if p.dp_shard != -1 else dp // max(p.dp_replicate, 1)
+    product = pp * p.dp_replicate * shard * tp
+    if product != world_size or shard < 1:
         raise ConfigError(
-            f"hsdp needs parallel.dp_replicate × parallel.dp_shard = world size, but "
-            f"{p.dp_replicate} × {p.dp_shard} = {p.dp_replicate * p.dp_shard} ≠ {world_size}; "
-            f"pick degrees whose product is {world_size}"
-        )
-    return DataParallelDims(dp_replicate=p.dp_replicate, dp_shard=shard)
+            f"hsdp needs pp × dp_replicate × dp_shard × tp = world size, but {pp} × {p.dp_replicate} × "
+            f"{p.dp_shard} × {tp} = {pp * p.dp_replicate * p.dp_shard * tp} ≠ {world_size}; "
+            f"set parallel.dp_replicate × parallel.dp_shard = {dp}")
+    return ParallelDims(dp_replicate=p.dp_replicate, dp_shard=shard, tp=tp, pp=pp)
 
 
-def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -> DataParallelDims:
+def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -> ParallelDims:
     """Check every value and their combinations for `world_size` ranks; returns the dp layout."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
     _choice("parallel.strategy", p.strategy, STRATEGIES + tuple(STRATEGY_ALIASES))
@@ -291,6 +305,13 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     if t.device == "cuda" and cuda_available is False:
         raise ConfigError("train.device = 'cuda' but no CUDA device is visible; set train.device=cpu or auto")
     dims = resolve_dims(p, world_size)
+    if dims.tp > 1 and p.strategy not in FSDP_STRATEGIES:
+        # DDP does not take DTensor (TP-sharded) parameters; FSDP2 composes with TP as a 2-D mesh.
+        raise ConfigError(f"parallel.tp = {dims.tp} composes with FSDP2 data parallelism, not "
+                          f"{p.strategy}; set parallel.strategy=zero3 (or zero2/hsdp)")
+    if p.sequence_parallel and d.seq_len % dims.tp:
+        raise ConfigError(f"parallel.sequence_parallel splits data.seq_len = {d.seq_len} over tp = {dims.tp}; "
+                          f"use a seq_len divisible by {dims.tp}")
     per = dims.dp * t.grad_accum
     if t.batch_size % per:
         multiples = ", ".join(str(per * k) for k in range(1, 4))

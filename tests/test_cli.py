@@ -51,13 +51,15 @@ BAD_INPUT = {
     "unknown key": (["--set", "train.stepz=3"], "did you mean 'train.steps'"),
     "wrong type": (["--set", "train.steps=abc"], "train.steps must be int"),
     "hsdp product": (["--nproc", "4", "--set", "parallel.strategy=hsdp", "--set", "parallel.dp_replicate=3",
-                      "--set", "parallel.dp_shard=2"], "3 × 2 = 6 ≠ 4"),
+                      "--set", "parallel.dp_shard=2"], "1 × 3 × 2 × 1 = 6 ≠ 4"),
     "offload with ddp": (["--set", "parallel.strategy=ddp", "--set", "parallel.offload=cpu"], "parallel.offload"),
     "offload on a CPU-only host": (["--set", "parallel.offload=cpu"], "needs an accelerator"),
     "grad_accum < 1": (["--set", "train.grad_accum=0"], "train.grad_accum"),
     "missing data path": (["--set", "data.source=/no/such/corpus.txt"], "/no/such/corpus.txt"),
     "nproc too large": (["--nproc", "1000"], "--nproc 1000"),
     "batch not divisible": (["--nproc", "2", "--set", "train.batch_size=5"], "multiple of 2"),
+    "tp not dividing the heads": (["--set", "model.preset=tiny", "--set", "model.n_kv_heads=1",
+                                   "--set", "parallel.tp=2"], "model.n_kv_heads = 1"),
     "bad --set syntax": (["--set", "train.steps"], "section.key=value"),
 }
 

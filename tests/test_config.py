@@ -58,7 +58,7 @@ def test_hsdp_dims():
     dims = resolve_dims(cfg.parallel, 8)
     assert (dims.dp_replicate, dims.dp_shard) == (2, 4)
     cfg.parallel.dp_shard = 3
-    with pytest.raises(ConfigError, match="2 × 3 = 6 ≠ 8"):
+    with pytest.raises(ConfigError, match="1 × 2 × 3 × 1 = 6 ≠ 8"):
         resolve_dims(cfg.parallel, 8)
 
 
@@ -68,6 +68,9 @@ def test_hsdp_dims():
     (["train.batch_size=12", "train.grad_accum=2"], "multiple of 8 such as 8, 16, 24"),
     (["parallel.strategy=zero1", "parallel.offload=cpu"], "needs a sharded strategy"),
     (["train.precision=fp8"], "train.precision"),
+    (["parallel.strategy=ddp", "parallel.tp=2"], "composes with FSDP2"),
+    (["parallel.tp=3"], "does not divide the world size 4"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=33"], "divisible by 2"),
     (["parallel.activation_checkpointing=some"], "none, full, selective"),
 ])
 def test_validation_errors_are_one_line(overrides, message):

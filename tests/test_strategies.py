@@ -125,6 +125,25 @@ def test_activation_checkpointing_same_losses_lower_peak(corpus, mode):
     assert all(a < 0.95 * p for a, p in zip(peaks_ac, peaks_plain)), (peaks_ac, peaks_plain)
 
 
+TP_CASES = [("zero3", 2, ("parallel.tp=2",)), ("zero3", 2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
+            ("zero3", 4, ("parallel.tp=2",))]
+TP_IDS = ["tp2", "tp2-sp", "tp2xzero3-dp2"]
+
+
+@pytest.mark.parametrize("strategy,world,extra", TP_CASES, ids=TP_IDS)
+def test_tensor_parallel_matches_single_process(corpus, strategy, world, extra):
+    ref_losses, ref_state = _reference(corpus)
+    results = _run(corpus, strategy, world, extra)
+    assert_matches_reference(results, ref_losses, ref_state)
+    # TP divides every split parameter by tp (and FSDP then by dp): the formula within 1%.
+    memory = results[0][2]
+    dp = world // 2
+    replicated = (2 * 2 + 1) * 64  # tiny preset: the norms' gains stay whole
+    expected = model_state_bytes(strategy, memory[0]["num_params"], dp, tp=2, tp_replicated=replicated)
+    for m in memory:
+        assert abs(m["model_state_bytes"] - expected.total) <= 0.01 * expected.total, (m, expected)
+
+
 MEMORY_CASES = [(s, n, ()) for s in ("ddp", "zero1", "zero2", "zero3") for n in (2, 4)] + [CASES[-1]]
 
 

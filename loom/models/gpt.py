@@ -3,6 +3,11 @@
 The model is built on any device (usually "meta"), parallelized, materialized, and only then
 initialized with `GPT.init_weights(seed)`, which gives the same weights for the same seed whatever
 the parameter layout (plain tensors or sharded DTensors on any mesh).
+
+A pipeline stage is the same class with parts removed (see loom/parallel/pipeline.py): `layers`
+becomes an nn.ModuleDict keyed by the original layer index, and `tok_embeddings` (not the first
+stage) or `norm` and `output` (not the last stage) become None. Parameter names stay those of
+the full model, so a stage initializes to the same values and its checkpoints map 1:1.
 """
 
 from __future__ import annotations
@@ -212,10 +217,11 @@ class GPT(nn.Module):
         super().__init__()
         validate(cfg)
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # Pipeline stages set the parts they don't hold to None and `layers` to a ModuleDict.
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers: nn.ModuleList | nn.ModuleDict = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from the config, so never saved; init_weights recomputes it
@@ -226,7 +232,11 @@ class GPT(nn.Module):
         return rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (int64) -> logits [B, T, vocab]."""
+        """tokens [B, T] (int64) -> logits [B, T, vocab].
+
+        A pipeline stage without the embedding takes hidden states [B, T, d_model] instead of
+        tokens; one without the norm and head returns hidden states.
+        """
         seq = tokens.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ConfigError(
@@ -234,10 +244,20 @@ class GPT(nn.Module):
                 "shorten the sequences or raise max_seq_len"
             )
         rope = self.rope[:, :seq]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        for layer in self.blocks():
             h = layer(h, rope)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    def blocks(self) -> list[nn.Module]:
+        """The decoder blocks this module holds, in order (all of them, or one pipeline stage's)."""
+        if isinstance(self.layers, nn.ModuleDict):
+            return list(self.layers.values())  # insertion order = layer order
+        return list(self.layers)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -1,6 +1,6 @@
 """Turn a model built on the meta device into this rank's parallel, initialized model.
 
-The order is fixed (see DESIGN.md): activation checkpointing -> compile -> FSDP/DDP, then the
+The order is fixed (see DESIGN.md): TP -> activation checkpointing -> compile -> FSDP/DDP, then the
 weights are materialized and initialized. Initialization is per parameter from (seed, name), so
 every strategy and world size starts from the same weights.
 """
@@ -13,6 +13,7 @@ from loom.config import FSDP_STRATEGIES, Config
 from loom.parallel.checkpointing import apply_activation_checkpointing
 from loom.parallel.data_parallel import apply_ddp, apply_fsdp
 from loom.parallel.mesh import Dist
+from loom.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def blocks_of(model: nn.Module) -> nn.ModuleList:
@@ -27,6 +28,8 @@ def parallelize(model: nn.Module, cfg: Config, d: Dist) -> nn.Module:
     """`model` is on the meta device; returns the wrapped model with weights on `d.device`."""
     p = cfg.parallel
     blocks = blocks_of(model)
+    if p.tp > 1:
+        apply_tensor_parallel(model, d.mesh["tp"], p.sequence_parallel)
     apply_activation_checkpointing(blocks, p.activation_checkpointing, p.ac_every)
     if cfg.train.compile:
         for block in blocks:

@@ -32,7 +32,7 @@ def reshard_after_forward(p: ParallelConfig) -> bool:
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, precision: str,
                d: Dist) -> nn.Module:
     """Shard each block as one FSDP unit, the embedding and the head as their own, then the root."""
-    mesh = d.mesh if p.strategy == "hsdp" else d.mesh["dp_shard"]
+    mesh = d.mesh[("dp_replicate", "dp_shard")] if p.strategy == "hsdp" else d.mesh["dp_shard"]
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward(p)}
     if precision != "fp32":
         # Compute in low precision, reduce gradients in fp32, keep fp32 master params.

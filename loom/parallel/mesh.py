@@ -1,7 +1,8 @@
-"""The process group and the DeviceMesh: world -> [dp_replicate, dp_shard] (pp and tp come later).
+"""The process group and the DeviceMesh: world -> [pp, dp_replicate, dp_shard, tp].
 
 The mesh dims are named so every engine takes the sub-mesh it needs: DDP and ZeRO-1 use the
-flattened "dp" group, FSDP2 uses "dp_shard", HSDP the 2-D ("dp_replicate", "dp_shard").
+flattened "dp" group, FSDP2 uses "dp_shard", HSDP the 2-D ("dp_replicate", "dp_shard"), tensor
+parallel "tp" (innermost, so a TP group sits on one node's fast links).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from loom.config import DataParallelDims
+from loom.config import ParallelDims
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Dist:
     local_rank: int
     world_size: int
     device: torch.device
-    mesh: DeviceMesh  # named dims ("dp_replicate", "dp_shard")
+    mesh: DeviceMesh  # named dims ("pp", "dp_replicate", "dp_shard", "tp")
     dp_mesh: DeviceMesh  # all data-parallel ranks as one 1-D mesh (DDP, ZeRO-1, batch slicing)
 
     @property
@@ -52,7 +53,7 @@ def pick_device(requested: str) -> torch.device:
 def init_distributed(dims_for_world, device_request: str = "auto", timeout_s: float = 600.0) -> Dist:
     """Join (or, run alone, create) the process group and build the mesh.
 
-    `dims_for_world(world_size) -> DataParallelDims` chooses the layout once the world size is
+    `dims_for_world(world_size) -> ParallelDims` chooses the layout once the world size is
     known. A plain `python` run without torchrun becomes a world of one.
     """
     if "RANK" not in os.environ:  # not under torchrun/srun: a single-process world
@@ -63,9 +64,9 @@ def init_distributed(dims_for_world, device_request: str = "auto", timeout_s: fl
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
-    dims: DataParallelDims = dims_for_world(world)
-    mesh = init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    dims: ParallelDims = dims_for_world(world)
+    mesh = init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
     return Dist(rank=dist.get_rank(), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                 world_size=world, device=device, mesh=mesh, dp_mesh=dp_mesh)

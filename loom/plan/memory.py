@@ -41,7 +41,7 @@ _ZERO_PAPER_SHARDED = dict(_SHARDED, zero2=(False, True, True))
 
 
 def model_state_bytes(strategy: str, num_params: int, shard_size: int, recipe: str = "torch",
-                      paper_stages: bool = False) -> ModelStateBytes:
+                      paper_stages: bool = False, tp: int = 1, tp_replicated: int = 0) -> ModelStateBytes:
     """Bytes of params, grads and optimizer state held by one rank at rest.
 
     `shard_size` is N, the number of ranks one shard is split over (the whole data-parallel
@@ -49,6 +49,9 @@ def model_state_bytes(strategy: str, num_params: int, shard_size: int, recipe: s
     (unsharded fp16 params) instead of FSDP2's SHARD_GRAD_OP (params sharded at rest).
     """
     p, g, o = RECIPES[recipe]
+    # With tensor parallelism each TP rank holds 1/tp of every split parameter and all of the
+    # `tp_replicated` ones (the norms' gains).
+    num_params = (num_params - tp_replicated) / tp + tp_replicated
     sp, sg, so = (_ZERO_PAPER_SHARDED if paper_stages else _SHARDED)[strategy]
     n = float(shard_size)
     return ModelStateBytes(

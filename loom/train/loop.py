@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from loom.config import FSDP_STRATEGIES, Config, to_toml, validate
@@ -29,6 +30,7 @@ from loom.observe.memory import PeakMemory, RankMemory, measure_model_states
 from loom.parallel.apply import parallelize
 from loom.parallel.data_parallel import DTYPES, gradient_sync
 from loom.parallel.mesh import Dist, init_distributed
+from loom.parallel.tensor_parallel import check_tp_shapes, loss_context
 from loom.plan.memory import formula_text, model_state_bytes
 from loom.train.meters import MetricsFile, Progress, format_duration
 from loom.train.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -60,6 +62,8 @@ def model_config(cfg: Config, data_vocab: int) -> GPTConfig:
     if gpt.vocab_size < data_vocab:
         raise ConfigError(f"model vocab_size {gpt.vocab_size} is smaller than the tokenizer's {data_vocab}; "
                           f"set model.vocab_size={data_vocab}")
+    if cfg.parallel.tp > 1:
+        check_tp_shapes(gpt.n_heads, gpt.n_kv_heads, gpt.ffn_hidden, gpt.vocab_size, cfg.parallel.tp)
     if cfg.data.seq_len > gpt.max_seq_len:
         raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's max_seq_len "
                           f"{gpt.max_seq_len}; lower data.seq_len or set model.max_seq_len")
@@ -79,6 +83,11 @@ def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = model(inputs)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A vocab-parallel loss is a replicated DTensor; its local value is the whole loss."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _autocast(cfg: Config, device: torch.device):
@@ -110,9 +119,9 @@ def evaluate(model: nn.Module, loader, d: Dist, cfg: Config) -> float | None:
     model.eval()
     total = torch.zeros((), device=d.device)
     count = 0
-    with torch.no_grad(), _autocast(cfg, d.device):
+    with torch.no_grad(), _autocast(cfg, d.device), loss_context(cfg.parallel.tp):
         for batch in loader:
-            total += _loss(model, batch.to(d.device, non_blocking=True))
+            total += _local(_loss(model, batch.to(d.device, non_blocking=True)))
             count += 1
     model.train()
     return _all_reduce_mean(total / max(count, 1), d.world_size).item()
@@ -161,11 +170,12 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
         wait_start = time.perf_counter()
         batch = next(batches).to(d.device, non_blocking=True)
         data_wait += time.perf_counter() - wait_start
-        with gradient_sync(model, enabled=micro == t.grad_accum - 1), _autocast(cfg, d.device):
+        with (gradient_sync(model, enabled=micro == t.grad_accum - 1), _autocast(cfg, d.device),
+              loss_context(cfg.parallel.tp)):
             loss = _loss(model, batch)
             scaled = loss / t.grad_accum
             (scaler.scale(scaled) if scaler else scaled).backward()
-        loss_sum += loss.detach()
+        loss_sum += _local(loss.detach())
     if scaler:
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(params, t.grad_clip)
@@ -264,7 +274,9 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     result = RunResult(losses, grad_norms, eval_loss, rank_memory, tokens_per_s, elapsed, state)
     if main:
         shard = d.mesh["dp_shard"].size() if p.strategy in FSDP_STRATEGIES else dp_size
-        expected = model_state_bytes(p.strategy, num_params, shard)
+        # TP splits every matrix; only the norms' gains stay whole on each TP rank.
+        tp_replicated = (2 * gpt_cfg.n_layers + 1) * gpt_cfg.d_model if p.tp > 1 else 0
+        expected = model_state_bytes(p.strategy, num_params, shard, tp=p.tp, tp_replicated=tp_replicated)
         summary = _summary(cfg, result, expected.total, dp_size, shard)
         if run_dir is not None:
             (run_dir / "memory.json").write_text(json.dumps(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 from torch import nn
@@ -59,10 +60,18 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, foreach: bool = 
 
     Stays on the device: no host sync here; the caller reads the value a step later.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, foreach=foreach)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # sharded grads: the reduction over shards happens here
+    # Grads may live on different meshes (FSDP×TP 2-D, FSDP-only 1-D, plain); foreach kernels
+    # cannot mix them, so norm and scale each group separately.
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # reduces over shards
+    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total
