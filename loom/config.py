@@ -66,6 +66,10 @@ class ParallelConfig:
     ddp_static_graph: bool = False
     reshard_after_forward: bool | None = None  # None = by strategy: zero2 False, zero3/hsdp True
     fsdp_prefetch: int = 1  # blocks all-gathered ahead in forward and backward
+    pp: int = 1  # pipeline stages (outermost mesh dim)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    pp_virtual_stages: int = 1  # interleaved: stages per pipeline rank
+    microbatches: int = 0  # pipeline micro-batches per micro-step; 0 = pp
     tp: int = 1  # tensor-parallel degree (innermost mesh dim: the ranks of one node)
     sequence_parallel: bool = False  # tp: shard norms and residuals along the sequence
     activation_checkpointing: str = "none"  # none | full | selective
@@ -243,7 +247,8 @@ class ParallelDims:
 def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
     """DDP/ZeRO-1 replicate over the dp ranks, ZeRO-2/3 shard over them, HSDP does both."""
     _positive("parallel.tp", p.tp)
-    tp, pp = p.tp, 1
+    _positive("parallel.pp", p.pp)
+    tp, pp = p.tp, p.pp
     if world_size % (pp * tp):
         raise ConfigError(f"pp × tp = {pp} × {tp} = {pp * tp} does not divide the world size {world_size}; "
                           f"pick degrees whose product divides {world_size}")
@@ -312,10 +317,21 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     if p.sequence_parallel and d.seq_len % dims.tp:
         raise ConfigError(f"parallel.sequence_parallel splits data.seq_len = {d.seq_len} over tp = {dims.tp}; "
                           f"use a seq_len divisible by {dims.tp}")
-    per = dims.dp * t.grad_accum
+    if dims.pp > 1 and p.strategy == "zero1":
+        raise ConfigError("zero1 (ZeroRedundancyOptimizer) does not compose with pipeline stages; "
+                          "use parallel.strategy=zero2, which shards the optimizer states and gradients")
+    if dims.pp > 1 and t.precision == "fp16":
+        raise ConfigError("fp16 loss scaling is not wired into the pipeline schedules; use train.precision=bf16")
+    per = dims.dp * t.grad_accum * (pipeline_microbatches(p) if dims.pp > 1 else 1)
     if t.batch_size % per:
         multiples = ", ".join(str(per * k) for k in range(1, 4))
+        pipeline = f" × pipeline micro-batches ({pipeline_microbatches(p)})" if dims.pp > 1 else ""
         raise ConfigError(
             f"train.batch_size = {t.batch_size} is not divisible by grad_accum ({t.grad_accum}) × "
-            f"data-parallel size ({dims.dp}) = {per}; use a multiple of {per} such as {multiples}")
+            f"data-parallel size ({dims.dp}){pipeline} = {per}; use a multiple of {per} such as {multiples}")
     return dims
+
+
+def pipeline_microbatches(p: ParallelConfig) -> int:
+    """Micro-batches a pipeline step splits each rank's micro-batch into (0 means pp)."""
+    return p.microbatches or p.pp

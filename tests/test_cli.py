@@ -60,6 +60,15 @@ BAD_INPUT = {
     "batch not divisible": (["--nproc", "2", "--set", "train.batch_size=5"], "multiple of 2"),
     "tp not dividing the heads": (["--set", "model.preset=tiny", "--set", "model.n_kv_heads=1",
                                    "--set", "parallel.tp=2"], "model.n_kv_heads = 1"),
+    "pp more than layers": (["--nproc", "4", "--set", "model.preset=tiny", "--set", "parallel.pp=4"],
+                            "parallel.pp = 4 is more than the model's 2 layers"),
+    "1f1b with too few microbatches": (["--set", "model.preset=tiny", "--set", "parallel.pp=2",
+                                       "--set", "parallel.microbatches=1"], "microbatches ≥ 2"),
+    "interleaved layers not divisible": (["--set", "model.preset=tiny", "--set", "model.n_layers=3",
+                                          "--set", "parallel.pp=2", "--set", "parallel.pp_schedule=interleaved",
+                                          "--set", "parallel.pp_virtual_stages=2"], "not divisible by"),
+    "degrees not the world size": (["--nproc", "4", "--set", "parallel.pp=3"],
+                                   "pp × tp = 3 × 1 = 3 does not divide the world size 4"),
     "bad --set syntax": (["--set", "train.steps"], "section.key=value"),
 }
 

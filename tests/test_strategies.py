@@ -86,8 +86,8 @@ def _run(corpus: Path, strategy: str, world: int, extra: tuple[str, ...] = ()):
 
 
 @functools.cache
-def _reference(corpus: Path):
-    return reference(make_config(corpus, "ddp"))
+def _reference(corpus: Path, extra: tuple[str, ...] = ()):
+    return reference(make_config(corpus, "ddp", *extra))
 
 
 def assert_matches_reference(results, ref_losses, ref_state) -> None:
@@ -144,6 +144,40 @@ def test_tensor_parallel_matches_single_process(corpus, strategy, world, extra):
         assert abs(m["model_state_bytes"] - expected.total) <= 0.01 * expected.total, (m, expected)
 
 
+PP_CASES = [
+    ("zero3", 2, ("parallel.pp=2", "parallel.pp_schedule=gpipe")),
+    ("zero3", 2, ("parallel.pp=2", "parallel.pp_schedule=1f1b")),
+    ("zero3", 2, ("parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
+                  "model.n_layers=4")),
+    ("ddp", 4, ("parallel.pp=2",)),
+    ("zero3", 4, ("parallel.pp=2", "parallel.tp=2")),
+    ("zero3", 8, ("parallel.pp=2", "parallel.tp=2")),
+]
+PP_IDS = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2xddp-dp2", "pp2xtp2", "pp2xdp2xtp2"]
+
+
+@pytest.mark.parametrize("strategy,world,extra", PP_CASES, ids=PP_IDS)
+def test_pipeline_parallel_matches_single_process(corpus, strategy, world, extra):
+    """Each rank holds its stage(s) only; together they equal the single-process model."""
+    model_extra = tuple(e for e in extra if e.startswith("model."))
+    ref_losses, ref_state = _reference(corpus, model_extra)
+    results = _run(corpus, strategy, world, extra)
+    merged = {}
+    for _, state, _ in results:
+        merged.update(state)
+    assert_matches_reference([(losses, merged, mem) for losses, _, mem in results], ref_losses, ref_state)
+    tp = 2 if "parallel.tp=2" in extra else 1
+    dp = world // (2 * tp)
+    for rank, (_, state, memory) in enumerate(results):
+        assert len(state) < len(ref_state)  # a stage, not the whole model
+        stage_params = sum(ref_state[name].numel() for name in state)
+        replicated = sum(ref_state[name].numel() for name in state if ref_state[name].ndim == 1) if tp > 1 else 0
+        expected = model_state_bytes(strategy, stage_params, 1 if strategy == "ddp" else dp, tp=tp,
+                                     tp_replicated=replicated)
+        got = memory[rank]["model_state_bytes"]
+        assert abs(got - expected.total) <= 0.01 * expected.total, (rank, got, expected)
+
+
 MEMORY_CASES = [(s, n, ()) for s in ("ddp", "zero1", "zero2", "zero3") for n in (2, 4)] + [CASES[-1]]
 
 
@@ -174,7 +208,7 @@ def _grad_collectives(strategy: str) -> list[dict[str, int]]:
 
     cfg = load_config(None, ["model.preset=tiny", f"parallel.strategy={strategy}"])
     d = init_distributed(lambda world: validate(cfg, world))
-    model = parallelize(build_model(preset("tiny")), cfg, d)
+    model = parallelize(build_model(preset("tiny")), cfg, d)[0]
     counts = []
     for enabled in (False, True):
         batch = torch.randint(0, 256, (2, 17))

@@ -11,15 +11,19 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 
-def apply_activation_checkpointing(layers: nn.ModuleList, mode: str, every: int = 1) -> int:
-    """Wrap the chosen blocks of `layers` in place; returns how many were wrapped."""
+def apply_activation_checkpointing(layers: nn.ModuleList | nn.ModuleDict, mode: str, every: int = 1) -> int:
+    """Wrap the chosen blocks of `layers` in place; returns how many were wrapped.
+
+    `layers` is the whole model's ModuleList or a pipeline stage's ModuleDict keyed by layer index.
+    """
     if mode == "none":
         return 0
     step = 1 if mode == "full" else every
+    keys = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else list(range(len(layers)))
     wrapped = 0
-    for i, block in enumerate(layers):
-        # selective: blocks 0, k, 2k, ...: the earliest blocks' activations live longest
-        if i % step == 0:
-            layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    for key in keys:
+        # selective: layers 0, k, 2k, ...: the earliest blocks' activations live longest
+        if int(key) % step == 0:
+            layers[key] = checkpoint_wrapper(layers[key], preserve_rng_state=False)
             wrapped += 1
     return wrapped

@@ -17,22 +17,30 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from loom.config import ParallelConfig
+from loom.config import FSDP_STRATEGIES, ParallelConfig
 from loom.parallel.mesh import Dist
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def uses_fsdp(p: ParallelConfig) -> bool:
+    """FSDP2 runs zero2/zero3/hsdp, and DDP's replication for pipeline stages: DDP's reducer
+    cannot follow a stage's several backwards per step, FSDP2 on a (dp, 1) mesh can."""
+    return p.strategy in FSDP_STRATEGIES or (p.strategy == "ddp" and p.pp > 1)
+
+
 def reshard_after_forward(p: ParallelConfig) -> bool:
     if p.reshard_after_forward is not None:
         return p.reshard_after_forward
-    return p.strategy != "zero2"
+    return p.strategy not in ("zero2", "ddp")
 
 
-def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, precision: str,
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], p: ParallelConfig, precision: str,
                d: Dist) -> nn.Module:
     """Shard each block as one FSDP unit, the embedding and the head as their own, then the root."""
-    mesh = d.mesh[("dp_replicate", "dp_shard")] if p.strategy == "hsdp" else d.mesh["dp_shard"]
+    # hsdp, and ddp under a pipeline: replicate over dp_replicate, shard over dp_shard (1 for ddp)
+    two_d = p.strategy in ("hsdp", "ddp")
+    mesh = d.mesh[("dp_replicate", "dp_shard")] if two_d else d.mesh["dp_shard"]
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward(p)}
     if precision != "fp32":
         # Compute in low precision, reduce gradients in fp32, keep fp32 master params.
@@ -43,19 +51,22 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, preci
         fully_shard(block, **kwargs)
     _shard_embeddings_and_head(model, kwargs)
     fully_shard(model, **kwargs)
-    _set_prefetch(list(blocks), p.fsdp_prefetch)
+    _set_prefetch(blocks, p.fsdp_prefetch)
     return model
 
 
 def _shard_embeddings_and_head(model: nn.Module, kwargs: dict) -> None:
     """Own units for the embedding and for norm + head, so a big vocabulary is not held whole
     through the step. The head's unit is needed first in backward: keep it unsharded after forward.
-    Tied weights cannot live in two units; then the root keeps both."""
+    Tied weights cannot live in two units; then the root keeps both. A pipeline stage may hold
+    either or neither."""
     emb, norm, head = (getattr(model, n, None) for n in ("tok_embeddings", "norm", "output"))
-    if emb is None or norm is None or head is None or head.weight is emb.weight:
+    if emb is not None and head is not None and head.weight is emb.weight:
         return
-    fully_shard(emb, **kwargs)
-    fully_shard([norm, head], **{**kwargs, "reshard_after_forward": False})
+    if emb is not None:
+        fully_shard(emb, **kwargs)
+    if norm is not None and head is not None:
+        fully_shard([norm, head], **{**kwargs, "reshard_after_forward": False})
 
 
 def _set_prefetch(blocks: list[nn.Module], depth: int) -> None:
@@ -74,7 +85,7 @@ def apply_ddp(model: nn.Module, p: ParallelConfig, d: Dist) -> nn.Module:
         process_group=d.dp_mesh.get_group(),
         bucket_cap_mb=p.ddp_bucket_mb,
         gradient_as_bucket_view=True,  # grads live in the buckets: no second 4Ψ copy
-        broadcast_buffers=False,  # loom's buffers (RoPE tables) are computed, never trained
+        forward_sync_buffers=False,  # loom's buffers (RoPE tables) are computed, never trained
         static_graph=p.ddp_static_graph,
     )
 

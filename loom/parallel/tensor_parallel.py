@@ -46,10 +46,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         # Logits sharded over the vocabulary, left as DTensor for the vocab-parallel loss.
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        "norm": SequenceParallel(),
     }
-    if sequence_parallel:
-        root_plan["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, root_plan)
+    if not sequence_parallel:
+        del root_plan["norm"]
+    # A pipeline stage may lack the embedding or the head.
+    root_plan = {name: style for name, style in root_plan.items() if getattr(model, name, None) is not None}
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
     for block in model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers:
         plan: dict[str, object] = {
             # Gather the sequence (SP) once per sub-layer; rope (2nd input) is a plain replicated buffer.

@@ -21,15 +21,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from loom.config import FSDP_STRATEGIES, Config, to_toml, validate
+from loom.config import FSDP_STRATEGIES, Config, pipeline_microbatches, to_toml, validate
 from loom.data.corpus import load_tokens
 from loom.data.loader import GlobalBatchSampler, make_loader, split_train_eval
 from loom.errors import ConfigError
 from loom.models.gpt import GPTConfig, build_model, preset
 from loom.observe.memory import PeakMemory, RankMemory, measure_model_states
 from loom.parallel.apply import parallelize
-from loom.parallel.data_parallel import DTYPES, gradient_sync
+from loom.parallel.data_parallel import DTYPES, gradient_sync, uses_fsdp
 from loom.parallel.mesh import Dist, init_distributed
+from loom.parallel.pipeline import bubble_fraction, build_schedule, pipeline_step, rank_stages, validate_pipeline
 from loom.parallel.tensor_parallel import check_tp_shapes, loss_context
 from loom.plan.memory import formula_text, model_state_bytes
 from loom.train.meters import MetricsFile, Progress, format_duration
@@ -62,6 +63,10 @@ def model_config(cfg: Config, data_vocab: int) -> GPTConfig:
     if gpt.vocab_size < data_vocab:
         raise ConfigError(f"model vocab_size {gpt.vocab_size} is smaller than the tokenizer's {data_vocab}; "
                           f"set model.vocab_size={data_vocab}")
+    if cfg.parallel.pp > 1:
+        p = cfg.parallel
+        validate_pipeline(gpt.n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, pipeline_microbatches(p),
+                          tie_embeddings=gpt.tie_embeddings)
     if cfg.parallel.tp > 1:
         check_tp_shapes(gpt.n_heads, gpt.n_kv_heads, gpt.ffn_hidden, gpt.vocab_size, cfg.parallel.tp)
     if cfg.data.seq_len > gpt.max_seq_len:
@@ -92,7 +97,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _autocast(cfg: Config, device: torch.device):
     """DDP/ZeRO-1 use autocast for bf16/fp16; FSDP2 casts parameters itself (MixedPrecisionPolicy)."""
-    if cfg.train.precision == "fp32" or cfg.parallel.strategy in FSDP_STRATEGIES:
+    if cfg.train.precision == "fp32" or uses_fsdp(cfg.parallel):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[cfg.train.precision])
 
@@ -101,7 +106,7 @@ def _grad_scaler(cfg: Config, device: torch.device):
     """fp16 needs loss scaling; bf16 and fp32 do not."""
     if cfg.train.precision != "fp16":
         return None
-    if cfg.parallel.strategy in FSDP_STRATEGIES:
+    if uses_fsdp(cfg.parallel):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device.type)
@@ -147,19 +152,43 @@ def build_data(cfg: Config, d: Dist) -> Data:
     train_loader = make_loader(train_set, sampler, cfg.data.num_workers, cfg.data.prefetch_factor, pin)
     eval_loader = None
     eval_batch = min(t.batch_size, len(eval_set) // dp_size * dp_size) if eval_set is not None else 0
-    if eval_batch >= dp_size and t.eval_batches > 0:
+    if eval_batch >= dp_size and t.eval_batches > 0 and cfg.parallel.pp == 1:  # no pipelined eval yet
         eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, 1, t.seed,
                                           num_steps=min(t.eval_batches, len(eval_set) // eval_batch))
         eval_loader = make_loader(eval_set, eval_sampler, 0, None, pin)
     return Data(train_loader, eval_loader, t.batch_size // (dp_size * t.grad_accum), vocab)
 
 
+@dataclass
+class Pipeline:
+    schedule: Any  # torch.distributed.pipelining schedule over this rank's stage(s)
+    first: bool  # holds the embedding: feeds the tokens
+    last: bool  # holds the head: computes the loss
+    group: dist.ProcessGroup
+
+
+def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
+    p = cfg.parallel
+    num_stages = p.pp * p.pp_virtual_stages
+    stage_ids = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages)
+    accum = cfg.train.grad_accum
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # The schedule sums micro-batch gradients; over grad_accum steps they must average too.
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
+
+    schedule = build_schedule(parts, stage_ids, num_stages, d.mesh["pp"].get_group(), d.device,
+                              p.pp_schedule, pipeline_microbatches(p), loss_fn)
+    return Pipeline(schedule, 0 in stage_ids, num_stages - 1 in stage_ids, d.mesh["pp"].get_group())
+
+
 def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: list[torch.Tensor],
-               cfg: Config, d: Dist, peak: PeakMemory) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+               cfg: Config, d: Dist, peak: PeakMemory,
+               pipe: Pipeline | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """One optimizer step over grad_accum micro-batches; gradients sync on the last one only.
 
     Returns (sum of micro-batch losses, global grad norm) as device tensors, the lr used and the
-    seconds spent waiting for data.
+    seconds spent waiting for data. With a pipeline only the last stage has a loss (0 elsewhere).
     """
     t = cfg.train
     optimizer.zero_grad(set_to_none=True)
@@ -170,6 +199,14 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
         wait_start = time.perf_counter()
         batch = next(batches).to(d.device, non_blocking=True)
         data_wait += time.perf_counter() - wait_start
+        if pipe is not None:
+            # The stages sync gradients themselves (no_sync on all but each step's last backward).
+            with _autocast(cfg, d.device), loss_context(cfg.parallel.tp):
+                loss = pipeline_step(pipe.schedule, batch[:, :-1] if pipe.first else None,
+                                     batch[:, 1:] if pipe.last else None, pipe.first, pipe.last)
+            if loss is not None:
+                loss_sum += _local(loss) * t.grad_accum  # undo loss_fn's 1/grad_accum
+            continue
         with (gradient_sync(model, enabled=micro == t.grad_accum - 1), _autocast(cfg, d.device),
               loss_context(cfg.parallel.tp)):
             loss = _loss(model, batch)
@@ -178,7 +215,7 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
         loss_sum += _local(loss.detach())
     if scaler:
         scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(params, t.grad_clip)
+    grad_norm = clip_grad_norm(params, t.grad_clip, pipe.group if pipe is not None else None)
     lr = scheduler.get_last_lr()[0]
     if scaler:
         scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
@@ -201,12 +238,15 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
 
     # Model: built on meta, parallelized, then materialized and initialized from the seed.
     gpt_cfg = model_config(cfg, data.vocab)
-    model = parallelize(build_model(gpt_cfg, device="meta"), cfg, d)
+    parts = parallelize(build_model(gpt_cfg, device="meta"), cfg, d)
+    model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)  # interleaved: several stages
+    pipe = build_pipeline(parts, cfg, d) if p.pp > 1 else None
     optimizer = build_optimizer(model, t, p.strategy, d)
     scheduler = build_scheduler(optimizer, t)
     scaler = _grad_scaler(cfg, d.device)
     params = [q for q in model.parameters() if q.requires_grad]
-    num_params = sum(q.numel() for q in params)
+    num_params = gpt_cfg.num_params()
+    local_params = sum(q.numel() for q in params)  # this rank's stage(s), before TP/FSDP splits
     tokens_per_step = t.batch_size * cfg.data.seq_len
 
     if run_dir is not None and main:
@@ -219,6 +259,11 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
               f"model {gpt_cfg.n_layers}L d{gpt_cfg.d_model} = {num_params / 1e6:.2f}M params, "
               f"global batch {t.batch_size} = micro-batch {data.micro_batch} × grad_accum {t.grad_accum} "
               f"× dp {dp_size}, {cfg.data.seq_len} tokens each, precision {t.precision}", flush=True)
+    if main and not quiet and pipe is not None:
+        m = pipeline_microbatches(p)
+        print(f"pipeline: {p.pp} stages × {p.pp_virtual_stages} virtual, {p.pp_schedule}, {m} micro-batches "
+              f"per step: bubble (p−1)/({'v·' if p.pp_virtual_stages > 1 else ''}m+p−1) = "
+              f"{bubble_fraction(p.pp, m, p.pp_virtual_stages):.3f}", flush=True)
     progress = Progress(t.steps, t.log_every, enabled=main and not quiet)
 
     losses: list[float] = []
@@ -241,14 +286,18 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     start = time.perf_counter()
     for step in range(1, t.steps + 1):
         step_start = time.perf_counter()
-        tracking = peak.track() if step == 2 else contextlib.nullcontext()
+        # MemTracker follows one forward per module; pipeline stages run one per micro-batch.
+        track = step == 2 and (pipe is None or d.device.type == "cuda")
+        tracking = peak.track() if track else contextlib.nullcontext()
         with tracking:
             loss_sum, grad_norm, lr, data_wait = train_step(model, optimizer, scheduler, scaler, batches,
-                                                            params, cfg, d, peak)
+                                                            params, cfg, d, peak, pipe)
         if step == 1:
             memory = measure_model_states(model, optimizer)
+            memory.num_params = num_params
         # Mean loss over the global batch: each rank's micro-steps, then all ranks.
-        values = torch.stack([_all_reduce_mean(loss_sum / t.grad_accum, d.world_size),
+        # (with a pipeline only the last stage's dp × tp ranks hold a loss; the others add 0)
+        values = torch.stack([_all_reduce_mean(loss_sum / t.grad_accum, d.world_size // p.pp),
                               grad_norm.float().reshape(())])
         if pending is not None:
             flush(pending)
@@ -270,13 +319,13 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     # Step 1 pays for warm-up and step 2 for memory tracking: time the steady state after them.
     timed = step_times[2:] or step_times
     tokens_per_s = tokens_per_step * len(timed) / sum(timed)
-    state = _full_state_dict(model) if return_state else None
+    state = _full_state_dict(parts) if return_state else None
     result = RunResult(losses, grad_norms, eval_loss, rank_memory, tokens_per_s, elapsed, state)
     if main:
         shard = d.mesh["dp_shard"].size() if p.strategy in FSDP_STRATEGIES else dp_size
         # TP splits every matrix; only the norms' gains stay whole on each TP rank.
-        tp_replicated = (2 * gpt_cfg.n_layers + 1) * gpt_cfg.d_model if p.tp > 1 else 0
-        expected = model_state_bytes(p.strategy, num_params, shard, tp=p.tp, tp_replicated=tp_replicated)
+        tp_replicated = sum(q.numel() for q in params if q.ndim == 1) if p.tp > 1 else 0  # the norms' gains
+        expected = model_state_bytes(p.strategy, local_params, shard, tp=p.tp, tp_replicated=tp_replicated)
         summary = _summary(cfg, result, expected.total, dp_size, shard)
         if run_dir is not None:
             (run_dir / "memory.json").write_text(json.dumps(
@@ -289,11 +338,15 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     return result
 
 
-def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def _full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Unsharded weights of this rank's part(s), by the full model's parameter names."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: v.detach().cpu().clone() for k, v in sd.items()}
+    out = {}
+    for part in parts:
+        sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        out.update({k: v.detach().cpu().clone() for k, v in sd.items()})
+    return out
 
 
 def _summary(cfg: Config, r: RunResult, expected: float, dp: int, shard: int) -> dict:

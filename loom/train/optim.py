@@ -55,7 +55,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.o
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, foreach: bool = True) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None, foreach: bool = True) -> torch.Tensor:
     """The global gradient norm (across shards), clipping in place when max_norm > 0.
 
     Stays on the device: no host sync here; the caller reads the value a step later.
@@ -71,6 +71,10 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, foreach: bool = 
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=foreach)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # reduces over shards
     total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if pp_group is not None:  # each pipeline rank holds different layers: add their squares
+        squared = total.float() ** 2
+        torch.distributed.all_reduce(squared, group=pp_group)
+        total = squared.sqrt()
     if max_norm > 0:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
