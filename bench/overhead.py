@@ -1,9 +1,12 @@
 """loom's overhead: the same model, data and strategy run by `loom train` and by a plain loop.
 
 Runs alternate (loom, plain, loom, plain, ...) so drift of the machine hits both alike, and the
-median tokens/s ratio is printed per strategy. Target: loom within 3% of the plain loop.
+median tokens/s ratio is printed per case. Target: loom within 3% of the plain loop.
 
-    python bench/overhead.py [--strategies ddp zero3] [--rounds 3] [--steps 30]
+    python bench/overhead.py [--cases ddp zero3 tp2 pp2] [--rounds 3] [--steps 30]
+
+Cases: ddp and zero3 over 2 data-parallel ranks; tp2 (zero3 × tensor parallel 2) and pp2
+(zero3 × pipeline 2, 1F1B, 2 micro-batches) on 2 ranks.
 """
 
 from __future__ import annotations
@@ -20,9 +23,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run_loom(strategy: str, a, out: Path) -> float:
+CASES = {"ddp": ("ddp", 1, 1), "zero3": ("zero3", 1, 1), "tp2": ("zero3", 2, 1), "pp2": ("zero3", 1, 2)}
+
+
+def run_loom(case: str, a, out: Path) -> float:
+    strategy, tp, pp = CASES[case]
     cmd = [sys.executable, "-m", "loom.cli", "train", "--nproc", "2", "--out", str(out),
-           "--set", f"parallel.strategy={strategy}", "--set", f"model.preset={a.preset}",
+           "--set", f"parallel.strategy={strategy}", "--set", f"parallel.tp={tp}", "--set", f"parallel.pp={pp}",
+           "--set", f"model.preset={a.preset}",
            "--set", f"train.steps={a.steps}", "--set", f"train.batch_size={a.batch_size}",
            "--set", f"data.seq_len={a.seq_len}", "--set", "data.num_workers=1",
            "--set", "data.eval_fraction=0.02", "--set", "train.eval_batches=0"]
@@ -30,9 +38,11 @@ def run_loom(strategy: str, a, out: Path) -> float:
     return json.loads((out / "summary.json").read_text())["tokens_per_s"]
 
 
-def run_plain(strategy: str, a, out: Path) -> float:
+def run_plain(case: str, a, out: Path) -> float:
+    strategy, tp, pp = CASES[case]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(HERE / "plain_loop.py"), "--strategy", strategy, "--preset", a.preset,
+           str(HERE / "plain_loop.py"), "--strategy", strategy, "--tp", str(tp), "--pp", str(pp),
+           "--preset", a.preset,
            "--steps", str(a.steps), "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len),
            "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, env=_env())
@@ -45,7 +55,7 @@ def _env() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--strategies", nargs="+", default=["ddp", "zero3"])
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--preset", default="small")
@@ -55,20 +65,20 @@ def main() -> None:
     a = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for strategy in a.strategies:
+        for case in a.cases:
             loom_tps, plain_tps = [], []
             for i in range(a.rounds):
-                loom_tps.append(run_loom(strategy, a, Path(tmp) / f"loom-{strategy}-{i}"))
-                plain_tps.append(run_plain(strategy, a, Path(tmp) / f"plain-{strategy}-{i}.json"))
-                print(f"{strategy} round {i + 1}: loom {loom_tps[-1]:,.0f} tok/s, plain {plain_tps[-1]:,.0f} tok/s",
+                loom_tps.append(run_loom(case, a, Path(tmp) / f"loom-{case}-{i}"))
+                plain_tps.append(run_plain(case, a, Path(tmp) / f"plain-{case}-{i}.json"))
+                print(f"{case} round {i + 1}: loom {loom_tps[-1]:,.0f} tok/s, plain {plain_tps[-1]:,.0f} tok/s",
                       flush=True)
             ratios = [x / y for x, y in zip(loom_tps, plain_tps)]
-            results[strategy] = {"loom_tokens_per_s": statistics.median(loom_tps),
+            results[case] = {"loom_tokens_per_s": statistics.median(loom_tps),
                                  "plain_tokens_per_s": statistics.median(plain_tps),
                                  "ratio_median": statistics.median(ratios), "ratios": ratios}
-    print(f"\n{'strategy':<10}{'loom tok/s':>12}{'plain tok/s':>13}{'loom/plain':>12}")
-    for strategy, r in results.items():
-        print(f"{strategy:<10}{r['loom_tokens_per_s']:>12,.0f}{r['plain_tokens_per_s']:>13,.0f}"
+    print(f"\n{'case':<10}{'loom tok/s':>12}{'plain tok/s':>13}{'loom/plain':>12}")
+    for case, r in results.items():
+        print(f"{case:<10}{r['loom_tokens_per_s']:>12,.0f}{r['plain_tokens_per_s']:>13,.0f}"
               f"{r['ratio_median']:>12.3f}")
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))

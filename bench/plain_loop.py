@@ -1,12 +1,16 @@
 """The hand-written PyTorch loop loom is measured against (run under torchrun by overhead.py).
 
 Same model, data, optimizer, schedule and clipping as `loom train`, written the way one would
-without a framework: DDP or FSDP2 directly, a DistributedSampler, AdamW(foreach).
+without a framework: DDP or FSDP2 directly, a DistributedSampler, AdamW(foreach); with --tp the
+same DTensor plan (loom's, for loom's model) and `loss_parallel`; with --pp the model's layers
+split in two and torch's Schedule1F1B. Gradient clipping over TP/PP-split grads reuses loom's
+`clip_grad_norm` (torch's cannot mix meshes or add across pipeline ranks).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -17,12 +21,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from loom.data.corpus import load_tokens
 from loom.data.loader import split_train_eval
 from loom.models.gpt import build_model, preset
+from loom.parallel.pipeline import build_stage, stage_layers
+from loom.parallel.tensor_parallel import apply_tensor_parallel
+from loom.train.optim import clip_grad_norm
 
 
 def main() -> None:
@@ -33,27 +42,39 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--num-workers", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    dp = world // (a.tp * a.pp)
+    mesh = init_device_mesh("cpu", (a.pp, dp, a.tp), mesh_dim_names=("pp", "dp", "tp"))
     torch.manual_seed(0)
     tokens, _ = load_tokens("stdlib")
     train_set, _ = split_train_eval(tokens, a.seq_len, 0.02)
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(train_set, batch_size=a.batch_size // world, sampler=sampler, drop_last=True,
+    dp_rank = mesh["dp"].get_local_rank()
+    sampler = DistributedSampler(train_set, num_replicas=dp, rank=dp_rank, shuffle=True, seed=0)
+    loader = DataLoader(train_set, batch_size=a.batch_size // dp, sampler=sampler, drop_last=True,
                         num_workers=a.num_workers, persistent_workers=a.num_workers > 0,
                         prefetch_factor=4 if a.num_workers else None)
 
     model = build_model(preset(a.preset), device="meta")
+    pp_rank = mesh["pp"].get_local_rank()
+    if a.pp > 1:
+        model = build_stage(model, pp_rank, a.pp, stage_layers(model.cfg.n_layers, a.pp)[pp_rank])
+    if a.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=False)
     if a.strategy == "zero3":
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model.tok_embeddings, mesh=mesh)
-        fully_shard([model.norm, model.output], mesh=mesh, reshard_after_forward=False)
-        fully_shard(model, mesh=mesh)
+        dp_mesh = mesh["dp"]
+        for block in model.blocks():
+            fully_shard(block, mesh=dp_mesh)
+        if model.tok_embeddings is not None:
+            fully_shard(model.tok_embeddings, mesh=dp_mesh)
+        if model.output is not None:
+            fully_shard([model.norm, model.output], mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=dp_mesh)
         model.to_empty(device="cpu")
         model.init_weights(0)
     else:
@@ -69,18 +90,34 @@ def main() -> None:
         opt, lambda s: (s + 1) / warmup if s < warmup
         else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min((s - warmup) / max(a.steps - warmup, 1), 1))))
 
+    first, last = pp_rank == 0, pp_rank == a.pp - 1
+    if a.pp > 1:
+        schedule = Schedule1F1B(PipelineStage(model, pp_rank, a.pp, torch.device("cpu"), group=mesh["pp"].get_group()),
+                                n_microbatches=a.pp, scale_grads=False,
+                                loss_fn=lambda out, tgt: F.cross_entropy(out.float().flatten(0, 1), tgt.flatten()) / a.pp)
     step_times = []
     batches = iter(loader)
     for _ in range(a.steps):
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         batch = next(batches)
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with loss_parallel() if a.tp > 1 else contextlib.nullcontext():
+            if a.pp > 1:
+                losses = [] if last else None
+                schedule.step(*((batch[:, :-1],) if first else ()), target=batch[:, 1:] if last else None,
+                              losses=losses, return_outputs=False)
+                loss = torch.stack(losses).sum() if last else torch.zeros(())
+            else:
+                logits = model(batch[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+                loss.backward()
+        if a.tp > 1 or a.pp > 1:
+            clip_grad_norm(list(model.parameters()), 1.0, mesh["pp"].get_group() if a.pp > 1 else None)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        loss = loss.to_local() if hasattr(loss, "to_local") else loss
         dist.all_reduce(loss.detach())  # report the global loss like any real loop
         step_times.append(time.perf_counter() - start)
     timed = step_times[2:]

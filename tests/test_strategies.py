@@ -25,17 +25,6 @@ STEPS, BATCH, ACCUM, SEQ = 4, 8, 2, 32
 RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A small real text (a few stdlib modules) so the test needs no download."""
-    import json as _json
-    import inspect
-
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(inspect.getsource(_json) + inspect.getsource(inspect)[:60_000])
-    return path
-
-
 def make_config(corpus: Path, strategy: str, *extra: str) -> Config:
     return load_config(None, [
         "model.preset=tiny", f'data.source="{corpus}"', f"data.seq_len={SEQ}", "data.num_workers=0",
@@ -45,15 +34,25 @@ def make_config(corpus: Path, strategy: str, *extra: str) -> Config:
     ])
 
 
-def reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The plain single-process loop: no wrappers, no process group."""
+def _next_token_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+
+
+def reference(cfg: Config, task=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The plain single-process loop: no wrappers, no process group. `task` brings another model."""
     t = cfg.train
     torch.manual_seed(t.seed)
-    tokens, vocab = load_data(cfg)
-    train_set, _ = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
+    if task is None:
+        tokens, vocab = load_data(cfg)
+        train_set, _ = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
+        model = build_model(model_config(cfg, vocab), device="cpu")
+        model.init_weights(t.seed)
+        loss_fn = _next_token_loss
+    else:
+        train_set, loss_fn = task.train_data, task.loss_fn
+        torch.manual_seed(t.seed)
+        model = task.model_fn()
     sampler = GlobalBatchSampler(len(train_set), t.batch_size, 0, 1, t.grad_accum, t.seed, num_steps=t.steps)
-    model = build_model(model_config(cfg, vocab), device="cpu")
-    model.init_weights(t.seed)
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                             eps=t.eps, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t))
@@ -64,8 +63,7 @@ def reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
         total = 0.0
         for _ in range(t.grad_accum):
             batch = torch.stack([train_set[i] for i in next(micro_batches)])
-            logits = model(batch[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+            loss = loss_fn(model, batch)
             (loss / t.grad_accum).backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)

@@ -1,4 +1,4 @@
-"""Turn a model built on the meta device into this rank's parallel, initialized model.
+"""Turn a model into this rank's parallel, initialized model parts.
 
 The order is fixed (see DESIGN.md): TP -> activation checkpointing -> compile -> FSDP/DDP, then the
 weights are materialized and initialized. Initialization is per parameter from (seed, name), so
@@ -10,54 +10,51 @@ from __future__ import annotations
 from torch import nn
 
 from loom.config import Config
+from loom.errors import ConfigError
+from loom.models.adapters import ModelAdapter, adapter_for
 from loom.parallel.checkpointing import apply_activation_checkpointing
 from loom.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
 from loom.parallel.mesh import Dist
 from loom.parallel.pipeline import build_stage, rank_stages, stage_layers
-from loom.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def layers_of(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
-    """The repeated blocks' container (a stage holds a ModuleDict keyed by layer index)."""
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
-        raise TypeError(f"{type(model).__name__} has no `layers` container of repeated blocks")
-    return layers
-
-
-def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks, in order: the units of FSDP sharding, checkpointing and compilation."""
-    layers = layers_of(model)
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
-
-
-def parallelize(model: nn.Module, cfg: Config, d: Dist) -> list[nn.Module]:
-    """`model` is on the meta device; returns this rank's parallelized parts with weights on
-    `d.device`: the whole model, or with pipeline parallelism this rank's stage(s)."""
+def parallelize(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter | None = None) -> list[nn.Module]:
+    """Returns this rank's parallelized parts with weights on `d.device`: the whole model, or with
+    pipeline parallelism this rank's stage(s). A meta-init model (loom's GPT) arrives on the meta
+    device and is initialized after sharding; any other model arrives built (same seed on every
+    rank) and is moved and sharded."""
     p = cfg.parallel
+    adapter = adapter or adapter_for(model)
     if p.pp == 1:
-        return [_parallelize_part(model, cfg, d)]
+        return [_parallelize_part(model, cfg, d, adapter)]
+    if not adapter.supports_pipeline(model):
+        raise ConfigError(f"no pipeline plan for {type(model).__name__}; set parallel.pp=1 "
+                          f"(pipeline stages exist for loom's GPT)")
     num_stages = p.pp * p.pp_virtual_stages
     layers = stage_layers(model.cfg.n_layers, p.pp, p.pp_virtual_stages)
     stages = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages)
-    return [_parallelize_part(build_stage(model, s, num_stages, layers[s]), cfg, d) for s in stages]
+    return [_parallelize_part(build_stage(model, s, num_stages, layers[s]), cfg, d, adapter) for s in stages]
 
 
-def _parallelize_part(model: nn.Module, cfg: Config, d: Dist) -> nn.Module:
+def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter) -> nn.Module:
     p = cfg.parallel
+    if not adapter.meta_init:
+        model.to(d.device)  # built whole on every rank; sharding below frees what is not ours
     if p.tp > 1:
-        apply_tensor_parallel(model, d.mesh["tp"], p.sequence_parallel)
-    apply_activation_checkpointing(layers_of(model), p.activation_checkpointing, p.ac_every)
-    blocks = blocks_of(model)
+        adapter.apply_tensor_parallel(model, d.mesh["tp"], p.sequence_parallel)
+    layers = adapter.layers(model)
+    apply_activation_checkpointing(layers, p.activation_checkpointing, p.ac_every)
+    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
     if cfg.train.compile:
         for block in blocks:
             block.compile()  # in place: parameter names stay the same
     if uses_fsdp(p):
         apply_fsdp(model, blocks, p, cfg.train.precision, d)
-        init_device = "cpu" if p.offload == "cpu" else d.device
-        model.to_empty(device=init_device)
-        model.init_weights(cfg.train.seed)
+        if adapter.meta_init:
+            model.to_empty(device="cpu" if p.offload == "cpu" else d.device)
+            adapter.init_weights(model, cfg.train.seed)
         return model
-    model.to_empty(device=d.device)
-    model.init_weights(cfg.train.seed)
+    if adapter.meta_init:
+        model.to_empty(device=d.device)
+        adapter.init_weights(model, cfg.train.seed)
     return apply_ddp(model, p, d)  # zero1 shards the optimizer, not the model

@@ -78,3 +78,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
 def loss_context(tp: int):
     """Cross entropy over vocab-sharded logits (forward and backward must both run inside)."""
     return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def apply_hf_decoder_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The same Megatron split for a Hugging Face Llama/Mistral/Qwen2 `*ForCausalLM` (names differ)."""
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    })
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        })

@@ -12,14 +12,14 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from loom.config import FSDP_STRATEGIES, Config, pipeline_microbatches, to_toml, validate
 from loom.data.corpus import load_tokens
@@ -118,7 +118,7 @@ def _all_reduce_mean(t: torch.Tensor, world: int) -> torch.Tensor:
     return t / world
 
 
-def evaluate(model: nn.Module, loader, d: Dist, cfg: Config) -> float | None:
+def evaluate(model: nn.Module, loader, d: Dist, cfg: Config, loss_fn=None) -> float | None:
     if loader is None:
         return None
     model.eval()
@@ -126,10 +126,34 @@ def evaluate(model: nn.Module, loader, d: Dist, cfg: Config) -> float | None:
     count = 0
     with torch.no_grad(), _autocast(cfg, d.device), loss_context(cfg.parallel.tp):
         for batch in loader:
-            total += _local(_loss(model, batch.to(d.device, non_blocking=True)))
+            total += _local((loss_fn or _loss)(model, batch.to(d.device, non_blocking=True)))
             count += 1
     model.train()
     return _all_reduce_mean(total / max(count, 1), d.world_size).item()
+
+
+@dataclass
+class Task:
+    """What `train` trains: a model factory, its loss and its data. `loom train` itself runs
+    `gpt_task(cfg)`: loom's GPT on the config's corpus. Any nn.Module works for the data-parallel
+    strategies; TP/PP need a plan (see loom/models/adapters.py)."""
+
+    model_fn: Callable[[], nn.Module]  # called on every rank with the same seed (meta device for loom's GPT)
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, batch) -> mean loss
+    train_data: Dataset  # items of equal shape; the default collate stacks them
+    eval_data: Dataset | None = None
+    tokens_per_sample: int = 1  # for tokens/s
+    description: str = "model"
+    gpt: GPTConfig | None = None  # set for loom's GPT (pipeline stages and the parameter count use it)
+
+
+def gpt_task(cfg: Config) -> Task:
+    tokens, vocab = load_data(cfg)
+    train_set, eval_set = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
+    gpt_cfg = model_config(cfg, vocab)
+    return Task(model_fn=lambda: build_model(gpt_cfg, device="meta"), loss_fn=_loss, train_data=train_set,
+                eval_data=eval_set, tokens_per_sample=cfg.data.seq_len, gpt=gpt_cfg,
+                description=f"GPT {gpt_cfg.n_layers}L d{gpt_cfg.d_model}")
 
 
 @dataclass
@@ -137,26 +161,23 @@ class Data:
     train: DataLoader  # this rank's micro-batches, step after step
     eval: DataLoader | None  # this rank's slice of the held-out batches
     micro_batch: int
-    vocab: int
 
 
-def build_data(cfg: Config, d: Dist) -> Data:
+def build_data(cfg: Config, d: Dist, train_set: Dataset, eval_set: Dataset | None) -> Data:
     """Every data-parallel rank reads its own disjoint slice of each global batch."""
     t = cfg.train
-    tokens, vocab = load_data(cfg)
-    train_set, eval_set = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
     dp_rank, dp_size = d.dp_mesh.get_local_rank(), d.dp_mesh.size()
     pin = cfg.data.pin_memory and d.device.type == "cuda"
     sampler = GlobalBatchSampler(len(train_set), t.batch_size, dp_rank, dp_size, t.grad_accum, t.seed,
                                  num_steps=t.steps)
     train_loader = make_loader(train_set, sampler, cfg.data.num_workers, cfg.data.prefetch_factor, pin)
     eval_loader = None
-    eval_batch = min(t.batch_size, len(eval_set) // dp_size * dp_size) if eval_set is not None else 0
+    eval_batch = min(t.batch_size, len(eval_set) // dp_size * dp_size) if eval_set else 0
     if eval_batch >= dp_size and t.eval_batches > 0 and cfg.parallel.pp == 1:  # no pipelined eval yet
         eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, 1, t.seed,
                                           num_steps=min(t.eval_batches, len(eval_set) // eval_batch))
         eval_loader = make_loader(eval_set, eval_sampler, 0, None, pin)
-    return Data(train_loader, eval_loader, t.batch_size // (dp_size * t.grad_accum), vocab)
+    return Data(train_loader, eval_loader, t.batch_size // (dp_size * t.grad_accum))
 
 
 @dataclass
@@ -184,13 +205,14 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
 
 def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: list[torch.Tensor],
                cfg: Config, d: Dist, peak: PeakMemory,
-               pipe: Pipeline | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+               pipe: Pipeline | None = None, loss_fn=None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """One optimizer step over grad_accum micro-batches; gradients sync on the last one only.
 
     Returns (sum of micro-batch losses, global grad norm) as device tensors, the lr used and the
     seconds spent waiting for data. With a pipeline only the last stage has a loss (0 elsewhere).
     """
     t = cfg.train
+    loss_fn = loss_fn or _loss
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=d.device)
     data_wait = 0.0
@@ -209,7 +231,7 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
             continue
         with (gradient_sync(model, enabled=micro == t.grad_accum - 1), _autocast(cfg, d.device),
               loss_context(cfg.parallel.tp)):
-            loss = _loss(model, batch)
+            loss = loss_fn(model, batch)
             scaled = loss / t.grad_accum
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += _local(loss.detach())
@@ -226,28 +248,38 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
     return loss_sum, grad_norm, lr, data_wait
 
 
-def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, quiet: bool = False) -> RunResult:
-    """Run `cfg` on this rank (joining the torchrun group, or as a world of one)."""
+def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, quiet: bool = False,
+          task: Task | None = None) -> RunResult:
+    """Run `cfg` on this rank (joining the torchrun group, or as a world of one).
+
+    `task` brings your own model, loss and data; the default is loom's GPT on the config's corpus.
+    """
     d = init_distributed(lambda world: validate(cfg, world), cfg.train.device)
     t, p = cfg.train, cfg.parallel
     main = d.is_main
     torch.manual_seed(t.seed)
+    task = task or gpt_task(cfg)
+    if p.pp > 1 and task.gpt is None:
+        raise ConfigError("pipeline stages exist for loom's GPT only; set parallel.pp=1 for this model")
 
-    data = build_data(cfg, d)
+    data = build_data(cfg, d, task.train_data, task.eval_data)
     dp_size = d.dp_mesh.size()
 
-    # Model: built on meta, parallelized, then materialized and initialized from the seed.
-    gpt_cfg = model_config(cfg, data.vocab)
-    parts = parallelize(build_model(gpt_cfg, device="meta"), cfg, d)
+    # The same seed on every rank gives every rank the same model (loom's GPT: on meta, initialized
+    # per parameter after sharding).
+    with torch.random.fork_rng():
+        torch.manual_seed(t.seed)
+        user_model = task.model_fn()
+    parts = parallelize(user_model, cfg, d)
     model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)  # interleaved: several stages
     pipe = build_pipeline(parts, cfg, d) if p.pp > 1 else None
     optimizer = build_optimizer(model, t, p.strategy, d)
     scheduler = build_scheduler(optimizer, t)
     scaler = _grad_scaler(cfg, d.device)
     params = [q for q in model.parameters() if q.requires_grad]
-    num_params = gpt_cfg.num_params()
     local_params = sum(q.numel() for q in params)  # this rank's stage(s), before TP/FSDP splits
-    tokens_per_step = t.batch_size * cfg.data.seq_len
+    num_params = task.gpt.num_params() if task.gpt is not None else local_params
+    tokens_per_step = t.batch_size * task.tokens_per_sample
 
     if run_dir is not None and main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -256,9 +288,9 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     if main and not quiet:
         print(f"loom: {p.strategy} on {d.world_size} rank(s) ({d.device.type}), dp={dp_size} "
               f"[replicate {d.mesh['dp_replicate'].size()} × shard {d.mesh['dp_shard'].size()}], "
-              f"model {gpt_cfg.n_layers}L d{gpt_cfg.d_model} = {num_params / 1e6:.2f}M params, "
+              f"{task.description} = {num_params / 1e6:.2f}M params, "
               f"global batch {t.batch_size} = micro-batch {data.micro_batch} × grad_accum {t.grad_accum} "
-              f"× dp {dp_size}, {cfg.data.seq_len} tokens each, precision {t.precision}", flush=True)
+              f"× dp {dp_size}, {task.tokens_per_sample} tokens each, precision {t.precision}", flush=True)
     if main and not quiet and pipe is not None:
         m = pipeline_microbatches(p)
         print(f"pipeline: {p.pp} stages × {p.pp_virtual_stages} virtual, {p.pp_schedule}, {m} micro-batches "
@@ -291,7 +323,7 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
         tracking = peak.track() if track else contextlib.nullcontext()
         with tracking:
             loss_sum, grad_norm, lr, data_wait = train_step(model, optimizer, scheduler, scaler, batches,
-                                                            params, cfg, d, peak, pipe)
+                                                            params, cfg, d, peak, pipe, task.loss_fn)
         if step == 1:
             memory = measure_model_states(model, optimizer)
             memory.num_params = num_params
@@ -305,12 +337,12 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
         step_times.append(step_time)
         pending = dict(step=step, lr=lr, step_time_s=step_time, data_wait_s=data_wait, values=values)
         if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-            eval_loss = evaluate(model, data.eval, d, cfg)
+            eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn)
             if main and not quiet and eval_loss is not None:
                 print(f"\neval loss at step {step}: {eval_loss:.4f}", flush=True)
     flush(pending)
     elapsed = time.perf_counter() - start
-    eval_loss = evaluate(model, data.eval, d, cfg)
+    eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn)
     metrics.close()
 
     memory.peak_bytes = peak.peak_bytes
