@@ -310,10 +310,10 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     if t.device == "cuda" and cuda_available is False:
         raise ConfigError("train.device = 'cuda' but no CUDA device is visible; set train.device=cpu or auto")
     dims = resolve_dims(p, world_size)
-    if dims.tp > 1 and p.strategy not in FSDP_STRATEGIES:
-        # DDP does not take DTensor (TP-sharded) parameters; FSDP2 composes with TP as a 2-D mesh.
-        raise ConfigError(f"parallel.tp = {dims.tp} composes with FSDP2 data parallelism, not "
-                          f"{p.strategy}; set parallel.strategy=zero3 (or zero2/hsdp)")
+    if dims.tp > 1 and p.strategy == "zero1":
+        # ZeroRedundancyOptimizer does not take DTensor (TP-sharded) parameters.
+        raise ConfigError(f"zero1 (ZeroRedundancyOptimizer) does not compose with parallel.tp = {dims.tp}; "
+                          f"use parallel.strategy=zero2, which shards the optimizer states and gradients")
     if p.sequence_parallel and d.seq_len % dims.tp:
         raise ConfigError(f"parallel.sequence_parallel splits data.seq_len = {d.seq_len} over tp = {dims.tp}; "
                           f"use a seq_len divisible by {dims.tp}")

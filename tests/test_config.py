@@ -68,7 +68,8 @@ def test_hsdp_dims():
     (["train.batch_size=12", "train.grad_accum=2"], "multiple of 8 such as 8, 16, 24"),
     (["parallel.strategy=zero1", "parallel.offload=cpu"], "needs a sharded strategy"),
     (["train.precision=fp8"], "train.precision"),
-    (["parallel.strategy=ddp", "parallel.tp=2"], "composes with FSDP2"),
+    (["parallel.strategy=zero1", "parallel.tp=2"], "does not compose with parallel.tp"),
+    (["parallel.strategy=zero1", "parallel.pp=2"], "does not compose with pipeline"),
     (["parallel.tp=3"], "does not divide the world size 4"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=33"], "divisible by 2"),
     (["parallel.activation_checkpointing=some"], "none, full, selective"),
@@ -93,3 +94,13 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     tomllib.loads(path.read_text())
     assert load_config(path) == cfg
     assert load_config(path) != Config()
+
+
+@pytest.mark.parametrize("heads,kv,ffn,vocab,name", [(3, 1, 128, 256, "n_heads"), (4, 1, 128, 256, "n_kv_heads"),
+                                                     (4, 2, 129, 256, "ffn_hidden"), (4, 2, 128, 255, "vocab_size")])
+def test_tp_must_divide_every_split_dimension(heads, kv, ffn, vocab, name):
+    from loom.parallel.tensor_parallel import check_tp_shapes
+
+    with pytest.raises(ConfigError, match=f"does not divide model.{name}") as err:
+        check_tp_shapes(heads, kv, ffn, vocab, 2)
+    assert "\n" not in str(err.value)

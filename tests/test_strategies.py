@@ -124,8 +124,9 @@ def test_activation_checkpointing_same_losses_lower_peak(corpus, mode):
 
 
 TP_CASES = [("zero3", 2, ("parallel.tp=2",)), ("zero3", 2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
-            ("zero3", 4, ("parallel.tp=2",))]
-TP_IDS = ["tp2", "tp2-sp", "tp2xzero3-dp2"]
+            ("zero3", 4, ("parallel.tp=2",)), ("ddp", 4, ("parallel.tp=2", "parallel.activation_checkpointing=full")),
+            ("hsdp", 4, ("parallel.tp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"))]
+TP_IDS = ["tp2", "tp2-sp", "tp2xzero3-dp2", "tp2xddp-dp2-ac", "tp2xhsdp-2x1"]
 
 
 @pytest.mark.parametrize("strategy,world,extra", TP_CASES, ids=TP_IDS)
@@ -135,9 +136,9 @@ def test_tensor_parallel_matches_single_process(corpus, strategy, world, extra):
     assert_matches_reference(results, ref_losses, ref_state)
     # TP divides every split parameter by tp (and FSDP then by dp): the formula within 1%.
     memory = results[0][2]
-    dp = world // 2
+    shard = {"zero3": world // 2, "ddp": 1, "hsdp": 1}[strategy]
     replicated = (2 * 2 + 1) * 64  # tiny preset: the norms' gains stay whole
-    expected = model_state_bytes(strategy, memory[0]["num_params"], dp, tp=2, tp_replicated=replicated)
+    expected = model_state_bytes(strategy, memory[0]["num_params"], shard, tp=2, tp_replicated=replicated)
     for m in memory:
         assert abs(m["model_state_bytes"] - expected.total) <= 0.01 * expected.total, (m, expected)
 
@@ -150,8 +151,9 @@ PP_CASES = [
     ("ddp", 4, ("parallel.pp=2",)),
     ("zero3", 4, ("parallel.pp=2", "parallel.tp=2")),
     ("zero3", 8, ("parallel.pp=2", "parallel.tp=2")),
+    ("zero2", 2, ("parallel.pp=2", "parallel.activation_checkpointing=full")),
 ]
-PP_IDS = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2xddp-dp2", "pp2xtp2", "pp2xdp2xtp2"]
+PP_IDS = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2xddp-dp2", "pp2xtp2", "pp2xdp2xtp2", "pp2-zero2-ac"]
 
 
 @pytest.mark.parametrize("strategy,world,extra", PP_CASES, ids=PP_IDS)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from loom.config import Config
-from loom.errors import ConfigError
+from loom.config import Config, pipeline_microbatches
 from loom.models.adapters import ModelAdapter, adapter_for
 from loom.parallel.checkpointing import apply_activation_checkpointing
 from loom.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
 from loom.parallel.mesh import Dist
-from loom.parallel.pipeline import build_stage, rank_stages, stage_layers
+from loom.parallel.pipeline import rank_stages, stage_layers, validate_pipeline
 
 
 def parallelize(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter | None = None) -> list[nn.Module]:
@@ -27,13 +26,13 @@ def parallelize(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter | 
     adapter = adapter or adapter_for(model)
     if p.pp == 1:
         return [_parallelize_part(model, cfg, d, adapter)]
-    if not adapter.supports_pipeline(model):
-        raise ConfigError(f"no pipeline plan for {type(model).__name__}; set parallel.pp=1 "
-                          f"(pipeline stages exist for loom's GPT)")
+    n_layers = adapter.num_layers(model)
+    validate_pipeline(n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, pipeline_microbatches(p))
     num_stages = p.pp * p.pp_virtual_stages
-    layers = stage_layers(model.cfg.n_layers, p.pp, p.pp_virtual_stages)
+    layers = stage_layers(n_layers, p.pp, p.pp_virtual_stages)
     stages = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages)
-    return [_parallelize_part(build_stage(model, s, num_stages, layers[s]), cfg, d, adapter) for s in stages]
+    return [_parallelize_part(adapter.pipeline_stage(model, s, num_stages, layers[s]), cfg, d, adapter)
+            for s in stages]
 
 
 def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter) -> nn.Module:

@@ -24,9 +24,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def uses_fsdp(p: ParallelConfig) -> bool:
-    """FSDP2 runs zero2/zero3/hsdp, and DDP's replication for pipeline stages: DDP's reducer
-    cannot follow a stage's several backwards per step, FSDP2 on a (dp, 1) mesh can."""
-    return p.strategy in FSDP_STRATEGIES or (p.strategy == "ddp" and p.pp > 1)
+    """FSDP2 runs zero2/zero3/hsdp, and DDP's replication when TP or PP is on: DDP takes no
+    DTensor (TP) parameters and its reducer cannot follow a pipeline stage's several backwards
+    per step; FSDP2 on a (dp, 1) mesh replicates exactly like DDP (16Ψ per rank) and can."""
+    return p.strategy in FSDP_STRATEGIES or (p.strategy == "ddp" and (p.pp > 1 or p.tp > 1))
 
 
 def reshard_after_forward(p: ParallelConfig) -> bool:

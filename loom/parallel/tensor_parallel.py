@@ -82,11 +82,17 @@ def loss_context(tp: int):
 
 def apply_hf_decoder_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """The same Megatron split for a Hugging Face Llama/Mistral/Qwen2 `*ForCausalLM` (names differ)."""
-    parallelize_module(model, tp_mesh, {
+    root_plan = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    })
-    for layer in model.model.layers:
+    }
+    # A pipeline stage may lack the embedding or the head.
+    present = {"model.embed_tokens": model.model.embed_tokens is not None, "lm_head": model.lm_head is not None}
+    root_plan = {name: style for name, style in root_plan.items() if present[name]}
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+    layers = model.model.layers
+    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         parallelize_module(layer, tp_mesh, {
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),

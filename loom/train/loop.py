@@ -259,8 +259,6 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     main = d.is_main
     torch.manual_seed(t.seed)
     task = task or gpt_task(cfg)
-    if p.pp > 1 and task.gpt is None:
-        raise ConfigError("pipeline stages exist for loom's GPT only; set parallel.pp=1 for this model")
 
     data = build_data(cfg, d, task.train_data, task.eval_data)
     dp_size = d.dp_mesh.size()
@@ -270,7 +268,9 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     with torch.random.fork_rng():
         torch.manual_seed(t.seed)
         user_model = task.model_fn()
+    num_params = sum(q.numel() for q in user_model.parameters())  # the whole model, tied weights once
     parts = parallelize(user_model, cfg, d)
+    del user_model  # a pipeline stage keeps only its layers
     model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)  # interleaved: several stages
     pipe = build_pipeline(parts, cfg, d) if p.pp > 1 else None
     optimizer = build_optimizer(model, t, p.strategy, d)
@@ -278,7 +278,6 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     scaler = _grad_scaler(cfg, d.device)
     params = [q for q in model.parameters() if q.requires_grad]
     local_params = sum(q.numel() for q in params)  # this rank's stage(s), before TP/FSDP splits
-    num_params = task.gpt.num_params() if task.gpt is not None else local_params
     tokens_per_step = t.batch_size * task.tokens_per_sample
 
     if run_dir is not None and main:
