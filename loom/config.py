@@ -317,9 +317,6 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     if p.sequence_parallel and d.seq_len % dims.tp:
         raise ConfigError(f"parallel.sequence_parallel splits data.seq_len = {d.seq_len} over tp = {dims.tp}; "
                           f"use a seq_len divisible by {dims.tp}")
-    if dims.pp > 1 and p.strategy == "zero1":
-        raise ConfigError("zero1 (ZeroRedundancyOptimizer) does not compose with pipeline stages; "
-                          "use parallel.strategy=zero2, which shards the optimizer states and gradients")
     if dims.pp > 1 and t.precision == "fp16":
         raise ConfigError("fp16 loss scaling is not wired into the pipeline schedules; use train.precision=bf16")
     per = dims.dp * t.grad_accum * (pipeline_microbatches(p) if dims.pp > 1 else 1)

@@ -69,7 +69,6 @@ def test_hsdp_dims():
     (["parallel.strategy=zero1", "parallel.offload=cpu"], "needs a sharded strategy"),
     (["train.precision=fp8"], "train.precision"),
     (["parallel.strategy=zero1", "parallel.tp=2"], "does not compose with parallel.tp"),
-    (["parallel.strategy=zero1", "parallel.pp=2"], "does not compose with pipeline"),
     (["parallel.tp=3"], "does not divide the world size 4"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=33"], "divisible by 2"),
     (["parallel.activation_checkpointing=some"], "none, full, selective"),

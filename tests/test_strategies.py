@@ -149,11 +149,12 @@ PP_CASES = [
     ("zero3", 2, ("parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
                   "model.n_layers=4")),
     ("ddp", 4, ("parallel.pp=2",)),
+    ("zero1", 4, ("parallel.pp=2", "parallel.pp_schedule=gpipe")),
     ("zero3", 4, ("parallel.pp=2", "parallel.tp=2")),
     ("zero3", 8, ("parallel.pp=2", "parallel.tp=2")),
     ("zero2", 2, ("parallel.pp=2", "parallel.activation_checkpointing=full")),
 ]
-PP_IDS = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2xddp-dp2", "pp2xtp2", "pp2xdp2xtp2", "pp2-zero2-ac"]
+PP_IDS = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2xddp-dp2", "pp2xzero1-dp2", "pp2xtp2", "pp2xdp2xtp2", "pp2-zero2-ac"]
 
 
 @pytest.mark.parametrize("strategy,world,extra", PP_CASES, ids=PP_IDS)
@@ -172,7 +173,7 @@ def test_pipeline_parallel_matches_single_process(corpus, strategy, world, extra
         assert len(state) < len(ref_state)  # a stage, not the whole model
         stage_params = sum(ref_state[name].numel() for name in state)
         replicated = sum(ref_state[name].numel() for name in state if ref_state[name].ndim == 1) if tp > 1 else 0
-        expected = model_state_bytes(strategy, stage_params, 1 if strategy == "ddp" else dp, tp=tp,
+        expected = model_state_bytes(strategy, stage_params, dp, tp=tp,
                                      tp_replicated=replicated)
         got = memory[rank]["model_state_bytes"]
         assert abs(got - expected.total) <= 0.01 * expected.total, (rank, got, expected)

@@ -24,10 +24,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def uses_fsdp(p: ParallelConfig) -> bool:
-    """FSDP2 runs zero2/zero3/hsdp, and DDP's replication when TP or PP is on: DDP takes no
-    DTensor (TP) parameters and its reducer cannot follow a pipeline stage's several backwards
-    per step; FSDP2 on a (dp, 1) mesh replicates exactly like DDP (16Ψ per rank) and can."""
-    return p.strategy in FSDP_STRATEGIES or (p.strategy == "ddp" and (p.pp > 1 or p.tp > 1))
+    """FSDP2 runs zero2/zero3/hsdp, and DDP's replication under TP: DDP takes no DTensor
+    parameters; FSDP2 on a (dp, 1) mesh replicates exactly like DDP (16Ψ per rank)."""
+    return p.strategy in FSDP_STRATEGIES or (p.strategy == "ddp" and p.tp > 1)
 
 
 def reshard_after_forward(p: ParallelConfig) -> bool:
@@ -88,6 +87,10 @@ def apply_ddp(model: nn.Module, p: ParallelConfig, d: Dist) -> nn.Module:
         gradient_as_bucket_view=True,  # grads live in the buckets: no second 4Ψ copy
         forward_sync_buffers=False,  # loom's buffers (RoPE tables) are computed, never trained
         static_graph=p.ddp_static_graph,
+        # A pipeline stage runs one backward per micro-batch (no_sync on all but the last). DDP's
+        # bucket rebuild after step 1 would record every one of them and fail; with
+        # find_unused_parameters it keeps its first buckets and reduces correctly.
+        find_unused_parameters=p.pp > 1,
     )
 
 
