@@ -144,7 +144,6 @@ class Task:
     eval_data: Dataset | None = None
     tokens_per_sample: int = 1  # for tokens/s
     description: str = "model"
-    gpt: GPTConfig | None = None  # set for loom's GPT (pipeline stages and the parameter count use it)
 
 
 def gpt_task(cfg: Config) -> Task:
@@ -152,7 +151,7 @@ def gpt_task(cfg: Config) -> Task:
     train_set, eval_set = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
     gpt_cfg = model_config(cfg, vocab)
     return Task(model_fn=lambda: build_model(gpt_cfg, device="meta"), loss_fn=_loss, train_data=train_set,
-                eval_data=eval_set, tokens_per_sample=cfg.data.seq_len, gpt=gpt_cfg,
+                eval_data=eval_set, tokens_per_sample=cfg.data.seq_len,
                 description=f"GPT {gpt_cfg.n_layers}L d{gpt_cfg.d_model}")
 
 
