@@ -237,3 +237,15 @@ def test_mixed_precision_tracks_fp32(corpus, strategy, precision):
     losses = _run(corpus, strategy, 2, (f"train.precision={precision}",))[0][0]
     assert all(abs(a - b) / b < 0.02 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
     assert losses[-1] < losses[0]
+
+
+def _rank_eval(cfg: Config) -> float | None:
+    return train(cfg, None, quiet=True).eval_loss
+
+
+def test_pipelined_eval_equals_unpipelined(corpus):
+    """Forward-only through the stages gives the same held-out loss as the whole model."""
+    plain = run_ranks(_rank_eval, 2, make_config(corpus, "zero3"))
+    piped = run_ranks(_rank_eval, 2, make_config(corpus, "zero3", "parallel.pp=2"))
+    assert plain[0] is not None and plain[0] > 0
+    assert all(abs(x - plain[0]) / plain[0] < 1e-5 for x in plain + piped), (plain, piped)

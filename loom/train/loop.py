@@ -118,7 +118,9 @@ def _all_reduce_mean(t: torch.Tensor, world: int) -> torch.Tensor:
     return t / world
 
 
-def evaluate(model: nn.Module, loader, d: Dist, cfg: Config, loss_fn=None) -> float | None:
+def evaluate(model: nn.Module, loader, d: Dist, cfg: Config, loss_fn=None,
+             pipe: Pipeline | None = None) -> float | None:
+    """Mean loss over the held-out batches (under a pipeline: forward-only through the stages)."""
     if loader is None:
         return None
     model.eval()
@@ -126,10 +128,19 @@ def evaluate(model: nn.Module, loader, d: Dist, cfg: Config, loss_fn=None) -> fl
     count = 0
     with torch.no_grad(), _autocast(cfg, d.device), loss_context(cfg.parallel.tp):
         for batch in loader:
-            total += _local((loss_fn or _loss)(model, batch.to(d.device, non_blocking=True)))
+            batch = batch.to(d.device, non_blocking=True)
+            if pipe is None:
+                total += _local((loss_fn or _loss)(model, batch))
+            else:
+                losses: list[torch.Tensor] | None = [] if pipe.last else None
+                pipe.schedule.eval(*((batch[:, :-1],) if pipe.first else ()),
+                                   target=batch[:, 1:] if pipe.last else None, losses=losses)
+                if losses:  # each was divided by micro-batches × grad_accum (see build_pipeline)
+                    total += _local(torch.stack([x.detach() for x in losses]).sum()) * cfg.train.grad_accum
             count += 1
     model.train()
-    return _all_reduce_mean(total / max(count, 1), d.world_size).item()
+    contributors = d.world_size // cfg.parallel.pp  # with a pipeline only the last stage has a loss
+    return _all_reduce_mean(total / max(count, 1), contributors).item()
 
 
 @dataclass
@@ -171,8 +182,10 @@ def build_data(cfg: Config, d: Dist, train_set: Dataset, eval_set: Dataset | Non
                                  num_steps=t.steps)
     train_loader = make_loader(train_set, sampler, cfg.data.num_workers, cfg.data.prefetch_factor, pin)
     eval_loader = None
-    eval_batch = min(t.batch_size, len(eval_set) // dp_size * dp_size) if eval_set else 0
-    if eval_batch >= dp_size and t.eval_batches > 0 and cfg.parallel.pp == 1:  # no pipelined eval yet
+    # Whole batches for every dp rank (and, under a pipeline, for each of its micro-batches).
+    unit = dp_size * (pipeline_microbatches(cfg.parallel) if cfg.parallel.pp > 1 else 1)
+    eval_batch = min(t.batch_size, len(eval_set) // unit * unit) if eval_set else 0
+    if eval_batch >= unit and t.eval_batches > 0:
         eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, 1, t.seed,
                                           num_steps=min(t.eval_batches, len(eval_set) // eval_batch))
         eval_loader = make_loader(eval_set, eval_sampler, 0, None, pin)
@@ -335,12 +348,12 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
         step_times.append(step_time)
         pending = dict(step=step, lr=lr, step_time_s=step_time, data_wait_s=data_wait, values=values)
         if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-            eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn)
+            eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn, pipe)
             if main and not quiet and eval_loss is not None:
                 print(f"\neval loss at step {step}: {eval_loss:.4f}", flush=True)
     flush(pending)
     elapsed = time.perf_counter() - start
-    eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn)
+    eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn, pipe)
     metrics.close()
 
     memory.peak_bytes = peak.peak_bytes
