@@ -5,17 +5,13 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
+from loom.parallel.mesh import free_port
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn: Callable, rank: int, world: int, port: int, results, args: tuple) -> None:
@@ -40,7 +36,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 240.0) -> l
     """fn(*args) on every rank; returns the results ordered by rank. `fn` must be importable."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, results, args), daemon=True)
              for r in range(world)]
     for p in procs:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from loom.errors import ConfigError
+from loom.parallel.mesh import free_port
 from loom.models.gpt import GPT, PRESETS, GPTConfig, build_model, preset, validate
 
 
@@ -135,10 +135,6 @@ def test_init_ignores_wrapper_name_segments() -> None:
     assert _plain_name("layers.1._orig_mod.feed_forward.w2.weight") == "layers.1.feed_forward.w2.weight"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_init_dtensor_layout_independent(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,7 +143,7 @@ def test_init_dtensor_layout_independent(monkeypatch: pytest.MonkeyPatch) -> Non
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))

@@ -38,7 +38,7 @@ def reshard_after_forward(p: ParallelConfig) -> bool:
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], p: ParallelConfig, precision: str,
                d: Dist) -> nn.Module:
     """Shard each block as one FSDP unit, the embedding and the head as their own, then the root."""
-    # hsdp, and ddp under a pipeline: replicate over dp_replicate, shard over dp_shard (1 for ddp)
+    # hsdp, and ddp under TP: replicate over dp_replicate, shard over dp_shard (1 for ddp)
     two_d = p.strategy in ("hsdp", "ddp")
     mesh = d.mesh[("dp_replicate", "dp_shard")] if two_d else d.mesh["dp_shard"]
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward(p)}
@@ -106,7 +106,3 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     else:
         yield
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module under any DDP wrapper (FSDP2 shards in place, nothing to unwrap)."""
-    return model.module if isinstance(model, DDP) else model

@@ -189,7 +189,7 @@ def build_data(cfg: Config, d: Dist, train_set: Dataset, eval_set: Dataset | Non
         eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, 1, t.seed,
                                           num_steps=min(t.eval_batches, len(eval_set) // eval_batch))
         eval_loader = make_loader(eval_set, eval_sampler, 0, None, pin)
-    return Data(train_loader, eval_loader, t.batch_size // (dp_size * t.grad_accum))
+    return Data(train_loader, eval_loader, sampler.micro_batch)
 
 
 @dataclass
