@@ -1,4 +1,4 @@
-"""The `loom` command: train (plan, profile and analyze arrive with their issues).
+"""The `loom` command: train and plan (profile and analyze arrive with their issues).
 
 User errors end as one line on stderr and a non-zero exit, never a traceback.
 """
@@ -79,12 +79,41 @@ def _preflight_data(cfg, world_size: int) -> None:
     model_config(cfg, vocab)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from loom.plan.command import run  # pure Python: torch is imported only for --trace
+
+    return run(args)
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="TOML config (its model, data.seq_len, train.batch_size) or a "
+                                             "Hugging Face config.json")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, e.g. --set train.batch_size=512 (repeatable)")
+    p.add_argument("--model", help="a preset (tiny, small, 125m, 1b, 8b, 70b) or a Hugging Face config.json")
+    p.add_argument("--params", type=float, help="only a parameter count, e.g. 70e9 (model states alone)")
+    p.add_argument("--gpu", default="H100-SXM", help="GPU model from the catalog (default H100-SXM)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--recipe", default="torch", help="precision recipe: torch (16 B/param), zero (ZeRO paper), "
+                                                      "megatron (18 B/param)")
+    p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a GPU or cluster field, e.g. --hw bf16_tflops=700 --hw achievable_fraction=0.4")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--emit", help="write the recommended candidate as a loom config (TOML)")
+    p.add_argument("--trace", action="store_true",
+                   help="also trace the real model and strategy under FakeTensorMode (imports torch)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="PyTorch-native distributed training")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model with the configured strategy")
     _add_train_args(train)
     train.set_defaults(func=cmd_train)
+    plan = sub.add_parser("plan", help="predict memory, communication and step time of every strategy")
+    _add_plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

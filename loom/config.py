@@ -310,10 +310,10 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     if t.device == "cuda" and cuda_available is False:
         raise ConfigError("train.device = 'cuda' but no CUDA device is visible; set train.device=cpu or auto")
     dims = resolve_dims(p, world_size)
-    if dims.tp > 1 and p.strategy == "zero1":
-        # ZeroRedundancyOptimizer does not take DTensor (TP-sharded) parameters.
-        raise ConfigError(f"zero1 (ZeroRedundancyOptimizer) does not compose with parallel.tp = {dims.tp}; "
-                          f"use parallel.strategy=zero2, which shards the optimizer states and gradients")
+    if dims.tp > 1 and p.strategy == "zero1" and t.precision == "fp16":
+        # GradScaler unscales the optimizer's params' grads; under TP, ZeRO-1 links them at step only.
+        raise ConfigError("zero1 with parallel.tp > 1 does not take fp16 loss scaling; "
+                          "use train.precision=bf16 (no scaler needed) or parallel.strategy=zero2")
     if p.sequence_parallel and d.seq_len % dims.tp:
         raise ConfigError(f"parallel.sequence_parallel splits data.seq_len = {d.seq_len} over tp = {dims.tp}; "
                           f"use a seq_len divisible by {dims.tp}")

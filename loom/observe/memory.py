@@ -7,8 +7,8 @@ buckets, tied weights, ZeRO-1's local optimizer partition are all what this rank
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int] | None 
         if t is None:
             continue
         storage = _local(t).untyped_storage()
-        key = storage.data_ptr()
+        key = storage._cdata  # the StorageImpl: shared by views, and defined for fake tensors too
         if key not in seen and storage.nbytes() > 0:
             seen.add(key)
             total += storage.nbytes()
@@ -80,12 +80,6 @@ class PeakMemory:
     def __init__(self, device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.device, self.model, self.optimizer = device, model, optimizer
         self.peak_bytes: int | None = None
-        self._tracker = None
-
-    def new_micro_step(self) -> None:
-        """MemTracker follows one forward per module; gradient accumulation runs several."""
-        if self._tracker is not None:
-            self._tracker.reset_mod_stats()  # keeps the peak, forgets per-module stats
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
@@ -96,14 +90,30 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             return
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = self._tracker = MemTracker()
+        tracker = global_peak_tracker()
         tracker.track_external(self.model, self.optimizer)  # states that already exist
-        try:
-            with tracker:
-                yield
-        finally:
-            self._tracker = None
+        with tracker:
+            yield
         peaks = tracker.get_tracker_snapshot("peak")
         self.peak_bytes = int(sum(v.get("Total", 0) for v in peaks.values()))
+
+
+def global_peak_tracker():
+    """A MemTracker that keeps only the global live-bytes peak.
+
+    Its per-module statistics refuse a module whose forward runs more than once in the tracked
+    region (grad-accumulation micro-steps, pipeline micro-batches); the peak does not need them:
+    every storage is still counted through the dispatch mode, the optimizer hooks and resize_.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class GlobalPeakTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs): pass
+
+        def _post_fw_hook(self, module, inputs, outputs): pass
+
+        def _pre_bw_hook(self, module, args): pass
+
+        def _post_bw_hook(self, module, args): pass
+
+    return GlobalPeakTracker()

@@ -24,22 +24,22 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def uses_fsdp(p: ParallelConfig) -> bool:
-    """FSDP2 runs zero2/zero3/hsdp, and DDP's replication under TP: DDP takes no DTensor
-    parameters; FSDP2 on a (dp, 1) mesh replicates exactly like DDP (16Ψ per rank)."""
-    return p.strategy in FSDP_STRATEGIES or (p.strategy == "ddp" and p.tp > 1)
+    """FSDP2 runs zero2/zero3/hsdp, and DDP's replication under TP (ddp, zero1): DDP takes no
+    DTensor parameters; FSDP2 on a (dp, 1) mesh replicates exactly like DDP (16Ψ per rank)."""
+    return p.strategy in FSDP_STRATEGIES or (p.strategy in ("ddp", "zero1") and p.tp > 1)
 
 
 def reshard_after_forward(p: ParallelConfig) -> bool:
     if p.reshard_after_forward is not None:
         return p.reshard_after_forward
-    return p.strategy not in ("zero2", "ddp")
+    return p.strategy not in ("zero2", "ddp", "zero1")
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], p: ParallelConfig, precision: str,
                d: Dist) -> nn.Module:
     """Shard each block as one FSDP unit, the embedding and the head as their own, then the root."""
-    # hsdp, and ddp under TP: replicate over dp_replicate, shard over dp_shard (1 for ddp)
-    two_d = p.strategy in ("hsdp", "ddp")
+    # hsdp, and ddp/zero1 under TP: replicate over dp_replicate, shard over dp_shard (1 for ddp)
+    two_d = p.strategy in ("hsdp", "ddp", "zero1")
     mesh = d.mesh[("dp_replicate", "dp_shard")] if two_d else d.mesh["dp_shard"]
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward(p)}
     if precision != "fp32":

@@ -57,14 +57,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     for block in model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers:
         plan: dict[str, object] = {
             # Gather the sequence (SP) once per sub-layer; rope (2nd input) is a plain replicated buffer.
+            # The input stays a DTensor into the column-split linears, so their partial input
+            # gradients add up first and backward reduces once per sub-layer (not once per linear).
             "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None),
-                                            use_local_output=True),
+                                            use_local_output=False),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
             "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True),
+                                               use_local_output=False),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
@@ -94,10 +96,17 @@ def apply_hf_decoder_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> N
     layers = model.model.layers
     for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         parallelize_module(layer, tp_mesh, {
+            # As for loom's GPT: the input reaches the column-split linears as a DTensor, so
+            # backward reduces their summed input gradients once per sub-layer.
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                            use_local_output=False),
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                      use_local_output=False),
             "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(),

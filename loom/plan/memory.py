@@ -65,3 +65,119 @@ def formula_text(strategy: str) -> str:
     """The per-rank model-state formula in Ψ, as the README's strategy table writes it."""
     return {"ddp": "16Ψ", "zero1": "8Ψ + 8Ψ/N", "zero2": "16Ψ/N", "zero3": "16Ψ/N",
             "hsdp": "16Ψ/N_shard"}[strategy]
+
+
+# Bytes per parameter of the gradient collectives (FSDP2 reduces in fp32 under the torch recipe;
+# the ZeRO paper reduces fp16 gradients; Megatron/DeepSpeed keep fp32 main gradients).
+GRAD_COMM_BYTES = {"torch": 4, "zero": 2, "megatron": 4}
+
+
+@dataclass(frozen=True)
+class MemoryAccount:
+    """One GPU's bytes (its worst pipeline stage) and what offload puts on the host and disk."""
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float  # unsharded parameters and gradients in flight, communication buffers
+    fragmentation: float
+    host: float  # per GPU; a node needs gpus_per_node times this
+    nvme: float  # per GPU
+    stage: int  # the pipeline stage these bytes are for
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.buffers + self.fragmentation
+
+    def to_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "buffers": self.buffers,
+                "fragmentation": self.fragmentation, "model_states": self.model_states, "total": self.total}
+
+
+def gpu_memory(w, c, fragmentation: float = 0.10) -> MemoryAccount:
+    """Per-GPU memory of candidate `c` on workload `w` (see plan/candidate.py), worst stage."""
+    stages = {0, c.pp - 1}
+    accounts = [stage_memory(w, c, s, fragmentation) for s in sorted(stages)]
+    return max(accounts, key=lambda a: a.total)
+
+
+def stage_memory(w, c, stage: int, fragmentation: float = 0.10) -> MemoryAccount:
+    """Per-GPU memory of a rank holding pipeline stage `stage` (0 without a pipeline)."""
+    from loom.plan.shapes import (
+        activation_bytes_per_layer,
+        checkpointed_layers,
+        head_saved_bytes,
+        head_transient_bytes,
+        layers_of_stage,
+    )
+
+    shape, last = w.shape, stage == c.pp - 1
+    stage_params = shape.stage_params(stage, c.pp)
+    layers = layers_of_stage(shape.n_layers, stage, c.pp) if shape.known else 0
+    replicated = shape.tp_replicated_params(layers, last) if (c.tp > 1 and shape.known) else 0
+    states = model_state_bytes(c.strategy, stage_params, c.shard_size, w.recipe,
+                               paper_stages=w.recipe == "zero", tp=c.tp, tp_replicated=replicated)
+    params, grads, optimizer = states.params, states.grads, states.optimizer
+    host = nvme = 0.0
+    if c.offload == "optimizer":  # ZeRO-Offload: gradients and optimizer states on the host
+        host, grads, optimizer = grads + optimizer, 0.0, 0.0
+    elif c.offload == "optimizer+params":
+        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+    elif c.offload == "nvme":  # ZeRO-Infinity: states on NVMe, gradients staged through the host
+        nvme, host, params, grads, optimizer = params + optimizer, grads, 0.0, 0.0, 0.0
+
+    buffers = 0.0
+    if shape.known:
+        local_layer = (shape.layer_params - shape.layer_norm_params) / c.tp + shape.layer_norm_params
+        gathered = w.act_bytes * local_layer  # one layer's parameters, unsharded in the compute dtype
+        fsdp = c.strategy in ("zero2", "zero3", "hsdp") and w.recipe == "torch"
+        if fsdp and c.strategy == "zero2":
+            buffers += layers * gathered  # SHARD_GRAD_OP: every layer unsharded from forward to backward
+        elif fsdp:
+            buffers += gathered  # at the peak (backward's start) the next layer is being prefetched
+        if fsdp and c.grad_accum > 1:
+            # Micro-steps without gradient sync accumulate the unsharded gradients (FSDP2 no_sync;
+            # pipelining does the same between micro-batches): the stage's whole gradient.
+            buffers += GRAD_COMM_BYTES[w.recipe] * (stage_params - replicated) / c.tp + replicated * 4
+        if c.offload != "none":
+            buffers += 2 * gathered  # parameters staged in from the host
+
+    activations = 0.0
+    if shape.known:
+        sp, pipelined = c.sequence_parallel, c.pp > 1
+        per_layer = activation_bytes_per_layer(shape, w.seq_len, c.micro_batch, w.act_bytes, c.tp, sp)
+        residual = w.seq_len * c.micro_batch * shape.d_model * w.act_bytes  # one [s, b, h] tensor
+        kept_input = residual / (c.tp if sp else 1)
+        ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
+        one_micro = (layers - ckpt) * per_layer + ckpt * kept_input
+        if last:
+            one_micro += head_saved_bytes(shape, w.seq_len, c.micro_batch, w.act_bytes, c.tp, pipelined)
+        elif pipelined:
+            one_micro += residual  # the stage's output, kept by the schedule for its backward
+        # On top, the larger of: the loss's gradients at the start of backward (last stage), or
+        # one checkpointed layer rebuilt later in backward (by then the loss's tensors are gone).
+        recompute = per_layer if ckpt else 0.0
+        transient = head_transient_bytes(shape, w.seq_len, c.micro_batch, c.tp) if last else 0.0
+        activations = _micro_batches_in_flight(c, stage) * one_micro + max(recompute, transient)
+    allocated = params + grads + optimizer + activations + buffers
+    return MemoryAccount(params, grads, optimizer, activations, buffers, fragmentation * allocated,
+                         host, nvme, stage)
+
+
+def _micro_batches_in_flight(c, stage: int) -> float:
+    """Micro-batches whose activations a stage holds at once: 1 without a pipeline; GPipe all m;
+    1F1B p − stage (p on the first); interleaved 1F1B p·(1 + (p−1)/(p·v)) on the first."""
+    if c.pp == 1:
+        return 1
+    m = c.grad_accum
+    if c.schedule == "gpipe":
+        return m
+    if c.schedule == "interleaved":
+        return min(m * c.virtual_stages, c.pp * (1 + (c.pp - 1) / (c.pp * c.virtual_stages))) \
+            if stage == 0 else min(m, c.pp - stage)
+    return min(m, c.pp - stage)

@@ -21,21 +21,34 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
-from loom.config import FSDP_STRATEGIES, Config, pipeline_microbatches, to_toml, validate
+from loom.config import (
+    FSDP_STRATEGIES,
+    Config,
+    pipeline_microbatches,
+    to_toml,
+    validate,
+)
 from loom.data.corpus import load_tokens
 from loom.data.loader import GlobalBatchSampler, make_loader, split_train_eval
 from loom.errors import ConfigError
 from loom.models.gpt import GPTConfig, build_model, preset
+from loom.observe.comms import CollectiveCounter
 from loom.observe.memory import PeakMemory, RankMemory, measure_model_states
 from loom.parallel.apply import parallelize
 from loom.parallel.data_parallel import DTYPES, gradient_sync, uses_fsdp
 from loom.parallel.mesh import Dist, init_distributed
-from loom.parallel.pipeline import bubble_fraction, build_schedule, pipeline_step, rank_stages, validate_pipeline
+from loom.parallel.pipeline import (
+    bubble_fraction,
+    build_schedule,
+    pipeline_step,
+    rank_stages,
+    validate_pipeline,
+)
 from loom.parallel.tensor_parallel import check_tp_shapes, loss_context
 from loom.plan.memory import formula_text, model_state_bytes
+from loom.plan.shapes import ModelShape, from_gpt_config
 from loom.train.meters import MetricsFile, Progress, format_duration
 from loom.train.optim import build_optimizer, build_scheduler, clip_grad_norm
-
 
 # The root module returns logits from a Linear (a view); the loss never edits them in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -155,6 +168,7 @@ class Task:
     eval_data: Dataset | None = None
     tokens_per_sample: int = 1  # for tokens/s
     description: str = "model"
+    shape: ModelShape | None = None  # known to the planner: plan.json and measured-vs-planned
 
 
 def gpt_task(cfg: Config) -> Task:
@@ -163,7 +177,8 @@ def gpt_task(cfg: Config) -> Task:
     gpt_cfg = model_config(cfg, vocab)
     return Task(model_fn=lambda: build_model(gpt_cfg, device="meta"), loss_fn=_loss, train_data=train_set,
                 eval_data=eval_set, tokens_per_sample=cfg.data.seq_len,
-                description=f"GPT {gpt_cfg.n_layers}L d{gpt_cfg.d_model}")
+                description=f"GPT {gpt_cfg.n_layers}L d{gpt_cfg.d_model}",
+                shape=from_gpt_config(gpt_cfg, cfg.model.preset))
 
 
 @dataclass
@@ -216,7 +231,7 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
 
 
 def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: list[torch.Tensor],
-               cfg: Config, d: Dist, peak: PeakMemory,
+               cfg: Config, d: Dist,
                pipe: Pipeline | None = None, loss_fn=None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """One optimizer step over grad_accum micro-batches; gradients sync on the last one only.
 
@@ -229,7 +244,6 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
     loss_sum = torch.zeros((), device=d.device)
     data_wait = 0.0
     for micro in range(t.grad_accum):
-        peak.new_micro_step()
         wait_start = time.perf_counter()
         batch = next(batches).to(d.device, non_blocking=True)
         data_wait += time.perf_counter() - wait_start
@@ -292,9 +306,12 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     local_params = sum(q.numel() for q in params)  # this rank's stage(s), before TP/FSDP splits
     tokens_per_step = t.batch_size * task.tokens_per_sample
 
+    plan = _plan_run(cfg, task.shape, d) if task.shape is not None else None
     if run_dir is not None and main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
+        if plan is not None:
+            (run_dir / "plan.json").write_text(json.dumps(plan, indent=1))
     metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir is not None and main else None)
     if main and not quiet:
         print(f"loom: {p.strategy} on {d.world_size} rank(s) ({d.device.type}), dp={dp_size} "
@@ -315,6 +332,7 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     memory: RankMemory | None = None
     peak = PeakMemory(d.device, model, optimizer)
     pending: dict | None = None  # last step's device values, read back after the next step is queued
+    comm_sent: dict | None = None  # the collectives of step 2
 
     def flush(record: dict) -> None:
         loss, gnorm = record.pop("values").tolist()
@@ -329,12 +347,13 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     start = time.perf_counter()
     for step in range(1, t.steps + 1):
         step_start = time.perf_counter()
-        # MemTracker follows one forward per module; pipeline stages run one per micro-batch.
-        track = step == 2 and (pipe is None or d.device.type == "cuda")
-        tracking = peak.track() if track else contextlib.nullcontext()
-        with tracking:
+        # Step 1 creates the gradients and optimizer states; step 2 is the steady-state peak.
+        with peak.track() if step == 2 else contextlib.nullcontext(), \
+                CollectiveCounter() if step == 2 else contextlib.nullcontext() as comm:
             loss_sum, grad_norm, lr, data_wait = train_step(model, optimizer, scheduler, scaler, batches,
-                                                            params, cfg, d, peak, pipe, task.loss_fn)
+                                                            params, cfg, d, pipe, task.loss_fn)
+        if comm is not None:
+            comm_sent = comm.summary()
         if step == 1:
             memory = measure_model_states(model, optimizer)
             memory.num_params = num_params
@@ -358,7 +377,9 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
 
     memory.peak_bytes = peak.peak_bytes
     rank_memory: list[dict] = [None] * d.world_size  # type: ignore[list-item]
-    dist.all_gather_object(rank_memory, memory.to_dict())
+    measured = {**memory.to_dict(), "pp_stage": d.mesh["pp"].get_local_rank(), "comm_sent_bytes": comm_sent["sent_bytes"] if comm_sent else None,
+                "comm_by_kind": comm_sent["by_kind"] if comm_sent else None}
+    dist.all_gather_object(rank_memory, measured)
     # Step 1 pays for warm-up and step 2 for memory tracking: time the steady state after them.
     timed = step_times[2:] or step_times
     tokens_per_s = tokens_per_step * len(timed) / sum(timed)
@@ -370,6 +391,8 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
         tp_replicated = sum(q.numel() for q in params if q.ndim == 1) if p.tp > 1 else 0  # the norms' gains
         expected = model_state_bytes(p.strategy, local_params, shard, tp=p.tp, tp_replicated=tp_replicated)
         summary = _summary(cfg, result, expected.total, dp_size, shard)
+        if plan is not None:
+            summary["measured_vs_planned"] = measured_vs_planned(rank_memory, plan)
         if run_dir is not None:
             (run_dir / "memory.json").write_text(json.dumps(
                 {"strategy": p.strategy, "formula": formula_text(p.strategy), "shard_size": shard,
@@ -378,18 +401,77 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if not quiet:
             _print_summary(summary, rank_memory, p.strategy, expected.total, run_dir)
+            if plan is not None:
+                _print_measured_vs_planned(summary["measured_vs_planned"])
     return result
+
+
+def _plan_run(cfg: Config, shape: ModelShape, d: Dist) -> dict:
+    """The planner's prediction for this very run (written as plan.json, printed beside the
+    measurements). On CPU there is no GPU to price time on: bytes only."""
+    import os
+
+    from loom.plan.hardware import Cluster, detect
+    from loom.plan.memory import stage_memory
+    from loom.plan.search import config_candidate, config_workload, estimate
+
+    gpu = None
+    if d.device.type == "cuda":
+        props = torch.cuda.get_device_properties(d.device)
+        gpu = detect(props.name, props.total_memory)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size))
+    cluster = Cluster(gpu, per_node, max(d.world_size // per_node, 1))
+    m = d.mesh
+    c = config_candidate(cfg, m["dp_replicate"].size(), m["dp_shard"].size(), m["tp"].size(), m["pp"].size())
+    w = config_workload(cfg, shape)
+    record = estimate(w, c, cluster)
+    record["memory_bytes_by_stage"] = {s: stage_memory(w, c, s, cluster.fragmentation).to_dict()
+                                       for s in range(c.pp)}
+    record["gpu"] = gpu.name if gpu else None
+    return record
 
 
 def _full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     """Unsharded weights of this rank's part(s), by the full model's parameter names."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     out = {}
     for part in parts:
         sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         out.update({k: v.detach().cpu().clone() for k, v in sd.items()})
     return out
+
+
+def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:
+    """Per rank: model-state bytes, the step's activation peak (peak minus model states) and the
+    bytes its collectives sent in a step, each measured and as the plan predicted (its stage)."""
+    rows = []
+    for rank, m in enumerate(ranks):
+        planned = plan["memory_bytes_by_stage"][m["pp_stage"]]
+        activation = m["peak_bytes"] - m["model_state_bytes"] if m["peak_bytes"] is not None else None
+        rows.append({
+            "rank": rank,
+            "model_state_bytes": [m["model_state_bytes"], planned["model_states"]],
+            "activation_peak_bytes": [activation, planned["activations"] + planned["buffers"]],
+            "comm_sent_bytes": [m["comm_sent_bytes"], plan["comm_bytes_per_step"]],
+        })
+    return rows
+
+
+def _print_measured_vs_planned(rows: list[dict]) -> None:
+    mib = 2**20
+    print("measured / planned (MiB)  model states           activation peak        sent by collectives per step")
+    for row in rows:
+        cells = []
+        for key in ("model_state_bytes", "activation_peak_bytes", "comm_sent_bytes"):
+            got, want = row[key]
+            ratio = f"{got / want:5.2f}" if got is not None and want else "  n/a"
+            got_text = f"{got / mib:8.2f}" if got is not None else "     n/a"
+            cells.append(f"{got_text} / {want / mib:8.2f} {ratio}")
+        print(f"  rank {row['rank']:<18}" + "   ".join(cells))
 
 
 def _summary(cfg: Config, r: RunResult, expected: float, dp: int, shard: int) -> dict:

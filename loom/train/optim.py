@@ -29,12 +29,58 @@ def build_optimizer(model: nn.Module, t: TrainConfig, strategy: str, d: Dist) ->
     kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **{impl: True})
     groups = param_groups(model, t.weight_decay)
     if strategy == "zero1":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         # Each rank keeps Adam state for its partition only and broadcasts its updated params.
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW,
-                                       process_group=d.dp_mesh.get_group(), **kwargs)
+        sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
+        zero = _ZeroOverLocalShards if sharded else _zero_class()
+        return zero(groups, optimizer_class=torch.optim.AdamW, process_group=d.dp_mesh.get_group(), **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def _zero_class():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer
+
+
+class _ZeroOverLocalShards(_zero_class()):  # type: ignore[misc]
+    """ZeRO-1 for tensor-parallel (DTensor) parameters.
+
+    ZeroRedundancyOptimizer broadcasts plain tensors only, so it runs over plain aliases of this
+    rank's local TP shards (same storage). The dp ranks it partitions over hold the same TP shard,
+    so its partitions and broadcasts are exactly ZeRO-1 within each TP slice. Gradients are linked
+    to the aliases for the step only, so no extra reference keeps them alive afterwards.
+    """
+
+    def __init__(self, groups: list[dict], **kwargs):
+        self._links: list[tuple[torch.Tensor, torch.Tensor]] = []  # (DTensor param, plain alias)
+        local_groups = []
+        for group in groups:
+            aliases = []
+            for p in group["params"]:
+                alias = nn.Parameter(p.to_local().detach()) if isinstance(p, DTensor) else p
+                self._links.append((p, alias))
+                aliases.append(alias)
+            local_groups.append({**group, "params": aliases})
+        super().__init__(local_groups, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The gradients live on the DTensor params, which this optimizer's groups do not list.
+        for p, _ in self._links:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def step(self, closure=None, **kwargs):
+        linked = [(p, a) for p, a in self._links if a is not p]
+        for p, alias in linked:
+            alias.grad = None if p.grad is None else p.grad.to_local()
+        try:
+            return super().step(closure, **kwargs)
+        finally:
+            for _, alias in linked:
+                alias.grad = None
 
 
 def lr_lambda(t: TrainConfig):

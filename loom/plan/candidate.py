@@ -1,0 +1,87 @@
+"""What the planner prices: the workload (model, batch, precision) and one way to run it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.plan.shapes import ModelShape
+
+# Where the offloadable states live. "optimizer": ZeRO-Offload (grads and optimizer states on
+# the host, parameters on the GPU); "optimizer+params": everything sharded on the host (FSDP2's
+# CPUOffloadPolicy); "nvme": ZeRO-Infinity (optimizer states and parameters on NVMe).
+OFFLOADS = ("none", "optimizer", "optimizer+params", "nvme")
+ENGINES = {"ddp": "torch DDP", "zero1": "torch DDP + ZeroRedundancyOptimizer", "fsdp2": "torch FSDP2",
+           "deepspeed": "DeepSpeed"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: ModelShape
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    precision: str = "bf16"  # compute dtype: activations and gathered parameters
+    recipe: str = "torch"  # bytes per parameter of params/grads/optimizer (see memory.RECIPES)
+
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str  # ddp | zero1 | zero2 | zero3 | hsdp
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    dp_shard: int = 0  # hsdp: ranks one shard spans (0: the whole dp group)
+    offload: str = "none"
+    schedule: str = "none"  # pipeline schedule: gpipe | 1f1b | interleaved
+    virtual_stages: int = 1
+    activation_checkpointing: str = "none"  # none | selective | full
+    ac_every: int = 2
+    micro_batch: int = 1
+    grad_accum: int = 1  # micro-batches per step per dp rank (the pipeline's micro-batches when pp > 1)
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def shard_size(self) -> int:
+        """N of the formulas: ranks one shard of the model states is split over."""
+        if self.strategy == "hsdp":
+            return self.dp_shard
+        return 1 if self.strategy == "ddp" else self.dp
+
+    @property
+    def replicate_size(self) -> int:
+        return self.dp // self.dp_shard if self.strategy == "hsdp" else 1
+
+    @property
+    def engine(self) -> str:
+        if self.offload in ("optimizer", "nvme"):
+            return "deepspeed"  # FSDP2 offloads all sharded states or none, and never to NVMe
+        return {"ddp": "ddp", "zero1": "zero1"}.get(self.strategy, "fsdp2")
+
+    @property
+    def runs_in_loom(self) -> bool:
+        return self.engine != "deepspeed"
+
+    def label(self) -> str:
+        parts = [self.strategy if self.strategy != "hsdp" else f"hsdp({self.replicate_size}×{self.dp_shard})"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
+        if self.pp > 1:
+            v = f"×v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"pp{self.pp}{v} {self.schedule}")
+        if self.offload != "none":
+            parts.append(f"offload {self.offload}")
+        if self.activation_checkpointing != "none":
+            ac = self.activation_checkpointing
+            parts.append(f"ac {ac}" + (f"/{self.ac_every}" if ac == "selective" else ""))
+        return " ".join(parts)

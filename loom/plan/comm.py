@@ -1,0 +1,127 @@
+"""Bytes each GPU sends per optimizer step, by collective and by link.
+
+Ring algorithms: all-reduce sends 2(N−1)/N·Φ, all-gather and reduce-scatter (N−1)/N·Φ each
+(Φ = the full tensor), broadcast (N−1)/N·Φ; pipeline point-to-point sends each activation once.
+What the engines issue per step (as loom runs them; `loom train` measures the same counts):
+  ddp    one all-reduce of the fp32 gradients (no_sync on the non-final micro-steps)
+  zero1  ddp's all-reduce + the broadcast of each rank's updated partition
+  zero2  an all-gather of the parameters per micro-step (FSDP2 reshards after backward) and one
+         reduce-scatter of the gradients per step
+  zero3  zero2 + a second all-gather in backward (resharded after forward), except the unit of the
+         final norm and head, which stays gathered from forward to backward
+  hsdp   zero3 within the shard group + an all-reduce of the gradient shards across replicas
+  tp     per block and micro-batch two all-reduces of the activations in forward and two in
+         backward, one more in a checkpointed block's recompute (sequence parallel: an all-gather
+         and a reduce-scatter for each, the same bytes); one each for the vocabulary-split
+         embedding and head
+  pp     each micro-batch's activation to the next stage in forward, its gradient back in backward
+A group lies within a node when its ranks fit in one (TP innermost, then dp_shard, dp_replicate,
+PP outermost); otherwise its bytes are counted on the inter-node link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loom.plan.memory import GRAD_COMM_BYTES, RECIPES
+from loom.plan.shapes import checkpointed_layers
+
+
+@dataclass
+class CommAccount:
+    intra_node: float = 0.0
+    inter_node: float = 0.0
+    by_kind: dict[str, float] = field(default_factory=dict)
+    # seconds at link bandwidth, split by whether compute can hide them
+    overlappable: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.intra_node + self.inter_node
+
+    def add(self, kind: str, sent: float, inter: bool) -> None:
+        if sent <= 0:
+            return
+        if inter:
+            self.inter_node += sent
+        else:
+            self.intra_node += sent
+        self.by_kind[kind] = self.by_kind.get(kind, 0.0) + sent
+
+    def to_dict(self) -> dict:
+        return {"intra_node": self.intra_node, "inter_node": self.inter_node, "total": self.total,
+                "by_kind": dict(self.by_kind)}
+
+
+def ring(kind: str, n: int, size: float) -> float:
+    """Bytes one rank sends in a ring collective over n ranks on a tensor of `size` bytes."""
+    if n <= 1:
+        return 0.0
+    return (2 if kind == "all_reduce" else 1) * (n - 1) / n * size
+
+
+def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, float]]:
+    """(bytes sent per GPU per step by link and kind, bytes per group: {"dp", "tp", "pp"})."""
+    shape = w.shape
+    acc = CommAccount()
+    groups = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+
+    # Data parallel over the stage's local (TP-split) parameters: the heaviest stage.
+    stage_params = max(shape.stage_params(s, c.pp) for s in {0, c.pp - 1})
+    if c.tp > 1 and shape.known:
+        replicated = shape.tp_replicated_params(shape.n_layers // c.pp, True)
+        local = (stage_params - replicated) / c.tp + replicated
+    else:
+        local = stage_params / c.tp
+    grad_bytes = GRAD_COMM_BYTES[w.recipe] * local
+    param_bytes = (w.act_bytes if w.recipe == "torch" else RECIPES[w.recipe][0]) * local
+    tp_span = c.tp
+    dp_inter = c.dp * tp_span > gpus_per_node
+    micro_steps = c.grad_accum if c.pp == 1 else 1  # a pipeline runs its micro-batches in one step
+    if w.recipe != "torch" and c.strategy in ("zero1", "zero2"):
+        # The ZeRO paper's stages 1-2 (DeepSpeed): reduce-scatter the gradients, all-gather the
+        # updated parameters once per step: 2Φ, as DDP.
+        acc.add("reduce_scatter", ring("reduce_scatter", c.dp, grad_bytes), dp_inter)
+        acc.add("all_gather", ring("all_gather", c.dp, param_bytes), dp_inter)
+    elif c.strategy == "ddp":
+        acc.add("all_reduce", ring("all_reduce", c.dp, grad_bytes), dp_inter)
+    elif c.strategy == "zero1":
+        acc.add("all_reduce", ring("all_reduce", c.dp, grad_bytes), dp_inter)
+        acc.add("broadcast", ring("broadcast", c.dp, 4 * local), dp_inter)  # updated fp32 params
+    else:
+        n = c.shard_size
+        shard_inter = n * tp_span > gpus_per_node
+        gathered = micro_steps * param_bytes  # forward
+        if c.strategy != "zero2":  # backward again, but for the norm + head unit kept gathered
+            kept = (shape.head_params / c.tp if shape.known else 0.0) * param_bytes / max(local, 1)
+            gathered += micro_steps * (param_bytes - kept)
+        acc.add("all_gather", ring("all_gather", n, gathered), shard_inter)
+        acc.add("reduce_scatter", ring("reduce_scatter", n, grad_bytes), shard_inter)
+        if c.strategy == "hsdp":
+            acc.add("all_reduce", ring("all_reduce", c.replicate_size, grad_bytes / n), dp_inter)
+    groups["dp"] = acc.total
+
+    if c.tp > 1 and shape.known:
+        tokens = w.seq_len * c.micro_batch
+        activation = tokens * shape.d_model * w.act_bytes
+        layers = shape.n_layers / c.pp
+        # Per block: forward 2 (attention and MLP outputs), backward 2 (their inputs' gradients);
+        # a checkpointed block's recompute stops at its last saved tensor, before the MLP's
+        # reduction: one more. The embedding (forward) and the head (backward) add one each.
+        ckpt = checkpointed_layers(round(layers), c.activation_checkpointing, c.ac_every)
+        per_micro = (4 * layers + ckpt + (2 if c.pp == 1 else 1)) * ring("all_reduce", c.tp, activation)
+        acc.add("tp", per_micro * c.grad_accum, c.tp > gpus_per_node)
+        groups["tp"] = per_micro * c.grad_accum
+
+    if c.pp > 1 and shape.known:
+        activation = w.seq_len * c.micro_batch * shape.d_model * w.act_bytes
+        if c.sequence_parallel:
+            activation /= c.tp
+        # A rank sends forward from each of its v stages but the model's last, and backward from
+        # each but the first: 2v·m on a middle rank, (2v−1)·m when p = 2.
+        sends = 2 * c.virtual_stages - (1 if c.pp == 2 else 0)
+        sent = sends * c.grad_accum * activation
+        pp_inter = c.world > gpus_per_node and c.dp * c.tp >= gpus_per_node  # stages on other nodes
+        acc.add("send", sent, pp_inter)
+        groups["pp"] = sent
+    return acc, groups

@@ -1,0 +1,252 @@
+"""Every way to run a workload on a cluster, priced, and the one to recommend.
+
+Candidates: strategy (ddp, zero1, zero2, zero3, hsdp) × offload × tp × pp × pipeline schedule ×
+activation checkpointing × micro-batch, with grad_accum (or the pipeline's micro-batches) making
+up the global batch. Pure Python: thousands of candidates per second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from loom.errors import ConfigError
+from loom.plan.candidate import Candidate, Workload
+from loom.plan.comm import comm_per_step
+from loom.plan.hardware import Cluster
+from loom.plan.memory import gpu_memory
+from loom.plan.step import bubble_fraction, step_time
+
+GB = 1e9
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+
+
+def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
+    """One candidate, priced: the JSON record of `loom plan --format json`."""
+    mem = gpu_memory(w, c, cluster.fragmentation)
+    comm, groups = comm_per_step(w, c, cluster.gpus_per_node)
+    record = {
+        "label": c.label(), "strategy": c.strategy, "engine": c.engine, "runs_in_loom": c.runs_in_loom,
+        "nodes": cluster.nodes, "gpus": c.world, "dp": c.dp, "dp_shard": c.shard_size, "tp": c.tp, "pp": c.pp,
+        "pp_schedule": c.schedule, "pp_virtual_stages": c.virtual_stages, "sequence_parallel": c.sequence_parallel,
+        "offload": c.offload, "recipe": w.recipe, "precision": w.precision,
+        "activation_checkpointing": c.activation_checkpointing, "ac_every": c.ac_every,
+        "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
+        "memory_bytes": mem.to_dict(), "memory_stage": mem.stage,
+        "host_memory_bytes": mem.host * cluster.gpus_per_node,  # per node
+        "host_memory_bytes_per_gpu": mem.host, "nvme_bytes": mem.nvme * cluster.gpus_per_node,
+        "comm_bytes_per_step": comm.total, "comm_bytes_by_link": {"intra_node": comm.intra_node,
+                                                                  "inter_node": comm.inter_node},
+        "comm_bytes_by_kind": comm.by_kind,
+        "pipeline_bubble": bubble_fraction(c.pp, c.grad_accum, c.virtual_stages) if c.pp > 1 else 0.0,
+        "fits": None, "why_not": None, "step_time_s": None, "step_time_breakdown_s": None,
+        "tokens_per_s": None, "mfu": None,
+    }
+    gpu = cluster.gpu
+    if gpu is None:
+        return record
+    reasons = []
+    if mem.total > gpu.memory_gb * GB:
+        reasons.append(f"needs {mem.total / GB:.1f} GB per GPU > {gpu.memory_gb:g} GB")
+    if record["host_memory_bytes"] > cluster.host_memory_gb * GB:
+        reasons.append(f"needs {record['host_memory_bytes'] / GB:.0f} GB of host memory per node "
+                       f"> {cluster.host_memory_gb:g} GB")
+    if record["nvme_bytes"] > cluster.nvme_gb * GB:
+        reasons.append(f"needs {record['nvme_bytes'] / GB:.0f} GB of NVMe per node > {cluster.nvme_gb:g} GB")
+    t = step_time(w, c, cluster, comm, groups)
+    flops = w.tokens_per_step * w.shape.flops_per_token(w.seq_len)
+    record.update(fits=not reasons, why_not="; ".join(reasons) or None, step_time_s=t.total,
+                  step_time_breakdown_s=t.to_dict(), tokens_per_s=w.tokens_per_step / t.total,
+                  mfu=flops / (t.total * c.world * gpu.bf16_tflops * 1e12))
+    return record
+
+
+def enumerate_candidates(w: Workload, cluster: Cluster, strategies=STRATEGIES):
+    shape, world, per_node = w.shape, cluster.world_size, cluster.gpus_per_node
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= per_node and world % t == 0 and _tp_divides(shape, t)]
+    for tp in tps:
+        for pp in _pipeline_degrees(shape, world // tp):
+            dp = world // (tp * pp)
+            if w.global_batch % dp:
+                continue
+            local_batch = w.global_batch // dp
+            for strategy in strategies:
+                for shard in _shards(strategy, dp, tp, per_node, cluster.nodes):
+                    for offload in _offloads(strategy):
+                        for schedule, virtual in _schedules(shape, pp):
+                            for ac in ("none", "selective", "full") if shape.known else ("none",):
+                                for mb in MICRO_BATCHES:
+                                    if mb > local_batch or local_batch % mb:
+                                        continue
+                                    m = local_batch // mb
+                                    if pp > 1 and m < pp:
+                                        continue  # 1F1B-style schedules need m ≥ p (GPipe too, to keep p busy)
+                                    yield Candidate(strategy, dp, tp, pp, shard, offload, schedule, virtual, ac,
+                                                    2, mb, m, sequence_parallel=tp > 1)
+
+
+def _tp_divides(shape, tp: int) -> bool:
+    if tp == 1:
+        return True
+    if not shape.known:
+        return False
+    return not (shape.n_heads % tp or shape.n_kv_heads % tp or shape.ffn_hidden % tp or shape.vocab_size % tp)
+
+
+def _pipeline_degrees(shape, ranks: int) -> list[int]:
+    if not shape.known:
+        return [1]
+    return [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= shape.n_layers and ranks % p == 0]
+
+
+def _shards(strategy: str, dp: int, tp: int, per_node: int, nodes: int) -> list[int]:
+    if strategy != "hsdp":
+        return [0]
+    shard = per_node // tp  # shard inside a node, replicate across nodes
+    if nodes == 1 or shard < 2 or dp % shard or dp == shard:
+        return []
+    return [shard]
+
+
+def _offloads(strategy: str) -> tuple[str, ...]:
+    if strategy in ("zero1", "zero2"):
+        return ("none", "optimizer")
+    if strategy in ("zero3", "hsdp"):
+        return ("none", "optimizer", "optimizer+params", "nvme") if strategy == "zero3" else ("none", "optimizer+params")
+    return ("none",)
+
+
+def _schedules(shape, pp: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("none", 1)]
+    options = [("gpipe", 1), ("1f1b", 1)]
+    if shape.n_layers % (pp * 2) == 0:
+        options.append(("interleaved", 2))
+    return options
+
+
+@dataclass
+class Plan:
+    workload: Workload
+    cluster: Cluster
+    candidates: list[dict]
+    recommended: int | None
+    reason: str
+
+    def to_dict(self) -> dict:
+        shape = self.workload.shape
+        return {
+            "model": {"name": shape.name, "num_params": shape.num_params, "known_shape": shape.known,
+                      "seq_len": self.workload.seq_len, "global_batch": self.workload.global_batch,
+                      "flops_per_token": shape.flops_per_token(self.workload.seq_len)},
+            "cluster": {**dataclasses.asdict(self.cluster), "world_size": self.cluster.world_size},
+            "assumptions": assumptions(self.cluster),
+            "candidates": self.candidates, "recommended": self.recommended, "reason": self.reason,
+        }
+
+
+def assumptions(cluster: Cluster) -> list[str]:
+    return [
+        f"compute at {cluster.achievable_fraction:.0%} of the bf16 dense peak (override: --hw achievable_fraction=)",
+        f"links at {cluster.comm_efficiency:.0%} of their bandwidth; ring collectives",
+        ("data-parallel collectives overlap with compute (only the excess is exposed); "
+         "TP, PP and ZeRO-1's broadcast are exposed"),
+        f"fragmentation margin {cluster.fragmentation:.0%} of allocated bytes; GB = 1e9 bytes",
+        "offload traffic and host Adam are not overlapped",
+    ]
+
+
+def search(w: Workload, cluster: Cluster) -> Plan:
+    """Price every candidate and recommend the fastest that fits (loom's own engines first)."""
+    if cluster.gpu is None:
+        raise ConfigError("loom plan needs a GPU model to price step time; pass --gpu (e.g. --gpu H100-SXM)")
+    records = [estimate(w, c, cluster) for c in enumerate_candidates(w, cluster)]
+    if not records:
+        raise ConfigError(
+            f"no layout of {cluster.world_size} GPUs divides the global batch of {w.global_batch} sequences "
+            f"(dp must divide it); set train.batch_size to a multiple of {cluster.world_size}")
+    fitting = [i for i, r in enumerate(records) if r["fits"]]
+    if not fitting:
+        closest = min(records, key=lambda r: r["memory_bytes"]["total"])
+        raise ConfigError(f"nothing fits on {cluster.describe()} ({w.shape.name}; the leanest, {closest['label']}, "
+                          f"{closest['why_not']}); " + smallest_fitting_cluster(w, cluster))
+    runnable = [i for i in fitting if records[i]["runs_in_loom"]]
+    pool = runnable or fitting
+    best = max(pool, key=lambda i: (records[i]["tokens_per_s"], -records[i]["memory_bytes"]["total"]))
+    return Plan(w, cluster, records, best, _reason(records, best, cluster, bool(runnable)))
+
+
+def smallest_fitting_cluster(w: Workload, cluster: Cluster) -> str:
+    nodes = cluster.nodes
+    for _ in range(12):
+        nodes *= 2
+        bigger = dataclasses.replace(cluster, nodes=nodes)
+        for c in enumerate_candidates(w, bigger):
+            if estimate(w, c, bigger)["fits"]:
+                return (f"the smallest cluster that fits is {nodes} nodes × {cluster.gpus_per_node} "
+                        f"(e.g. {c.label()}); add nodes (--nodes {nodes}) or a larger GPU")
+    return "no cluster up to 4096× this size fits it either; check the model size and the batch"
+
+
+def _reason(records: list[dict], best: int, cluster: Cluster, runnable: bool) -> str:
+    r = records[best]
+    t = r["step_time_breakdown_s"]
+    share = {k: t[k] / t["total"] for k in ("compute", "recompute", "bubble", "comm_exposed", "offload")}
+    largest = max((k for k in share if k != "compute"), key=share.get)
+    mem = r["memory_bytes"]["total"] / GB
+    why = (f"{r['label']}: the highest predicted throughput that fits ({r['tokens_per_s']:,.0f} tokens/s, "
+           f"MFU {r['mfu']:.0%}, {mem:.1f} of {cluster.gpu.memory_gb:g} GB per GPU; "
+           f"compute {share['compute']:.0%} of the step, then {largest.replace('_', ' ')} {share[largest]:.0%})")
+    if not runnable:
+        why += "; only DeepSpeed-engine candidates (optimizer-only or NVMe offload) fit, which loom does not run"
+    big = cluster.nodes > 1 and cluster.world_size >= 512
+    if r["engine"] == "deepspeed":
+        engine = "engine: DeepSpeed, needed for optimizer-only or NVMe offload"
+    elif big:
+        engine = (f"engine: {r['engine']} (loom runs it); at {cluster.world_size} GPUs across nodes the seeds' "
+                  "rule also points to DeepSpeed for its mature large-scale and offload configs")
+    elif cluster.nodes == 1:
+        engine = f"engine: {r['engine']}: single node, minimal code (FSDP over DeepSpeed by the seeds' rule)"
+    else:
+        engine = f"engine: {r['engine']}: cross-node at moderate scale; torch-native keeps the code minimal"
+    return f"{why}. {engine}"
+
+
+def emit_config(base, record: dict):
+    """The loom Config that runs a candidate, from the user's config (model, data, batch kept)."""
+    if not record["runs_in_loom"]:
+        raise ConfigError(f"{record['label']} needs the DeepSpeed engine (offload '{record['offload']}'), which "
+                          f"loom does not run; pick a candidate with offload none or optimizer+params")
+    cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel), train=dataclasses.replace(base.train))
+    p, t = cfg.parallel, cfg.train
+    p.strategy, p.tp, p.pp = record["strategy"], record["tp"], record["pp"]
+    p.sequence_parallel = record["sequence_parallel"]
+    p.offload = "cpu" if record["offload"] == "optimizer+params" else "none"
+    p.activation_checkpointing, p.ac_every = record["activation_checkpointing"], record["ac_every"]
+    if record["strategy"] == "hsdp":
+        p.dp_shard, p.dp_replicate = record["dp_shard"], record["dp"] // record["dp_shard"]
+    if record["pp"] > 1:
+        p.pp_schedule, p.pp_virtual_stages = record["pp_schedule"], record["pp_virtual_stages"]
+        p.microbatches, t.grad_accum = record["grad_accum"], 1
+    else:
+        t.grad_accum = record["grad_accum"]
+    return cfg
+
+
+def config_workload(cfg, shape, recipe: str = "torch") -> Workload:
+    return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe)
+
+
+def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int) -> Candidate:
+    """The candidate a resolved loom config runs (the inverse of emit_config)."""
+    p, t = cfg.parallel, cfg.train
+    dp = dp_replicate * dp_shard
+    pipelined = pp > 1
+    micro = p.microbatches or pp if pipelined else t.grad_accum
+    per_micro = t.batch_size // (dp * (t.grad_accum * micro if pipelined else micro))
+    return Candidate(p.strategy, dp, tp, pp, dp_shard if p.strategy == "hsdp" else 0,
+                     "optimizer+params" if p.offload == "cpu" else "none",
+                     p.pp_schedule if pipelined else "none", p.pp_virtual_stages if pipelined else 1,
+                     p.activation_checkpointing, p.ac_every, per_micro, micro,
+                     sequence_parallel=p.sequence_parallel and tp > 1)

@@ -1,0 +1,188 @@
+"""A model's shape for the planner: parameter counts, FLOPs per token and activation bytes.
+
+Pure Python (no torch). The shape comes from a loom preset, a config's model section, a Hugging
+Face `config.json`, or only a parameter count (`--params`: model states alone; activations and
+the attention FLOPs are then unknown and taken as zero, which the output says).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from loom.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    vocab_size: int = 0
+    d_model: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    ffn_hidden: int = 0
+    tie_embeddings: bool = False
+    params_only: int = 0  # > 0: only the parameter count is known
+
+    @property
+    def known(self) -> bool:
+        return self.params_only == 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        d = self.d_model
+        return 2 * d * d + 2 * d * self.kv_dim + 3 * d * self.ffn_hidden + 2 * d
+
+    @property
+    def layer_norm_params(self) -> int:
+        """Norm gains: not split by tensor parallelism."""
+        return 2 * self.d_model
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.d_model
+
+    @property
+    def head_params(self) -> int:
+        """Output head + final norm (the head is the embedding itself when tied)."""
+        return (0 if self.tie_embeddings else self.vocab_size * self.d_model) + self.d_model
+
+    @property
+    def num_params(self) -> int:
+        if not self.known:
+            return self.params_only
+        return self.n_layers * self.layer_params + self.embedding_params + self.head_params
+
+    def stage_params(self, stage: int, stages: int) -> int:
+        """Parameters of one pipeline stage: its layers, plus the embedding on the first and
+        norm + head on the last (tied: the last stage holds its own copy of the embedding)."""
+        if not self.known or stages == 1:
+            return self.num_params // stages
+        layers = layers_of_stage(self.n_layers, stage, stages)
+        total = layers * self.layer_params
+        if stage == 0:
+            total += self.embedding_params
+        if stage == stages - 1:
+            total += self.head_params + (self.embedding_params if self.tie_embeddings else 0)
+        return total
+
+    def tp_replicated_params(self, layers: int, last: bool) -> int:
+        """Parameters every TP rank holds whole: the norms' gains."""
+        return layers * self.layer_norm_params + (self.d_model if last else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B); N counts the weights
+        that take part in matmuls (the input embedding is a lookup, the head is a matmul)."""
+        if not self.known:
+            return 6.0 * self.params_only
+        matmul = self.num_params - (0 if self.tie_embeddings else self.embedding_params)
+        return 6.0 * matmul + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+
+def layers_of_stage(n_layers: int, stage: int, stages: int) -> int:
+    """Balanced split: the first n_layers % stages stages take one extra layer."""
+    return n_layers // stages + (1 if stage < n_layers % stages else 0)
+
+
+def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, elem: int,
+                               tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Bytes one decoder block keeps for backward, for one micro-batch.
+
+    Korthikanti et al. 2022 (arXiv 2205.05198) Table 2 counts sbh(34 + 5as/h) for a GPT block in
+    16-bit. Adapted to this decoder (RMSNorm, RoPE, SwiGLU, GQA) with fused (flash) attention,
+    which keeps no s×s matrix, so the 5as/h term becomes the softmax statistics (fp32, per head).
+    What autograd saves (checked with saved-tensor hooks):
+      per norm (2): input, normalized, output                       3·sbh each
+      attention: q, k, v as attention sees them (GQA's k, v repeated to all heads) and its
+                 output, which is also the wo input                 4·sbh
+      MLP (SwiGLU): gate, silu(gate), up, product                   4·sbf
+    RoPE saves nothing large (its cos/sin are constants). Under TP everything between the
+    column- and row-split linears is divided by tp; the norms stay whole unless sequence parallel
+    splits them too, and then the all-gathered inputs of the column-split linears stay whole
+    (2·sbh).
+    """
+    s, b, h, f = seq, micro_batch, shape.d_model, shape.ffn_hidden
+    sbh = s * b * h
+    split = (4 * sbh + 4 * s * b * f) * elem + s * b * shape.n_heads * 4  # + softmax stats, fp32
+    norms = 6 * sbh * elem
+    if sequence_parallel and tp > 1:
+        return split / tp + norms / tp + 2 * sbh * elem
+    return split / tp + norms
+
+
+def head_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1,
+                     pipelined: bool = False) -> float:
+    """What the final norm and the loss keep per micro-batch until its backward: the norm's three
+    tensors and the loss's fp32 log-softmax (vocab-parallel under TP); a pipeline schedule also
+    keeps the stage's output, the logits."""
+    sbv = seq * micro_batch * shape.vocab_size / tp
+    return 3 * seq * micro_batch * shape.d_model * elem + sbv * (4 + (elem if pipelined else 0))
+
+
+def head_transient_bytes(shape: ModelShape, seq: int, micro_batch: int, tp: int = 1) -> float:
+    """At the start of backward the loss's two fp32 gradients of the logits exist at once."""
+    return 2 * 4 * seq * micro_batch * shape.vocab_size / tp
+
+
+def checkpointed_layers(layers: int, mode: str, every: int) -> int:
+    """How many of a stage's blocks keep only their input (activation checkpointing)."""
+    if mode == "none":
+        return 0
+    return layers if mode == "full" else math.ceil(layers / every)
+
+
+def from_preset(name: str, **overrides: object) -> ModelShape:
+    from loom.models.presets import preset
+
+    return from_gpt_config(preset(name, **overrides), name)
+
+
+def from_gpt_config(cfg, name: str) -> ModelShape:
+    return ModelShape(name=name, vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                      n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_hidden=cfg.ffn_hidden,
+                      tie_embeddings=cfg.tie_embeddings)
+
+
+_HF_KEYS = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+            "intermediate_size": "ffn_hidden", "vocab_size": "vocab_size"}
+
+
+def from_hf_config(path: str | Path) -> ModelShape:
+    """A Llama/Mistral/Qwen2-style decoder from its Hugging Face `config.json` (no weights)."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model config {path} does not exist; pass a Hugging Face config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); pass a Hugging Face config.json") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object; pass a Hugging Face config.json")
+    missing = [k for k in _HF_KEYS if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool) or raw[k] <= 0]
+    if missing:
+        raise ConfigError(f"{path} lacks positive integer field(s) {', '.join(missing)} of a decoder config.json "
+                          f"(Llama/Mistral/Qwen2 style)")
+    fields = {ours: raw[theirs] for theirs, ours in _HF_KEYS.items()}
+    kv = raw.get("num_key_value_heads") or fields["n_heads"]
+    if fields["d_model"] % fields["n_heads"] or fields["n_heads"] % kv:
+        raise ConfigError(f"{path}: hidden_size {fields['d_model']}, num_attention_heads {fields['n_heads']} and "
+                          f"num_key_value_heads {kv} do not divide; check the file")
+    return ModelShape(name=str(raw.get("model_type", path.stem)), n_kv_heads=kv,
+                      tie_embeddings=bool(raw.get("tie_word_embeddings", False)), **fields)
+
+
+def from_params(count: float) -> ModelShape:
+    if count <= 0:
+        raise ConfigError(f"--params {count:g} must be a positive parameter count such as 70e9")
+    return ModelShape(name=f"{count / 1e9:g}B params", params_only=int(count))
