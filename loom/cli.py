@@ -1,4 +1,4 @@
-"""The `loom` command: train and plan (profile and analyze arrive with their issues).
+"""The `loom` command: train, plan, profile and analyze.
 
 User errors end as one line on stderr and a non-zero exit, never a traceback.
 """
@@ -28,7 +28,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from loom.config import load_config, validate
-    from loom.launch import LaunchSpec, adopt_slurm_env, check_spec, default_nproc, relaunch, under_launcher
+    from loom.launch import (
+        LaunchSpec,
+        adopt_slurm_env,
+        check_spec,
+        default_nproc,
+        relaunch,
+        under_launcher,
+    )
 
     cfg = load_config(args.config, args.set)
     if under_launcher():  # a rank started by torchrun/srun: join and train
@@ -79,6 +86,45 @@ def _preflight_data(cfg, world_size: int) -> None:
     model_config(cfg, vocab)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Train with the profiler on its schedule, then analyze the traces the ranks wrote."""
+    from loom.launch import under_launcher
+
+    args.set = [*args.set, "profile.enabled=true"]
+    if args.out is None:
+        args.out = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-profile"
+    rc = cmd_train(args)
+    if rc != 0 or under_launcher():
+        return rc
+    return _analyze_and_print(args.out / "traces", "table", None)
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    return _analyze_and_print(args.trace_dir, args.format, args.out)
+
+
+def _analyze_and_print(trace_dir: Path, fmt: str, out: Path | None) -> int:
+    import json
+
+    from loom.observe.analyze import analyze, render_table, write_outputs
+
+    if not trace_dir.is_dir():
+        raise LoomError(f"{trace_dir} is not a directory; pass the folder holding the per-rank traces "
+                        f"(a loom run's RUN_DIR/traces)")
+    analysis = analyze(trace_dir)
+    out_dir = out or (trace_dir.parent if trace_dir.name == "traces" else trace_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ledger, report = write_outputs(analysis, out_dir)
+    if fmt == "json":
+        print(json.dumps(analysis, indent=1))
+    elif fmt == "html":
+        print(report)
+    else:
+        print(render_table(analysis))
+        print(f"\nledger: {ledger}\nreport: {report}")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from loom.plan.command import run  # pure Python: torch is imported only for --trace
 
@@ -111,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model with the configured strategy")
     _add_train_args(train)
     train.set_defaults(func=cmd_train)
+    profile = sub.add_parser("profile", help="train with torch.profiler on, then analyze the traces")
+    _add_train_args(profile)
+    profile.set_defaults(func=cmd_profile)
+    analyze = sub.add_parser("analyze", help="the step ledger and a diagnosis from torch.profiler traces")
+    analyze.add_argument("trace_dir", type=Path, help="folder of per-rank Chrome traces (.json or .json.gz)")
+    analyze.add_argument("--format", choices=("table", "json", "html"), default="table")
+    analyze.add_argument("--out", type=Path, help="where ledger.json and report.html go (default: the run directory)")
+    analyze.set_defaults(func=cmd_analyze)
     plan = sub.add_parser("plan", help="predict memory, communication and step time of every strategy")
     _add_plan_args(plan)
     plan.set_defaults(func=cmd_plan)

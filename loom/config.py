@@ -100,11 +100,24 @@ class TrainConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler on a schedule: skip `wait` steps, warm up `warmup`, record `active`."""
+    enabled: bool = False  # `loom profile` turns it on
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    record_shapes: bool = True  # collective sizes (bytes) come from the recorded shapes
+    with_stack: bool = False
+    memory_snapshot: bool = True  # on GPUs: a CUDA memory snapshot of the profiled steps
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -286,6 +299,14 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     _positive("parallel.ac_every", p.ac_every)
     _positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb, 0.001)
     _positive("data.prefetch_factor", d.prefetch_factor)
+    prof = cfg.profile
+    if min(prof.wait, prof.warmup) < 0 or prof.active < 1:
+        raise ConfigError(f"profile.wait = {prof.wait}, warmup = {prof.warmup} must be ≥ 0 and profile.active = "
+                          f"{prof.active} ≥ 1, e.g. --set profile.active=3")
+    if prof.enabled and prof.wait + prof.warmup + prof.active > t.steps:
+        raise ConfigError(f"the profiler needs profile.wait + warmup + active = "
+                          f"{prof.wait + prof.warmup + prof.active} steps but train.steps = {t.steps}; "
+                          f"raise train.steps or lower profile.active")
     if t.eval_batches < 0 or t.eval_every < 0:
         raise ConfigError("train.eval_batches and train.eval_every must be ≥ 0 (0 turns eval off / to the end)")
     if d.num_workers < 0:

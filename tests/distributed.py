@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-from loom.parallel.mesh import free_port
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
+from loom.parallel.mesh import free_port
 
 
 def _worker(fn: Callable, rank: int, world: int, port: int, results, args: tuple) -> None:

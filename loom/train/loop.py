@@ -10,9 +10,10 @@ import contextlib
 import json
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,13 @@ from loom.parallel.pipeline import (
 from loom.parallel.tensor_parallel import check_tp_shapes, loss_context
 from loom.plan.memory import formula_text, model_state_bytes
 from loom.plan.shapes import ModelShape, from_gpt_config
-from loom.train.meters import MetricsFile, Progress, format_duration
+from loom.train.meters import (
+    MetricsFile,
+    PhaseTimer,
+    Progress,
+    format_duration,
+    phase_share,
+)
 from loom.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 # The root module returns logits from a Linear (a view); the loss never edits them in place.
@@ -231,8 +238,8 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
 
 
 def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: list[torch.Tensor],
-               cfg: Config, d: Dist,
-               pipe: Pipeline | None = None, loss_fn=None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+               cfg: Config, d: Dist, pipe: Pipeline | None = None, loss_fn=None,
+               timer: PhaseTimer | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """One optimizer step over grad_accum micro-batches; gradients sync on the last one only.
 
     Returns (sum of micro-batch losses, global grad norm) as device tensors, the lr used and the
@@ -240,16 +247,18 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
     """
     t = cfg.train
     loss_fn = loss_fn or _loss
+    timer = timer or PhaseTimer(d.device)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=d.device)
     data_wait = 0.0
     for micro in range(t.grad_accum):
         wait_start = time.perf_counter()
-        batch = next(batches).to(d.device, non_blocking=True)
+        with timer.phase("data"):
+            batch = next(batches).to(d.device, non_blocking=True)
         data_wait += time.perf_counter() - wait_start
         if pipe is not None:
             # The stages sync gradients themselves (no_sync on all but each step's last backward).
-            with _autocast(cfg, d.device), loss_context(cfg.parallel.tp):
+            with timer.phase("pipeline"), _autocast(cfg, d.device), loss_context(cfg.parallel.tp):
                 loss = pipeline_step(pipe.schedule, batch[:, :-1] if pipe.first else None,
                                      batch[:, 1:] if pipe.last else None, pipe.first, pipe.last)
             if loss is not None:
@@ -257,10 +266,20 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
             continue
         with (gradient_sync(model, enabled=micro == t.grad_accum - 1), _autocast(cfg, d.device),
               loss_context(cfg.parallel.tp)):
-            loss = loss_fn(model, batch)
-            scaled = loss / t.grad_accum
-            (scaler.scale(scaled) if scaler else scaled).backward()
+            with timer.phase("forward"):
+                loss = loss_fn(model, batch)
+                scaled = loss / t.grad_accum
+            with timer.phase("backward"):
+                (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += _local(loss.detach())
+    with timer.phase("optimizer"):
+        grad_norm, lr = _optimizer_step(optimizer, scheduler, scaler, params, t, pipe)
+    return loss_sum, grad_norm, lr, data_wait
+
+
+def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t,
+                    pipe: Pipeline | None) -> tuple[torch.Tensor, float]:
+    """Unscale, clip, step and advance the schedule; returns (grad norm on device, lr used)."""
     if scaler:
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(params, t.grad_clip, pipe.group if pipe is not None else None)
@@ -271,7 +290,7 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
     else:
         optimizer.step()
     scheduler.step()
-    return loss_sum, grad_norm, lr, data_wait
+    return grad_norm, lr
 
 
 def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, quiet: bool = False,
@@ -338,11 +357,18 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
         loss, gnorm = record.pop("values").tolist()
         losses.append(loss)
         grad_norms.append(gnorm)
-        record.update(loss=loss, grad_norm=gnorm,
-                      tokens_per_s=tokens_per_step / record["step_time_s"])
+        phases = PhaseTimer.resolve(record.pop("phases"))
+        record.update(loss=loss, grad_norm=gnorm, tokens_per_s=tokens_per_step / record["step_time_s"], **phases)
         metrics.write(record)
-        progress.update(record["step"], loss, record["tokens_per_s"])
+        progress.update(record["step"], loss, record["tokens_per_s"], phase_share(phases))
 
+    timer = PhaseTimer(d.device)
+    profiler = None
+    if cfg.profile.enabled and run_dir is not None:
+        from loom.observe.profiler import StepProfiler
+
+        profiler = StepProfiler(cfg.profile, run_dir, d.rank, d.device)
+        profiler.__enter__()
     batches = iter(data.train)
     start = time.perf_counter()
     for step in range(1, t.steps + 1):
@@ -351,7 +377,8 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
         with peak.track() if step == 2 else contextlib.nullcontext(), \
                 CollectiveCounter() if step == 2 else contextlib.nullcontext() as comm:
             loss_sum, grad_norm, lr, data_wait = train_step(model, optimizer, scheduler, scaler, batches,
-                                                            params, cfg, d, pipe, task.loss_fn)
+                                                            params, cfg, d, pipe, task.loss_fn, timer)
+        phases = timer.end_step()
         if comm is not None:
             comm_sent = comm.summary()
         if step == 1:
@@ -365,12 +392,17 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
             flush(pending)
         step_time = time.perf_counter() - step_start
         step_times.append(step_time)
-        pending = dict(step=step, lr=lr, step_time_s=step_time, data_wait_s=data_wait, values=values)
+        pending = {"step": step, "lr": lr, "step_time_s": step_time, "data_wait_s": data_wait, "values": values,
+                   "phases": phases}
+        if profiler is not None:
+            profiler.step()
         if t.eval_every and step % t.eval_every == 0 and step < t.steps:
             eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn, pipe)
             if main and not quiet and eval_loss is not None:
                 print(f"\neval loss at step {step}: {eval_loss:.4f}", flush=True)
     flush(pending)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
     elapsed = time.perf_counter() - start
     eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn, pipe)
     metrics.close()

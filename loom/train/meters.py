@@ -1,12 +1,17 @@
-"""Progress on rank 0: a one-line bar (loss, tokens/s, ETA) and the per-step metrics file."""
+"""Progress on rank 0: a one-line bar (loss, tokens/s, ETA, phase shares), the per-step metrics
+file, and the always-on phase timer behind both."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
+
+import torch
 
 
 def format_duration(seconds: float) -> str:
@@ -56,3 +61,58 @@ class MetricsFile:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+# A pipeline's schedule runs forward and backward interleaved: one "pipeline" phase.
+PHASES = ("data", "forward", "backward", "pipeline", "optimizer")
+
+
+class PhaseTimer:
+    """The light ledger, always on: seconds per step in data, forward, backward and optimizer.
+
+    Each phase is also a `record_function` range (`loom/<phase>`) for the profiler. On CPU the
+    host clock is the truth; on GPUs the compute phases are timed with CUDA events that are read
+    a step later, when they have long completed, so timing adds no device synchronization. Data
+    waits are host time on both.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._host: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._events: list[tuple[str, object, object]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        with torch.profiler.record_function(f"loom/{name}"):
+            if self.cuda and name != "data":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self._events.append((name, start, end))
+            else:
+                t0 = time.perf_counter()
+                yield
+                self._host[name] += time.perf_counter() - t0
+
+    def end_step(self) -> tuple[dict[str, float], list]:
+        """This step's timings, to `resolve` once the step's values are read back."""
+        done = (self._host, self._events)
+        self._host, self._events = dict.fromkeys(PHASES, 0.0), []
+        return done
+
+    @staticmethod
+    def resolve(handle: tuple[dict[str, float], list]) -> dict[str, float]:
+        seconds, events = dict(handle[0]), handle[1]
+        for name, start, end in events:  # recorded a step ago: complete, so no wait here
+            seconds[name] += start.elapsed_time(end) / 1000
+        return {f"{name}_s": value for name, value in seconds.items()}
+
+
+def phase_share(times: dict[str, float]) -> str:
+    """' | data 3% fwd 31% bwd 52% opt 14%' for the progress line (phases that ran)."""
+    total = sum(times.values())
+    if total <= 0:
+        return ""
+    short = {"data_s": "data", "forward_s": "fwd", "backward_s": "bwd", "pipeline_s": "fwd+bwd", "optimizer_s": "opt"}
+    return " | " + " ".join(f"{short[k]} {v / total:.0%}" for k, v in times.items() if k in short and v > 0)

@@ -1,0 +1,291 @@
+"""torch.profiler Chrome traces: find them in a directory and stream their events.
+
+A rank's trace of a long run is hundreds of MB of pretty-printed JSON, so events are decoded one
+at a time with `json.JSONDecoder.raw_decode` over a buffer refilled in chunks (plain or gzip):
+memory stays at one chunk plus what the consumer keeps. The top-level keys around `traceEvents`
+(`baseTimeNanoseconds`, `distributedInfo`, ...) land in `TraceStream.header` as they are read.
+
+Event `ts` are µs relative to `baseTimeNanoseconds` (Kineto's wall-clock base), so
+`TraceStream.absolute_us(ts)` lines different ranks' traces up. A file cut short (a run killed
+while writing) yields the events before the cut and records a warning instead of failing.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from loom.errors import LoomError
+
+CHUNK_CHARS = 1 << 20  # text read per refill
+MAX_VALUE_CHARS = 64 << 20  # one JSON value (an event, a header entry) larger than this is malformed
+_SKIP = re.compile(r"[\s,]*")  # whitespace and the commas between array items / object members
+_WS = re.compile(r"\s*")
+_RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+_DIGITS = re.compile(r"(\d+)")
+
+
+@dataclass
+class TraceFile:
+    path: Path
+    name_rank: int | None  # from `rank{N}` / `rank_{N}` / `rank-N` in the file name
+
+
+def rank_from_name(name: str) -> int | None:
+    m = _RANK_IN_NAME.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _natural_key(path: Path) -> list:
+    # rank2 before rank10 when ranks come from file order
+    return [int(t) if t.isdigit() else t for t in _DIGITS.split(path.name)]
+
+
+def _trace_files(folder: Path) -> list[Path]:
+    return sorted((p for p in folder.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz"))),
+                  key=_natural_key)
+
+
+def find_traces(path: str | Path) -> list[TraceFile]:
+    """The Chrome trace files in `path` (a directory, not recursive; or one file), natural order.
+
+    A loom run directory stands for its `traces/` (its own JSON files are not traces)."""
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        sub = path / "traces"
+        files = (sub.is_dir() and _trace_files(sub)) or _trace_files(path)
+        if not files:
+            raise LoomError(f"no trace files (*.json, *.json.gz) in {path}: point at the directory "
+                            "torch.profiler's on_trace_ready wrote its Chrome traces to")
+    else:
+        raise LoomError(f"{path} does not exist: give the directory holding the profiler traces")
+    return [TraceFile(p, rank_from_name(p.name)) for p in files]
+
+
+class TraceStream:
+    """Iterate a Chrome trace's `traceEvents` one dict at a time without loading the file.
+
+    After (or during) iteration: `header` holds the other top-level keys read so far,
+    `warnings` what was wrong but survivable (a truncated file), `count` the events yielded.
+    Also accepts Chrome's bare-array form (`[{...}, ...]`).
+    """
+
+    def __init__(self, path: str | Path, chunk_chars: int = CHUNK_CHARS):
+        self.path = Path(path)
+        self.chunk_chars = chunk_chars
+        self.header: dict = {}
+        self.warnings: list[str] = []
+        self.count = 0
+        self.truncated = False
+        self._events_started = False
+        self._decode = json.JSONDecoder().raw_decode
+
+    # -- header values -------------------------------------------------------------------
+    @property
+    def base_ns(self) -> int:
+        return int(self.header.get("baseTimeNanoseconds") or 0)
+
+    def absolute_us(self, ts: float) -> float:
+        """`ts` (µs relative to the trace's base) as µs since the epoch, comparable across ranks."""
+        return ts + self.base_ns / 1000
+
+    @property
+    def distributed_rank(self) -> int | None:
+        info = self.header.get("distributedInfo")
+        rank = info.get("rank") if isinstance(info, dict) else None
+        return rank if isinstance(rank, int) else None
+
+    # -- streaming -----------------------------------------------------------------------
+    def _open(self):
+        if self.path.name.endswith(".gz"):
+            return _GzipText(self.path)
+        return open(self.path, encoding="utf-8", errors="replace")
+
+    def __iter__(self) -> Iterator[dict]:
+        try:
+            with self._open() as f:
+                yield from self._events(f)
+        except EOFError as e:  # gzip stream cut short
+            self._truncated(str(e))
+        except zlib.error as e:
+            raise LoomError(f"{self.path} is not a gzip file ({e}): rename it to .json if it is plain "
+                            "JSON, or give a torch.profiler trace") from None
+        except OSError as e:
+            raise LoomError(f"cannot read {self.path}: {e}") from None
+
+    def _truncated(self, why: str) -> None:
+        if not self._events_started:
+            raise LoomError(f"{self.path} ends before its traceEvents ({why}): the file is truncated "
+                            "or not a torch.profiler trace")
+        self.truncated = True
+        self.warnings.append(f"{self.path.name}: truncated after {self.count} events ({why}); "
+                             "analyzed the events before the cut")
+
+    def _events(self, f) -> Iterator[dict]:
+        self._f, self._buf, self._i, self._eof = f, "", 0, False
+        self._events_started = False
+        c = self._peek(_WS)
+        if c is None:
+            raise LoomError(f"{self.path} is empty: give torch.profiler's export_chrome_trace output")
+        if c == "[":  # bare array of events
+            self._i += 1
+            self._events_started = True
+            yield from self._array()
+            return
+        if c != "{":
+            raise LoomError(f"{self.path} is not a JSON trace (starts with {self._buf[self._i:self._i + 20]!r}): "
+                            "give torch.profiler's export_chrome_trace output")
+        self._i += 1
+        found = False
+        while True:
+            c = self._peek(_SKIP)
+            if c is None:
+                self._truncated("file ends inside the top-level object")
+                return
+            if c == "}":
+                break
+            key = self._value()
+            if key is _TRUNCATED:
+                return
+            if self._peek(_WS) != ":":
+                if self._eof and self._i >= len(self._buf):
+                    self._truncated("file ends after a key")
+                    return
+                self._malformed("expected ':' after a key")
+            self._i += 1
+            if key == "traceEvents":
+                found = True
+                if self._peek(_WS) != "[":
+                    self._malformed("traceEvents is not an array")
+                self._i += 1
+                self._events_started = True
+                yield from self._array()
+                if self.truncated:
+                    return
+            else:
+                value = self._value()
+                if value is _TRUNCATED:
+                    return
+                self.header[key] = value
+        if not found:
+            keys = ", ".join(list(self.header)[:6]) or "none"
+            raise LoomError(f"{self.path} is JSON but has no traceEvents (keys: {keys}): not a "
+                            "torch.profiler Chrome trace; remove it or point at the trace directory")
+
+    def _array(self) -> Iterator[dict]:
+        decode, skip = self._decode, _SKIP.match
+        while True:
+            buf, i = self._buf, skip(self._buf, self._i).end()
+            if i < len(buf) and buf[i] == "]":
+                self._i = i + 1
+                return
+            if i < len(buf) and buf[i] != "{":
+                self._i = i
+                self._truncated(f"unreadable data {buf[i:i + 20]!r} where an event should start")
+                return
+            if i < len(buf):
+                try:
+                    ev, j = decode(buf, i)
+                    if j < len(buf):  # an object ends at its '}': complete even at the buffer end
+                        self._i = j
+                        self.count += 1
+                        yield ev
+                        continue
+                except json.JSONDecodeError:
+                    pass
+            self._i = i
+            if self._eof:
+                self._truncated("file ends inside traceEvents" if i >= len(buf) else "last event cut")
+                return
+            if len(buf) - i > MAX_VALUE_CHARS:
+                self._malformed("an event over 64 MB: not a trace event")
+            self._fill()
+
+    def _value(self):
+        """Decode one whole JSON value at the cursor, refilling until it is complete."""
+        while True:
+            self._peek(_WS)
+            buf, i = self._buf, self._i
+            try:
+                value, j = self._decode(buf, i)
+                if j < len(buf) or self._eof:  # a number at the buffer end may continue
+                    self._i = j
+                    return value
+            except json.JSONDecodeError as e:
+                if self._eof:
+                    self._truncated(e.msg)
+                    return _TRUNCATED
+            if len(buf) - i > MAX_VALUE_CHARS:
+                self._malformed("a top-level value over 64 MB")
+            self._fill()
+
+    def _peek(self, pattern: re.Pattern) -> str | None:
+        """Skip `pattern` at the cursor; the next character (None at end of file)."""
+        while True:
+            self._i = pattern.match(self._buf, self._i).end()
+            if self._i < len(self._buf):
+                return self._buf[self._i]
+            if self._eof:
+                return None
+            self._fill()
+
+    def _fill(self) -> None:
+        chunk = self._f.read(self.chunk_chars)
+        self._buf = self._buf[self._i:] + chunk
+        self._i = 0
+        if not chunk:
+            self._eof = True
+
+    def _malformed(self, what: str) -> None:
+        raise LoomError(f"{self.path} is not a valid Chrome trace: {what} (after {self.count} events)")
+
+
+_TRUNCATED = object()
+
+
+class _GzipText:
+    """Text from a gzip file, incrementally: a cut stream yields everything before the cut, then
+    EOFError (gzip.open would lose its last buffered block)."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "rb")  # noqa: SIM115 - closed by __exit__
+        self._z = zlib.decompressobj(wbits=31)
+        self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._cut = False
+
+    def read(self, n: int) -> str:
+        out: list[str] = []
+        size = 0
+        while size < n:
+            if self._cut:
+                if out:
+                    break  # hand over what came before the cut; the next read raises
+                raise EOFError("compressed stream ends early")
+            raw = self._f.read(1 << 16)
+            if not raw:
+                self._cut = not self._z.eof
+                if not self._cut:
+                    break
+                continue
+            data = self._z.decompress(raw)
+            while self._z.eof and self._z.unused_data:  # concatenated gzip members
+                rest = self._z.unused_data
+                self._z = zlib.decompressobj(wbits=31)
+                data += self._z.decompress(rest)
+            text = self._text.decode(data)
+            out.append(text)
+            size += len(text)
+        return "".join(out)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
