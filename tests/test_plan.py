@@ -211,3 +211,11 @@ def test_trace_flag_prints_traced_beside_analytic(capsys):
     for part in ("params", "grads", "optimizer"):
         traced, analytic = float(rows[part][1]), float(rows[part][2])
         assert traced > 0 and abs(traced - analytic) <= 0.1 * analytic  # FSDP pads tiny shards
+
+
+def test_config_candidate_reads_the_run_layout():
+    cfg = load_config(None, ["parallel.strategy=ddp", "train.grad_accum=2", "parallel.microbatches=4"])
+    c = config_candidate(cfg, 2, 1, 1, 1)  # no pipeline: microbatches does not apply
+    assert (c.grad_accum, c.micro_batch) == (2, 4)  # 16 sequences = 4 × 2 × dp 2
+    piped = config_candidate(load_config(None, ["parallel.pp=2", "parallel.microbatches=4"]), 1, 1, 1, 2)
+    assert (piped.grad_accum, piped.micro_batch, piped.schedule) == (4, 4, "1f1b")

@@ -243,7 +243,7 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int) ->
     p, t = cfg.parallel, cfg.train
     dp = dp_replicate * dp_shard
     pipelined = pp > 1
-    micro = p.microbatches or pp if pipelined else t.grad_accum
+    micro = (p.microbatches or pp) if pipelined else t.grad_accum
     per_micro = t.batch_size // (dp * (t.grad_accum * micro if pipelined else micro))
     return Candidate(p.strategy, dp, tp, pp, dp_shard if p.strategy == "hsdp" else 0,
                      "optimizer+params" if p.offload == "cpu" else "none",
