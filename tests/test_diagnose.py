@@ -53,7 +53,7 @@ def _plain_ddp_loop(out: str, plant: str) -> None:
                  on_trace_ready=write) as prof:
         for _ in range(STEPS):
             if plant == "straggler" and rank == 1:
-                time.sleep(0.08)  # this rank reaches every collective late
+                time.sleep(0.15)  # this rank reaches every collective late
             for micro in range(accum):
                 x, y = next(loader)
                 with (model.no_sync() if micro < accum - 1 else torch.enable_grad()):
@@ -112,7 +112,7 @@ def test_sleeping_rank_is_the_straggler(root):
     transfers = [m["per_rank"]["0"]["transfer_ms"] for m in analysis["collectives"]]
     assert sum(waits) > 3 * sum(transfers), (waits, transfers)
     rank0 = analysis["ranks"]["0"]["steps"]
-    assert sum(s["comm_exposed_ms"] for s in rank0) > 150  # ~80 ms of waiting per step
+    assert sum(s["comm_exposed_ms"] for s in rank0) > 300  # ~150 ms of waiting per step
     rank1 = analysis["ranks"]["1"]["steps"]
     assert min(s["shares"]["idle"] for s in rank1) > 20  # the sleep is idle time on rank 1
 

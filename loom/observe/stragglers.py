@@ -61,7 +61,7 @@ def find_stragglers(matched: list[dict], ranks: dict[str, dict]) -> list[dict]:
 
     Per step, a late rank's delay is how far behind the next-latest rank it reached the step's
     most delayed collective (later collectives of the step wait for the same delay). A straggler
-    is last at ≥ 75% of the collectives and delays its step by ≥ 35% of the mean step time on
+    is last at ≥ 75% of the collectives and delays its step by ≥ 40% of the mean step time on
     average: scheduling jitter between ranks sharing a host stays well below that.
     """
     if not matched:
@@ -82,7 +82,7 @@ def find_stragglers(matched: list[dict], ranks: dict[str, dict]) -> list[dict]:
     for rank, count in last_count.items():
         share = count / len(matched)
         late_ms = sum(step_delay[rank].values()) / len(steps)
-        if share >= 0.75 and late_ms >= max(1.0, 0.35 * mean_wall):
+        if share >= 0.75 and late_ms >= max(1.0, 0.4 * mean_wall):
             waiting = {r: _per_step_max(matched, r) for r in ranks if int(r) != rank}
             out.append({"rank": rank, "late_ms_mean": late_ms, "last_share": share,
                         "evidence": (f"rank {rank} arrived last at {count} of {len(matched)} collectives and "
