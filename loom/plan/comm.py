@@ -74,9 +74,9 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
     else:
         local = stage_params / c.tp
     grad_bytes = GRAD_COMM_BYTES[w.recipe] * local
-    param_bytes = (w.act_bytes if w.recipe == "torch" else RECIPES[w.recipe][0]) * local
-    tp_span = c.tp
-    dp_inter = c.dp * tp_span > gpus_per_node
+    per_param = w.act_bytes if w.recipe == "torch" else RECIPES[w.recipe][0]  # gathered dtype
+    param_bytes = per_param * local
+    dp_inter = c.dp * c.tp > gpus_per_node
     micro_steps = c.grad_accum if c.pp == 1 else 1  # a pipeline runs its micro-batches in one step
     if w.recipe != "torch" and c.strategy in ("zero1", "zero2"):
         # The ZeRO paper's stages 1-2 (DeepSpeed): reduce-scatter the gradients, all-gather the
@@ -90,10 +90,10 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
         acc.add("broadcast", ring("broadcast", c.dp, 4 * local), dp_inter)  # updated fp32 params
     else:
         n = c.shard_size
-        shard_inter = n * tp_span > gpus_per_node
+        shard_inter = n * c.tp > gpus_per_node
         gathered = micro_steps * param_bytes  # forward
         if c.strategy != "zero2":  # backward again, but for the norm + head unit kept gathered
-            kept = (shape.head_params / c.tp if shape.known else 0.0) * param_bytes / max(local, 1)
+            kept = per_param * shape.head_params / c.tp if shape.known else 0.0
             gathered += micro_steps * (param_bytes - kept)
         acc.add("all_gather", ring("all_gather", n, gathered), shard_inter)
         acc.add("reduce_scatter", ring("reduce_scatter", n, grad_bytes), shard_inter)
