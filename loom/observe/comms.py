@@ -8,6 +8,7 @@ Bytes sent follow the ring model the planner uses, so measured and predicted tra
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -15,6 +16,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from loom.plan.comm import ring
 
 # op -> (kind, argument holding the payload, payload is one rank's share to multiply by N).
 # c10d ops are what ProcessGroup calls dispatch, functional ops do their c10d call inside their
@@ -60,17 +63,8 @@ _OPS: dict[str, tuple[str, str | None, bool]] = {
 
 
 def ring_sent_bytes(kind: str, payload_bytes: int, group_size: int) -> int:
-    """Bytes one rank sends to move `payload_bytes` with ring (or pipelined chain) algorithms."""
-    n = group_size
-    if kind == "all_reduce":  # reduce-scatter then all-gather
-        return payload_bytes * 2 * (n - 1) // n
-    if kind == "send":
-        return payload_bytes
-    if kind in ("recv", "barrier"):
-        return 0
-    if kind in ("gather", "scatter"):  # N-1 of the N chunks move, spread over the N ranks
-        return payload_bytes * (n - 1) // (n * n)
-    return payload_bytes * (n - 1) // n  # all_gather, reduce_scatter, broadcast, reduce, all_to_all
+    """Bytes one rank sends to move `payload_bytes`: the planner's ring model, in whole bytes."""
+    return math.floor(ring(kind, group_size, payload_bytes) + 1e-6)  # floor, robust to float rounding
 
 
 def _nbytes(x: Any) -> int:

@@ -54,10 +54,17 @@ class CommAccount:
 
 
 def ring(kind: str, n: int, size: float) -> float:
-    """Bytes one rank sends in a ring collective over n ranks on a tensor of `size` bytes."""
-    if n <= 1:
+    """Bytes one rank sends in a ring (or pipelined chain) collective over n ranks on a tensor of
+    `size` bytes. The planner predicts with it and loom/observe/comms.py measures with it."""
+    if kind == "send":
+        return size
+    if n <= 1 or kind in ("recv", "barrier"):
         return 0.0
-    return (2 if kind == "all_reduce" else 1) * (n - 1) / n * size
+    if kind == "all_reduce":  # reduce-scatter then all-gather
+        return 2 * (n - 1) / n * size
+    if kind in ("gather", "scatter"):  # n-1 of the n chunks move, spread over the n ranks
+        return (n - 1) / (n * n) * size
+    return (n - 1) / n * size  # all_gather, reduce_scatter, broadcast, reduce, all_to_all
 
 
 def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, float]]:

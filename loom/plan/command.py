@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from loom.data.tokenizer import atomic_write
 from loom.errors import ConfigError
 from loom.plan.candidate import Workload
 from loom.plan.hardware import Cluster, lookup, with_overrides
@@ -63,9 +63,9 @@ def run(args) -> int:
         if shape.known and model is not None and not model.endswith(".json"):
             emitted.model.preset = model
         validate(emitted, cluster.world_size, cuda_available=True)
-        _write_atomically(Path(args.emit), f"# loom plan: {best['label']} on {cluster.describe()}\n"
-                                           f"# run: loom train {args.emit} --nproc {cluster.gpus_per_node} "
-                                           f"--nnodes {cluster.nodes}\n" + to_toml(emitted))
+        header = (f"# loom plan: {best['label']} on {cluster.describe()}\n# run: loom train {args.emit} "
+                  f"--nproc {cluster.gpus_per_node} --nnodes {cluster.nodes}\n")
+        atomic_write(Path(args.emit), (header + to_toml(emitted)).encode())
         if args.format != "json":
             print(f"wrote {args.emit}")
     if args.trace:
@@ -95,9 +95,3 @@ def _trace(cfg, plan, model: str | None) -> None:
         print(f"  {key.removesuffix('_bytes'):<14} {traced[key] / 1e6:12.3f} {analytic[key] / 1e6:12.3f} "
               f"{result['ratio'][key]:7.3f}")
     print(f"  {'step peak':<14} {traced['peak_bytes'] / 1e6:12.3f}")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

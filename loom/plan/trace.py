@@ -20,7 +20,6 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, _sharding_prop
@@ -34,6 +33,7 @@ from loom.observe.memory import global_peak_tracker, optimizer_states, storage_b
 from loom.parallel.apply import parallelize
 from loom.parallel.mesh import Dist
 from loom.plan.memory import formula_text, model_state_bytes
+from loom.train.loop import model_config, next_token_loss
 from loom.train.optim import build_optimizer, clip_grad_norm
 
 # FSDP2 runs on fake tensors. DDP (ddp, zero1) does not: its C++ reducer and parameter check
@@ -132,7 +132,6 @@ def _trace_config(cfg: Config, world_size: int, micro_batch: int) -> Config:
 def _gpt_config(cfg: Config) -> GPTConfig:
     """The preset with the config's overrides, as training builds it (a BPE vocab if no override)."""
     from loom.data.tokenizer import ByteTokenizer
-    from loom.train.loop import model_config
 
     gpt = model_config(cfg, cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else ByteTokenizer.vocab_size)
     if cfg.data.seq_len > gpt.max_seq_len:
@@ -153,10 +152,7 @@ def _traced_step(cfg: Config, gpt: GPTConfig, d: Dist, micro_batch: int) -> dict
     tracker.track_external(model, optimizer)  # the sharded parameters that already exist
     with _own_fake_mode_for_sharding_propagation(), tracker:
         batch = torch.randint(0, gpt.vocab_size, (micro_batch, cfg.data.seq_len + 1))
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())  # as the train loop
-        del logits
+        loss = next_token_loss(model, batch)  # the train loop's own loss: logits freed on return
         loss.backward()
         del loss
         clip_grad_norm(params, t.grad_clip)

@@ -104,7 +104,7 @@ def load_data(cfg: Config) -> tuple[Any, int]:
     return load_tokens(d.source, d.tokenizer, vocab, d.bin_dtype, Path(d.cache_dir).expanduser())
 
 
-def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+def next_token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = model(inputs)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -150,7 +150,7 @@ def evaluate(model: nn.Module, loader, d: Dist, cfg: Config, loss_fn=None,
         for batch in loader:
             batch = batch.to(d.device, non_blocking=True)
             if pipe is None:
-                total += _local((loss_fn or _loss)(model, batch))
+                total += _local((loss_fn or next_token_loss)(model, batch))
             else:
                 losses: list[torch.Tensor] | None = [] if pipe.last else None
                 pipe.schedule.eval(*((batch[:, :-1],) if pipe.first else ()),
@@ -182,7 +182,7 @@ def gpt_task(cfg: Config) -> Task:
     tokens, vocab = load_data(cfg)
     train_set, eval_set = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
     gpt_cfg = model_config(cfg, vocab)
-    return Task(model_fn=lambda: build_model(gpt_cfg, device="meta"), loss_fn=_loss, train_data=train_set,
+    return Task(model_fn=lambda: build_model(gpt_cfg, device="meta"), loss_fn=next_token_loss, train_data=train_set,
                 eval_data=eval_set, tokens_per_sample=cfg.data.seq_len,
                 description=f"GPT {gpt_cfg.n_layers}L d{gpt_cfg.d_model}",
                 shape=from_gpt_config(gpt_cfg, cfg.model.preset))
@@ -246,7 +246,7 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
     seconds spent waiting for data. With a pipeline only the last stage has a loss (0 elsewhere).
     """
     t = cfg.train
-    loss_fn = loss_fn or _loss
+    loss_fn = loss_fn or next_token_loss
     timer = timer or PhaseTimer(d.device)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=d.device)
