@@ -177,7 +177,6 @@ def _micro_batches_in_flight(c, stage: int) -> float:
     m = c.grad_accum
     if c.schedule == "gpipe":
         return m
-    if c.schedule == "interleaved":
-        return min(m * c.virtual_stages, c.pp * (1 + (c.pp - 1) / (c.pp * c.virtual_stages))) \
-            if stage == 0 else min(m, c.pp - stage)
+    if c.schedule == "interleaved" and stage == 0:
+        return min(m * c.virtual_stages, c.pp * (1 + (c.pp - 1) / (c.pp * c.virtual_stages)))
     return min(m, c.pp - stage)

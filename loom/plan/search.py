@@ -109,12 +109,14 @@ def _shards(strategy: str, dp: int, tp: int, per_node: int, nodes: int) -> list[
     return [shard]
 
 
+# What each strategy can offload: ZeRO-Offload takes stages 1-3; parameters and NVMe need stage 3
+# (hsdp: FSDP2's CPUOffloadPolicy only).
+_OFFLOADS = {"ddp": ("none",), "zero1": ("none", "optimizer"), "zero2": ("none", "optimizer"),
+             "zero3": ("none", "optimizer", "optimizer+params", "nvme"), "hsdp": ("none", "optimizer+params")}
+
+
 def _offloads(strategy: str) -> tuple[str, ...]:
-    if strategy in ("zero1", "zero2"):
-        return ("none", "optimizer")
-    if strategy in ("zero3", "hsdp"):
-        return ("none", "optimizer", "optimizer+params", "nvme") if strategy == "zero3" else ("none", "optimizer+params")
-    return ("none",)
+    return _OFFLOADS[strategy]
 
 
 def _schedules(shape, pp: int) -> list[tuple[str, int]]:
