@@ -23,7 +23,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="machines in the run")
     p.add_argument("--node-rank", type=int, default=None, help="this machine's rank (static rendezvous)")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, same on every node")
-    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of a failed group")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts of a failed group; each restart resumes from the latest checkpoint")
+    p.add_argument("--resume", metavar="auto|PATH",
+                   help="continue from a checkpoint: auto (the --out run's latest) or RUN_DIR/checkpoints/step_N")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out run directory")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -44,7 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from loom.train.loop import train
 
         try:
-            train(cfg, args.out)
+            train(cfg, args.out, resume=args.resume)
         finally:
             shutdown()
         return 0
@@ -55,21 +59,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     validate(cfg, spec.world_size)
     _preflight_data(cfg, spec.world_size)
     run_dir = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.parallel.strategy}"
+    _check_resume(cfg, run_dir, args.resume, args.overwrite)
     if spec.world_size == 1 and spec.nnodes == 1:
         from loom.parallel.mesh import shutdown
         from loom.train.loop import train
 
         try:
-            train(cfg, run_dir)
+            train(cfg, run_dir, resume=args.resume)
         finally:
             shutdown()
         return 0
     forwarded = ([args.config] if args.config else []) + [a for s in args.set for a in ("--set", s)]
+    if args.resume:
+        forwarded += ["--resume", args.resume]
     rc = relaunch(spec, ["train", *forwarded, "--out", str(run_dir)])
     if rc != 0:
         print(f"loom: error: training exited with code {rc} (the failing rank's message is above)",
               file=sys.stderr)
     return rc
+
+
+def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Before any rank starts: never write over a run without --overwrite, and check that the
+    checkpoint to resume exists, is complete and matches the config."""
+    import shutil
+
+    from loom.train.checkpoint import check_resumable, read_meta, resolve_resume
+
+    if overwrite and resume == "auto":
+        raise LoomError("--overwrite deletes the run that --resume auto would continue; pass one of them")
+    used = run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
+    if used and overwrite:
+        if not run_dir.is_dir():
+            raise LoomError(f"--out {run_dir} is a file, not a run directory; pick another --out")
+        shutil.rmtree(run_dir)
+    elif used and resume != "auto":
+        raise LoomError(f"run directory {run_dir} already exists; continue it with --resume auto, replace it with "
+                        f"--overwrite, or pick a new --out")
+    path = resolve_resume(resume, run_dir) if resume else None
+    if path is not None:
+        check_resumable(read_meta(path), cfg, path)
 
 
 def _preflight_data(cfg, world_size: int) -> None:
@@ -125,6 +154,15 @@ def _analyze_and_print(trace_dir: Path, fmt: str, out: Path | None) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from loom.train.export import export
+
+    written = export(args.checkpoint, args.output, args.layout)
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from loom.plan.command import run  # pure Python: torch is imported only for --trace
 
@@ -165,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--format", choices=("table", "json", "html"), default="table")
     analyze.add_argument("--out", type=Path, help="where ledger.json and report.html go (default: the run directory)")
     analyze.set_defaults(func=cmd_analyze)
+    export = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
+    export.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step_N (or a run directory: its latest)")
+    export.add_argument("output", type=Path, help="the .safetensors file to write")
+    export.add_argument("--layout", choices=("loom", "hf"), default="loom",
+                        help="parameter names: loom's, or Hugging Face Llama's (+ config.json beside the file)")
+    export.set_defaults(func=cmd_export)
     plan = sub.add_parser("plan", help="predict memory, communication and step time of every strategy")
     _add_plan_args(plan)
     plan.set_defaults(func=cmd_plan)

@@ -26,6 +26,7 @@ OFFLOADS = ("none", "cpu")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
 DEVICES = ("auto", "cpu", "cuda")
 TOKENIZERS = ("byte", "bpe")
+NONFINITE_POLICIES = ("skip", "stop")
 
 
 @dataclass
@@ -97,6 +98,11 @@ class TrainConfig:
     log_every: int = 10
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
+    ckpt_every: int = 0  # save a checkpoint every N steps (0: only at the end)
+    keep_last: int = 2  # checkpoints kept; older ones are removed once a newer one is complete
+    ckpt_async: bool = False  # write checkpoints in the background while training goes on
+    on_nonfinite: str = "skip"  # a NaN/Inf loss or gradient norm: skip the update, or stop the run
+    collective_timeout_s: float = 600.0  # a collective waiting longer fails, naming who did not arrive
 
 
 @dataclass
@@ -192,15 +198,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass an existing .toml file")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path} is not valid TOML ({e}); fix the syntax at that position") from None
-        for section, table in data.items():
-            if not isinstance(table, dict):
-                raise ConfigError(f"{path}: '{section}' must be a [section] table, e.g. [{section}]")
-            for key, value in table.items():
-                _apply(cfg, f"{section}.{key}", value)
+        _apply_toml(cfg, path.read_text(), str(path))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
@@ -208,6 +206,25 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         _apply(cfg, key.strip(), _parse_value(text.strip()))
     cfg.parallel.strategy = STRATEGY_ALIASES.get(cfg.parallel.strategy, cfg.parallel.strategy)
     return cfg
+
+
+def load_config_text(text: str, origin: str = "config") -> Config:
+    """A Config from TOML text (a checkpoint's saved config)."""
+    cfg = Config()
+    _apply_toml(cfg, text, origin)
+    return cfg
+
+
+def _apply_toml(cfg: Config, text: str, origin: str) -> None:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{origin} is not valid TOML ({e}); fix the syntax at that position") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{origin}: '{section}' must be a [section] table, e.g. [{section}]")
+        for key, value in table.items():
+            _apply(cfg, f"{section}.{key}", value)
 
 
 def to_toml(cfg: Config) -> str:
@@ -289,6 +306,7 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     _choice("train.precision", t.precision, PRECISIONS)
     _choice("train.optimizer_impl", t.optimizer_impl, OPTIMIZER_IMPLS)
     _choice("train.device", t.device, DEVICES)
+    _choice("train.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
     _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
     _choice("data.bin_dtype", d.bin_dtype, ("uint16", "uint32"))
     _positive("train.grad_accum", t.grad_accum)
@@ -299,6 +317,10 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     _positive("parallel.ac_every", p.ac_every)
     _positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb, 0.001)
     _positive("data.prefetch_factor", d.prefetch_factor)
+    _positive("train.keep_last", t.keep_last)
+    _positive("train.collective_timeout_s", t.collective_timeout_s, 0.001)
+    if t.ckpt_every < 0:
+        raise ConfigError(f"train.ckpt_every = {t.ckpt_every} must be ≥ 0 (0 saves only at the end), e.g. 100")
     prof = cfg.profile
     if min(prof.wait, prof.warmup) < 0 or prof.active < 1:
         raise ConfigError(f"profile.wait = {prof.wait}, warmup = {prof.warmup} must be ≥ 0 and profile.active = "

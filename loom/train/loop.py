@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -31,8 +32,9 @@ from loom.config import (
 )
 from loom.data.corpus import load_tokens
 from loom.data.loader import GlobalBatchSampler, make_loader, split_train_eval
-from loom.errors import ConfigError
+from loom.errors import ConfigError, LoomError
 from loom.models.gpt import GPTConfig, build_model, preset
+from loom.observe import flight
 from loom.observe.comms import CollectiveCounter
 from loom.observe.memory import PeakMemory, RankMemory, measure_model_states
 from loom.parallel.apply import parallelize
@@ -55,6 +57,7 @@ from loom.train.meters import (
     format_duration,
     phase_share,
 )
+from loom.train import checkpoint, faults
 from loom.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 # The root module returns logits from a Linear (a view); the loss never edits them in place.
@@ -195,13 +198,14 @@ class Data:
     micro_batch: int
 
 
-def build_data(cfg: Config, d: Dist, train_set: Dataset, eval_set: Dataset | None) -> Data:
-    """Every data-parallel rank reads its own disjoint slice of each global batch."""
+def build_data(cfg: Config, d: Dist, train_set: Dataset, eval_set: Dataset | None, start_step: int = 0) -> Data:
+    """Every data-parallel rank reads its own disjoint slice of each global batch, from global
+    batch `start_step` on (a resumed run continues where the checkpoint stopped)."""
     t = cfg.train
     dp_rank, dp_size = d.dp_mesh.get_local_rank(), d.dp_mesh.size()
     pin = cfg.data.pin_memory and d.device.type == "cuda"
     sampler = GlobalBatchSampler(len(train_set), t.batch_size, dp_rank, dp_size, t.grad_accum, t.seed,
-                                 num_steps=t.steps)
+                                 start_step=start_step, num_steps=t.steps - start_step)
     train_loader = make_loader(train_set, sampler, cfg.data.num_workers, cfg.data.prefetch_factor, pin)
     eval_loader = None
     # Whole batches for every dp rank (and, under a pipeline, for each of its micro-batches).
@@ -239,11 +243,11 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
 
 def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: list[torch.Tensor],
                cfg: Config, d: Dist, pipe: Pipeline | None = None, loss_fn=None,
-               timer: PhaseTimer | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+               timer: PhaseTimer | None = None, step: int = 0) -> StepValues:
     """One optimizer step over grad_accum micro-batches; gradients sync on the last one only.
 
-    Returns (sum of micro-batch losses, global grad norm) as device tensors, the lr used and the
-    seconds spent waiting for data. With a pipeline only the last stage has a loss (0 elsewhere).
+    Returns device tensors (the global mean loss, the global grad norm, whether the update was
+    skipped as non-finite), the lr used and the seconds spent waiting for data.
     """
     t = cfg.train
     loss_fn = loss_fn or next_token_loss
@@ -262,50 +266,101 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
                 loss = pipeline_step(pipe.schedule, batch[:, :-1] if pipe.first else None,
                                      batch[:, 1:] if pipe.last else None, pipe.first, pipe.last)
             if loss is not None:
-                loss_sum += _local(loss) * t.grad_accum  # undo loss_fn's 1/grad_accum
+                loss_sum += _local(faults.after_forward(step, d.rank, loss)) * t.grad_accum  # undo 1/grad_accum
             continue
         with (gradient_sync(model, enabled=micro == t.grad_accum - 1), _autocast(cfg, d.device),
               loss_context(cfg.parallel.tp)):
             with timer.phase("forward"):
-                loss = loss_fn(model, batch)
+                loss = faults.after_forward(step, d.rank, loss_fn(model, batch))
                 scaled = loss / t.grad_accum
             with timer.phase("backward"):
                 (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += _local(loss.detach())
+    # Mean loss over the global batch: each rank's micro-steps, then all ranks (with a pipeline
+    # only the last stage's dp × tp ranks hold a loss; the others add 0). Every rank gets the
+    # same value, so every rank takes the same decision on a non-finite step.
+    global_loss = _all_reduce_mean(loss_sum / t.grad_accum, d.world_size // cfg.parallel.pp)
     with timer.phase("optimizer"):
-        grad_norm, lr = _optimizer_step(optimizer, scheduler, scaler, params, t, pipe)
-    return loss_sum, grad_norm, lr, data_wait
+        grad_norm, skipped, lr = _optimizer_step(optimizer, scheduler, scaler, params, t, pipe, global_loss)
+    return StepValues(global_loss, grad_norm, skipped, lr, data_wait)
 
 
-def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t,
-                    pipe: Pipeline | None) -> tuple[torch.Tensor, float]:
-    """Unscale, clip, step and advance the schedule; returns (grad norm on device, lr used)."""
+@dataclass
+class StepValues:
+    loss: torch.Tensor  # global mean loss (device)
+    grad_norm: torch.Tensor  # global gradient norm (device)
+    skipped: torch.Tensor  # 1.0 when the update was skipped as non-finite (device)
+    lr: float
+    data_wait_s: float
+
+
+def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t, pipe: Pipeline | None,
+                    loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Unscale, clip, step (unless the loss or grad norm is NaN/Inf) and advance the schedule.
+
+    Returns (grad norm, skipped flag, lr used). A fused AdamW skips on the device (its
+    `found_inf` input, as under a GradScaler): no host sync. Other optimizers read the flag on
+    the host before stepping (free on CPU). Under fp16 the scaler already skips overflowed
+    gradients (that is its normal operation), so only the loss decides there.
+    """
     if scaler:
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(params, t.grad_clip, pipe.group if pipe is not None else None)
     lr = scheduler.get_last_lr()[0]
+    finite = torch.isfinite(loss) if scaler else torch.isfinite(loss) & torch.isfinite(grad_norm)
+    skipped = (~finite).float()
     if scaler:
-        scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
+        if finite.item():
+            scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
         scaler.update()
-    else:
+    elif _skips_on_device(optimizer):
+        optimizer.found_inf = skipped
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif finite.item():
         optimizer.step()
     scheduler.step()
-    return grad_norm, lr
+    return grad_norm, skipped, lr
+
+
+def _skips_on_device(optimizer) -> bool:
+    return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
 
 
 def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, quiet: bool = False,
-          task: Task | None = None) -> RunResult:
+          task: Task | None = None, resume: str | Path | None = None) -> RunResult:
     """Run `cfg` on this rank (joining the torchrun group, or as a world of one).
 
     `task` brings your own model, loss and data; the default is loom's GPT on the config's corpus.
+    `resume` is "auto" (the run directory's latest checkpoint, if any) or a checkpoint path; a
+    group that torchrun restarted after a failure resumes "auto" by itself.
     """
-    d = init_distributed(lambda world: validate(cfg, world), cfg.train.device)
+    t = cfg.train
+    if resume is None and run_dir is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"
+    flight.enable(run_dir)
+    d = init_distributed(lambda world: validate(cfg, world), t.device, timeout_s=t.collective_timeout_s)
+    watcher = flight.Watcher(run_dir, d) if run_dir is not None and d.world_size > 1 else None
+    try:
+        return _train(cfg, d, run_dir, return_state, quiet, task, resume)
+    except (RuntimeError, dist.DistError) as e:
+        if flight.is_timeout(e) and run_dir is not None:
+            raise flight.timeout_error(e, run_dir, d, t.collective_timeout_s) from None
+        raise
+    finally:
+        if watcher is not None:
+            watcher.stop()
+
+
+def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet: bool, task: Task | None,
+           resume: str | Path | None) -> RunResult:
     t, p = cfg.train, cfg.parallel
     main = d.is_main
     torch.manual_seed(t.seed)
     task = task or gpt_task(cfg)
-
-    data = build_data(cfg, d, task.train_data, task.eval_data)
+    ckpt_path = checkpoint.resolve_resume(str(resume), run_dir) if resume is not None else None
     dp_size = d.dp_mesh.size()
 
     # The same seed on every rank gives every rank the same model (loom's GPT: on meta, initialized
@@ -325,13 +380,26 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     local_params = sum(q.numel() for q in params)  # this rank's stage(s), before TP/FSDP splits
     tokens_per_step = t.batch_size * task.tokens_per_sample
 
+    start_step = 0
+    if ckpt_path is not None:
+        meta = checkpoint.load(ckpt_path, model, optimizer, scheduler, cfg, d)
+        start_step = meta["step"]
+        if main and not quiet:
+            print(f"resumed from {ckpt_path} (step {start_step}, saved by {meta['layout']['strategy']} on "
+                  f"{meta['world_size']} rank(s)); training steps {start_step + 1}..{t.steps}", flush=True)
+    elif resume is not None and main and not quiet:
+        print(f"no checkpoint in {run_dir} yet: starting from step 1", flush=True)
+    data = build_data(cfg, d, task.train_data, task.eval_data, start_step)
+    ckpt = checkpoint.Checkpointer(run_dir, cfg, d, t.keep_last, t.ckpt_async) if run_dir is not None else None
+
     plan = _plan_run(cfg, task.shape, d) if task.shape is not None else None
     if run_dir is not None and main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
         if plan is not None:
             (run_dir / "plan.json").write_text(json.dumps(plan, indent=1))
-    metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir is not None and main else None)
+    metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir is not None and main else None,
+                          keep_through_step=start_step)
     if main and not quiet:
         print(f"loom: {p.strategy} on {d.world_size} rank(s) ({d.device.type}), dp={dp_size} "
               f"[replicate {d.mesh['dp_replicate'].size()} × shard {d.mesh['dp_shard'].size()}], "
@@ -348,18 +416,24 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     losses: list[float] = []
     grad_norms: list[float] = []
     step_times: list[float] = []
+    skipped_steps: list[int] = []
     memory: RankMemory | None = None
     peak = PeakMemory(d.device, model, optimizer)
     pending: dict | None = None  # last step's device values, read back after the next step is queued
-    comm_sent: dict | None = None  # the collectives of step 2
+    comm_sent: dict | None = None  # the collectives of the second step
 
     def flush(record: dict) -> None:
-        loss, gnorm = record.pop("values").tolist()
+        loss, gnorm, skipped = record.pop("values").tolist()
         losses.append(loss)
         grad_norms.append(gnorm)
         phases = PhaseTimer.resolve(record.pop("phases"))
-        record.update(loss=loss, grad_norm=gnorm, tokens_per_s=tokens_per_step / record["step_time_s"], **phases)
+        if skipped:
+            skipped_steps.append(record["step"])
+        record.update(loss=loss, grad_norm=gnorm, tokens_per_s=tokens_per_step / record["step_time_s"],
+                      skipped=bool(skipped), nonfinite_steps=len(skipped_steps), **phases)
         metrics.write(record)
+        if skipped:
+            _on_nonfinite(record["step"], loss, gnorm, t.on_nonfinite, len(skipped_steps), run_dir, main, quiet)
         progress.update(record["step"], loss, record["tokens_per_s"], phase_share(phases))
 
     timer = PhaseTimer(d.device)
@@ -369,33 +443,38 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
 
         profiler = StepProfiler(cfg.profile, run_dir, d.rank, d.device)
         profiler.__enter__()
+    layout = {"strategy": p.strategy, "world_size": d.world_size, "mesh": dict(zip(d.mesh.mesh_dim_names,
+                                                                                     d.mesh.shape))}
     batches = iter(data.train)
     start = time.perf_counter()
-    for step in range(1, t.steps + 1):
+    for step in range(start_step + 1, t.steps + 1):
         step_start = time.perf_counter()
-        # Step 1 creates the gradients and optimizer states; step 2 is the steady-state peak.
-        with peak.track() if step == 2 else contextlib.nullcontext(), \
-                CollectiveCounter() if step == 2 else contextlib.nullcontext() as comm:
-            loss_sum, grad_norm, lr, data_wait = train_step(model, optimizer, scheduler, scaler, batches,
-                                                            params, cfg, d, pipe, task.loss_fn, timer)
+        faults.at_step_start(step, d.rank)
+        # The first step creates the gradients and optimizer states; the second is the steady-state peak.
+        steady = step == start_step + 2
+        with peak.track() if steady else contextlib.nullcontext(), \
+                CollectiveCounter() if steady else contextlib.nullcontext() as comm:
+            out = train_step(model, optimizer, scheduler, scaler, batches, params, cfg, d, pipe, task.loss_fn,
+                             timer, step)
         phases = timer.end_step()
         if comm is not None:
             comm_sent = comm.summary()
-        if step == 1:
+        if step == start_step + 1:
             memory = measure_model_states(model, optimizer)
             memory.num_params = num_params
-        # Mean loss over the global batch: each rank's micro-steps, then all ranks.
-        # (with a pipeline only the last stage's dp × tp ranks hold a loss; the others add 0)
-        values = torch.stack([_all_reduce_mean(loss_sum / t.grad_accum, d.world_size // p.pp),
-                              grad_norm.float().reshape(())])
+        values = torch.stack([out.loss, out.grad_norm.float().reshape(()), out.skipped])
         if pending is not None:
             flush(pending)
         step_time = time.perf_counter() - step_start
         step_times.append(step_time)
-        pending = {"step": step, "lr": lr, "step_time_s": step_time, "data_wait_s": data_wait, "values": values,
-                   "phases": phases}
+        pending = {"step": step, "lr": out.lr, "step_time_s": step_time, "data_wait_s": out.data_wait_s,
+                   "values": values, "phases": phases}
         if profiler is not None:
             profiler.step()
+        if ckpt is not None:
+            ckpt.poll()
+            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
+                ckpt.save(step, model, optimizer, scheduler, _checkpoint_meta(cfg, step, layout, task))
         if t.eval_every and step % t.eval_every == 0 and step < t.steps:
             eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn, pipe)
             if main and not quiet and eval_loss is not None:
@@ -404,6 +483,8 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     if profiler is not None:
         profiler.__exit__(None, None, None)
     elapsed = time.perf_counter() - start
+    if ckpt is not None:
+        ckpt.close()
     eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn, pipe)
     metrics.close()
 
@@ -412,11 +493,13 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     measured = {**memory.to_dict(), "pp_stage": d.mesh["pp"].get_local_rank(), "comm_sent_bytes": comm_sent["sent_bytes"] if comm_sent else None,
                 "comm_by_kind": comm_sent["by_kind"] if comm_sent else None}
     dist.all_gather_object(rank_memory, measured)
-    # Step 1 pays for warm-up and step 2 for memory tracking: time the steady state after them.
+    # The first step pays for warm-up and the second for memory tracking: time the steady state after them.
     timed = step_times[2:] or step_times
     tokens_per_s = tokens_per_step * len(timed) / sum(timed)
     state = _full_state_dict(parts) if return_state else None
-    result = RunResult(losses, grad_norms, eval_loss, rank_memory, tokens_per_s, elapsed, state)
+    result = RunResult(losses, grad_norms, eval_loss, rank_memory, tokens_per_s, elapsed, state,
+                       extra={"start_step": start_step, "skipped_steps": skipped_steps,
+                              "checkpoint_stall_s": ckpt.stall_s if ckpt is not None else []})
     if main:
         shard = d.mesh["dp_shard"].size() if p.strategy in FSDP_STRATEGIES else dp_size
         # TP splits every matrix; only the norms' gains stay whole on each TP rank.
@@ -436,6 +519,27 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
             if plan is not None:
                 _print_measured_vs_planned(summary["measured_vs_planned"])
     return result
+
+
+def _checkpoint_meta(cfg: Config, step: int, layout: dict, task: Task) -> dict:
+    """What a checkpoint records besides tensors: the layout that wrote it and the data position
+    (global batch `step` is next; the sampler gives the same one under any layout)."""
+    return {"layout": layout, "model": task.description,
+            "data": {"next_global_batch": step, "samples_seen": step * cfg.train.batch_size,
+                     "tokens_seen": step * cfg.train.batch_size * task.tokens_per_sample, "seed": cfg.train.seed}}
+
+
+def _on_nonfinite(step: int, loss: float, gnorm: float, policy: str, count: int, run_dir: Path | None,
+                  main: bool, quiet: bool) -> None:
+    """Every rank sees the same (global) values, so every rank takes the same decision."""
+    what = f"step {step}: loss {loss} and gradient norm {gnorm}"
+    if policy == "stop":
+        last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
+        resume = f"; the last checkpoint is {last}" if last else ""
+        raise LoomError(f"{what} are not finite; stopped (train.on_nonfinite = stop){resume}; lower train.lr or "
+                        f"raise train.warmup_steps, or set train.on_nonfinite=skip to skip such steps")
+    if main and not quiet:
+        print(f"\n{what}: not finite, update skipped ({count} so far; train.on_nonfinite = skip)", flush=True)
 
 
 def _plan_run(cfg: Config, shape: ModelShape, d: Dist) -> dict:

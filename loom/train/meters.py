@@ -51,8 +51,16 @@ class Progress:
 class MetricsFile:
     """RUN_DIR/metrics.jsonl: one JSON object per optimizer step (rank 0 writes it)."""
 
-    def __init__(self, path: Path | None):
-        self.file = open(path, "a", buffering=1) if path is not None else None
+    def __init__(self, path: Path | None, keep_through_step: int = 0):
+        """A resumed run keeps the records up to its checkpoint's step and appends after them
+        (a killed run may have logged steps past its last checkpoint: they are trained again)."""
+        self.file = None
+        if path is None:
+            return
+        kept = [line for line in (path.read_text().splitlines() if keep_through_step and path.is_file() else [])
+                if _step_of(line) is not None and _step_of(line) <= keep_through_step]
+        path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a", buffering=1)
 
     def write(self, record: dict) -> None:
         if self.file is not None:
@@ -61,6 +69,13 @@ class MetricsFile:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+        return None
 
 
 # A pipeline's schedule runs forward and backward interleaved: one "pipeline" phase.

@@ -1,0 +1,481 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, find, load, read whole.
+
+A checkpoint is RUN_DIR/checkpoints/step_N/, holding
+  - DCP's files: `model.<name>` and `optim.<name>.<state>` tensors under the full model's
+    parameter names, sharded (DTensor) where the run shards them, so any layout loads any other;
+  - meta.json (rank 0): step, resolved config, layout, LR schedule, data position;
+  - rng_rank<r>.json (each rank): its torch/CUDA/numpy/python RNG states.
+It is written into `.tmp-step_N` and made visible by one atomic rename once every rank's files
+are complete; `latest` names it afterwards; older ones beyond `train.keep_last` are removed.
+A visible step_N is therefore always whole: a crash while writing leaves only a `.tmp-` folder.
+
+Loading reads DCP's metadata with an unpickler that admits only DCP's own metadata classes, and
+tensors as raw bytes: no pickle of untrusted data. Non-tensor state is JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from loom.config import Config, load_config_text, to_toml
+from loom.errors import LoomError
+from loom.train import faults
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+META = "meta.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+# Settings that decide which sequences step k trains on, or the model's shapes: a resume must keep them.
+RESUME_FIXED = ("data.source", "data.tokenizer", "data.bpe_vocab_size", "data.seq_len", "data.eval_fraction",
+                "train.batch_size", "train.seed")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding checkpoints
+
+
+def checkpoint_steps(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under RUN_DIR/checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run: the `latest` marker, checked, else a scan."""
+    root = run_dir / CHECKPOINTS
+    marker = root / LATEST
+    if marker.is_file():
+        named = root / marker.read_text().strip()
+        if _STEP_DIR.match(named.name) and (named / META).is_file():
+            return named
+    steps = checkpoint_steps(root)
+    return steps[-1][1] if steps else None
+
+
+def resolve_resume(resume: str | None, run_dir: Path | None) -> Path | None:
+    """`--resume auto` → the run directory's latest checkpoint (None: start fresh);
+    `--resume PATH` → that checkpoint, or a run directory's latest."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        if run_dir is None:
+            raise LoomError("--resume auto needs the run directory: pass --out RUN_DIR")
+        return latest_checkpoint(run_dir)
+    path = Path(resume)
+    if not path.exists():
+        raise LoomError(f"--resume {resume}: no such checkpoint or run directory; pass RUN_DIR/checkpoints/step_N, "
+                        f"a run directory, or auto")
+    if (path / CHECKPOINTS).is_dir() or path.name == CHECKPOINTS:
+        found = latest_checkpoint(path if path.name != CHECKPOINTS else path.parent)
+        if found is None:
+            raise LoomError(f"--resume {resume}: the run directory has no complete checkpoint yet; "
+                            f"start without --resume")
+        return found
+    check_complete(path)
+    return path
+
+
+def check_complete(path: Path) -> None:
+    if path.name.startswith(TMP_PREFIX):
+        raise LoomError(f"{path} is an unfinished checkpoint (the writer stopped before it completed); "
+                        f"resume from a step_N folder beside it")
+    missing = [n for n in (META, ".metadata") if not (path / n).is_file()]
+    if missing:
+        raise LoomError(f"{path} is not a complete loom checkpoint (no {' or '.join(missing)}); "
+                        f"pass RUN_DIR/checkpoints/step_N")
+
+
+def read_meta(path: Path) -> dict:
+    check_complete(path)
+    try:
+        return json.loads((path / META).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoomError(f"{path / META} is damaged ({e}); resume from an earlier checkpoint") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The state: model and optimizer tensors under the full model's parameter names
+
+
+@dataclass
+class _Names:
+    """Parameter names as the checkpoint writes them, for one rank's model part(s).
+
+    Several pipeline stages on one rank are an nn.ModuleList whose names start with the stage's
+    list index; the checkpoint drops it (stage modules keep the full model's names)."""
+
+    model: nn.Module
+    multi: bool
+
+    def to_ckpt(self, name: str) -> str:
+        return name.split(".", 1)[1] if self.multi else name
+
+    def rename(self, d: dict, to_ckpt: bool, known: list[str]) -> dict:
+        if not self.multi:
+            return d
+        back = {self.to_ckpt(k): k for k in known}
+        return {(self.to_ckpt(k) if to_ckpt else back[k]): v for k, v in d.items()}
+
+
+def _is_zero1(optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _zero1_state(optimizer, model_sd: dict[str, torch.Tensor], d) -> dict[str, dict[str, torch.Tensor]]:
+    """ZeRO-1: the states of the parameters this rank owns (the others are on their owners).
+
+    Under TP the owners of one parameter's shards are one rank per TP slice (the same dp index:
+    ZeRO partitions equal shard sizes the same way), so its state is a DTensor on the TP mesh."""
+    by_storage = {}
+    for name, value in model_sd.items():
+        by_storage.setdefault(_local(value).data_ptr(), (name, value))
+    links = {id(alias): p for p, alias in getattr(optimizer, "_links", [])}
+    local = optimizer.optim
+    _init_states(local)
+    out = {}
+    for group in local.param_groups:
+        for p in group["params"]:
+            name, value = by_storage[p.data_ptr()]
+            param = links.get(id(p), value)
+            states = {}
+            for key, t in local.state[p].items():
+                names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+                if "tp" in names and t.shape == p.shape and t.ndim > 0:
+                    tp_dim = param.device_mesh.mesh_dim_names.index("tp")
+                    t = DTensor.from_local(t, d.mesh["tp"], [param.placements[tp_dim]], run_check=False,
+                                           shape=param.shape, stride=param.stride())
+                states[key] = t
+            out[name] = states
+    return out
+
+
+def _init_states(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam's states (a step at lr 0 changes nothing) so a load has tensors to fill."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p not in optimizer.state]
+    if not params:
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    for p in params:
+        p.grad = None
+
+
+def _state(model: nn.Module, optimizer, d) -> tuple[dict[str, torch.Tensor], dict, _Names]:
+    """(flat tensors for DCP, the optimizer's torch state dict to write back into, names)."""
+    names = _Names(model, isinstance(model, nn.ModuleList))
+    model_sd = get_model_state_dict(model)
+    known = list(model_sd)
+    flat = {f"model.{k}": v for k, v in names.rename(model_sd, True, known).items()}
+    if _is_zero1(optimizer):
+        osd = None
+        opt_state = _zero1_state(optimizer, names.rename(model_sd, True, known), d)
+    else:
+        osd = get_optimizer_state_dict(model, optimizer)  # creates states when there are none yet
+        opt_state = names.rename(osd["state"], True, known)
+    for name, states in opt_state.items():
+        for key, t in states.items():
+            flat[f"optim.{name}.{key}"] = t
+    return flat, {"torch": osd, "model_sd": model_sd, "known": known}, names
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def _rng_state() -> dict:
+    def b64(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode()
+
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    return {
+        "torch": b64(torch.get_rng_state()),
+        "cuda": [b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    def tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["torch"]))
+    if torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    p = state["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    """Saves this rank's share of each checkpoint; rank 0 publishes it when every rank is done.
+
+    `async_save` overlaps the write with training: DCP stages the tensors to host memory, a
+    background thread writes them (its collectives on a separate gloo group, never interleaved
+    with training's), and the checkpoint is published once that write has completed.
+    """
+
+    def __init__(self, run_dir: Path, cfg: Config, d, keep_last: int, async_save: bool):
+        self.root = run_dir / CHECKPOINTS
+        self.cfg, self.d, self.keep_last, self.async_save = cfg, d, keep_last, async_save
+        self.pending: tuple[Future, Path, Path] | None = None
+        self.group = dist.new_group(backend="gloo") if async_save else None
+        self.stall_s: list[float] = []  # training time spent in each save call
+        if d.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a writer that was killed
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+        dist.barrier()
+
+    def save(self, step: int, model: nn.Module, optimizer, scheduler, meta: dict) -> None:
+        start = time.perf_counter()
+        self.wait()  # one write in flight at a time
+        final = self.root / step_name(step)
+        tmp = self.root / f"{TMP_PREFIX}{step_name(step)}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        flat, _, _ = _state(model, optimizer, self.d)
+        (tmp / f"rng_rank{self.d.rank}.json").write_text(json.dumps(_rng_state()))
+        if self.d.is_main:
+            meta = {**meta, "step": step, "scheduler": scheduler.state_dict(), "world_size": self.d.world_size,
+                    "config": to_toml(self.cfg), "saved_at": time.time()}
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+        if self.async_save:
+            future = dcp.async_save(flat, checkpoint_id=tmp, process_group=self.group)
+            self.pending = (future, tmp, final)
+        else:
+            dcp.save(flat, checkpoint_id=tmp)
+            self._publish(tmp, final)
+        self.stall_s.append(time.perf_counter() - start)
+
+    def poll(self) -> None:
+        """Publish a finished background write (cheap: no waiting)."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is None:
+            return
+        future, tmp, final = self.pending
+        self.pending = None
+        future.result()
+        self._publish(tmp, final)
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """Rank 0, after DCP wrote `.metadata` (which it does only once every rank has written)."""
+        faults.maybe_kill_in_checkpoint(int(final.name.split("_")[1]), self.d.rank)
+        if not self.d.is_main:
+            return
+        if final.exists():  # the same step saved again (a resumed run): replace it whole
+            trash = self.root / f"{TMP_PREFIX}old-{final.name}"
+            os.rename(final, trash)
+            shutil.rmtree(trash)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        _atomic_text(self.root / LATEST, final.name + "\n")
+        steps = checkpoint_steps(self.root)
+        for _, old in steps[:max(len(steps) - self.keep_last, 0)]:
+            trash = self.root / f"{TMP_PREFIX}old-{old.name}"
+            os.rename(old, trash)  # invisible first, so a crash never leaves half of one
+            shutil.rmtree(trash)
+
+    def close(self) -> None:
+        self.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle: admit only the classes DCP's metadata is made of."""
+
+    ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                       "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint._extension")
+    ALLOWED = {("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"), ("builtins", "slice"),
+               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+               ("pathlib", "PurePosixPath")}
+
+    def find_class(self, module: str, name: str):
+        if module in self.ALLOWED_MODULES or (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+class SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _damaged(path: Path, e: BaseException) -> LoomError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    earlier = [p for s, p in checkpoint_steps(path.parent) if p != path]
+    hint = f"resume from an earlier one ({earlier[-1]})" if earlier else "start without --resume"
+    return LoomError(f"checkpoint {path} could not be read ({type(e).__name__}: {first[:200]}); it is damaged or "
+                     f"from another model: {hint}")
+
+
+def check_resumable(meta: dict, cfg: Config, path: Path, shapes: dict[str, list[int]] | None = None) -> None:
+    """Refuse a resume whose settings would change the model or which sequences step k sees."""
+    saved = load_config_text(meta["config"])
+    conflicts = []
+    for section in ("model",):
+        for key, value in vars(getattr(saved, section)).items():
+            now = getattr(getattr(cfg, section), key)
+            if now is not None and value is not None and now != value or (key == "preset" and now != value):
+                conflicts.append(f"{section}.{key} = {value!r} in the checkpoint, {now!r} now")
+    for dotted in RESUME_FIXED:
+        section, key = dotted.split(".")
+        before, now = getattr(getattr(saved, section), key), getattr(getattr(cfg, section), key)
+        if before != now:
+            conflicts.append(f"{dotted} = {before!r} in the checkpoint, {now!r} now")
+    if conflicts:
+        raise LoomError(f"cannot resume from {path}: {'; '.join(conflicts)}; keep the checkpoint's values "
+                        f"(its config is in {path / META}) or start a new run without --resume")
+    if meta["step"] >= cfg.train.steps:
+        raise LoomError(f"{path} is at step {meta['step']} and train.steps = {cfg.train.steps}: nothing left to "
+                        f"train; raise train.steps (e.g. --set train.steps={meta['step'] + cfg.train.steps})")
+    if shapes is not None:
+        try:
+            stored = SafeReader(path).read_metadata().state_dict_metadata
+        except Exception as e:  # noqa: BLE001
+            raise _damaged(path, e) from None
+        for name, shape in shapes.items():
+            saved = getattr(stored.get(f"model.{name}"), "size", None)
+            if saved is None:
+                raise LoomError(f"cannot resume from {path}: parameter {name} is not in the checkpoint (it holds "
+                                f"a different model); use the checkpoint's model settings")
+            if list(saved) != shape:
+                raise LoomError(f"cannot resume from {path}: parameter {name} is {list(saved)} in the checkpoint "
+                                f"but {shape} in this model; use the checkpoint's model settings")
+
+
+def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> dict:
+    """Fill this rank's (possibly differently sharded) model and optimizer from `path`; restore
+    the LR schedule and RNG states. Returns the checkpoint's meta (its step, data position)."""
+    meta = read_meta(path)
+    flat, held, names = _state(model, optimizer, d)
+    check_resumable(meta, cfg, path, {k[len("model."):]: list(v.shape) for k, v in flat.items()
+                                      if k.startswith("model.")})
+    try:
+        dcp.load(flat, storage_reader=SafeReader(path))
+    except Exception as e:  # noqa: BLE001 - any failure to read is the same advice
+        raise _damaged(path, e) from None
+    model_sd = held["model_sd"]
+    for k in model_sd:
+        model_sd[k] = flat[f"model.{names.to_ckpt(k)}"]
+    set_model_state_dict(model, model_sd)
+    if held["torch"] is not None:
+        osd = held["torch"]
+        for name, states in osd["state"].items():
+            for key in states:
+                states[key] = flat[f"optim.{names.to_ckpt(name)}.{key}"]
+        set_optimizer_state_dict(model, optimizer, osd)
+    else:  # ZeRO-1: the loaded tensors are the local optimizer's own state (filled in place)
+        pass
+    scheduler.load_state_dict(meta["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+    if _is_zero1(optimizer):
+        for group, lr in zip(optimizer.optim.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    rng = path / f"rng_rank{d.rank}.json"
+    if meta["world_size"] != d.world_size:
+        rng = path / "rng_rank0.json"  # another layout: every rank takes rank 0's streams
+    _set_rng_state(json.loads(rng.read_text()))
+    return meta
+
+
+def read_tensors(path: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix`, whole, without a process group (export, inspection)."""
+    check_complete(path)
+    reader = SafeReader(path)
+    try:
+        metadata = reader.read_metadata()
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        out = {k: torch.empty(m.size, dtype=m.properties.dtype)
+               for k, m in metadata.state_dict_metadata.items()
+               if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+        dcp.load(out, storage_reader=SafeReader(path), no_dist=True)
+    except LoomError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _damaged(path, e) from None
+    return {k[len(prefix):]: v for k, v in out.items()}
