@@ -7,6 +7,7 @@ restarts the ranks, and under Slurm each srun task joins with the env that srun 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -73,6 +74,37 @@ def check_spec(spec: LaunchSpec) -> None:
                         f"use --nproc {limit} or fewer, and add machines with --nnodes")
     if spec.nnodes > 1 and not spec.rdzv_endpoint:
         raise LoomError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    if spec.rdzv_endpoint:
+        _check_endpoint(spec)
+
+
+def _check_endpoint(spec: LaunchSpec) -> None:
+    """HOST:PORT must parse; node 0 of a static rendezvous hosts the store, so its port must be free."""
+    host, sep, port = spec.rdzv_endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LoomError(f"--rdzv-endpoint '{spec.rdzv_endpoint}' must be HOST:PORT with a port in 1..65535, "
+                        f"e.g. node0:29500")
+    if spec.node_rank != 0 or not _is_local(host):
+        return
+    with socket.socket() as s:
+        try:
+            s.bind((host, int(port)))
+        except OSError:
+            raise LoomError(f"port {port} on {host} is already in use (another run's rendezvous?); pick a free "
+                            f"port: --rdzv-endpoint {host}:{_free_port()}") from None
+
+
+def _is_local(host: str) -> bool:
+    try:
+        return host in ("localhost", socket.gethostname()) or socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def torchrun_command(spec: LaunchSpec, loom_args: list[str]) -> list[str]:
