@@ -1,0 +1,230 @@
+"""`loom export`: a checkpoint, consolidated into one safetensors file.
+
+A checkpoint holds the model's tensors under the full model's parameter names, sharded however
+the run sharded them (see loom/train/checkpoint.py). Export reads them whole without a process
+group and writes them as one `.safetensors` file:
+
+  - layout "loom": the names and tensors exactly as the checkpoint holds them (any model);
+  - layout "hf": loom's GPT as a Hugging Face Llama (`LlamaForCausalLM`): its parameter names,
+    q/k projection rows reordered for Llama's rotate-half RoPE, and a `config.json` beside the file.
+
+Each file is written to a temporary name in the output's folder and renamed over the output in
+one step, so a crash never leaves half a file under the output's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from loom.errors import ConfigError, LoomError
+from loom.models.presets import GPTConfig
+
+LAYOUTS = ("loom", "hf")
+HF_CONFIG = "config.json"
+# loom's GPT, recognized by these names; loom name -> Hugging Face Llama name per decoder layer.
+GPT_KEYS = ("tok_embeddings.weight", "layers.0.attention.wq.weight")
+_HF_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+
+def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> list[Path]:
+    """Write the model of `checkpoint` (a step_N folder, or a run directory: its latest) to
+    `output` as one safetensors file (+ config.json for layout "hf"). Returns the paths written."""
+    from safetensors.torch import save_file
+
+    from loom.train import checkpoint as ckpt
+
+    if layout not in LAYOUTS:
+        raise LoomError(f"unknown export layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
+    output = Path(output)
+    _check_output(output)
+    path = _resolve(Path(checkpoint))
+    meta = ckpt.read_meta(path)
+    with warnings.catch_warnings():  # DCP warns that it loads without a process group: that is the intent
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        tensors = ckpt.read_tensors(path, "model.")
+    if not tensors:
+        raise LoomError(f"{path} holds no model tensors; pass a checkpoint written by `loom train`")
+    written = []
+    if layout == "hf":
+        gpt = gpt_config(meta, tensors, path)
+        tensors = hf_state_dict(tensors, gpt)
+        config = hf_config(gpt, tensors["model.embed_tokens.weight"].dtype)
+    metadata = {"format": "pt", "loom_step": str(meta.get("step", "")), "loom_layout": layout}
+    _atomic_write(output, lambda tmp: save_file(_standalone(tensors), str(tmp), metadata=metadata))
+    written.append(output)
+    if layout == "hf":
+        beside = output.parent / HF_CONFIG
+        _atomic_write(beside, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+        written.append(beside)
+    return written
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths
+
+
+def _check_output(output: Path) -> None:
+    parent = output.parent
+    if not parent.is_dir():
+        raise LoomError(f"cannot write {output}: its folder {parent} does not exist; create it "
+                        f"(mkdir -p {parent}) or choose an output path in an existing folder")
+    if output.is_dir():
+        raise LoomError(f"output {output} is a folder; pass a file path such as {output / 'model.safetensors'}")
+
+
+def _resolve(given: Path) -> Path:
+    """The step_N folder to read: `given` itself, or a run directory's latest complete checkpoint."""
+    from loom.train.checkpoint import CHECKPOINTS, latest_checkpoint, resolve_resume
+
+    if not given.exists():
+        raise LoomError(f"checkpoint {given} does not exist; pass RUN_DIR/checkpoints/step_N or a run directory "
+                        f"(its latest checkpoint)")
+    path = given.absolute()  # never the literal "auto", which resolve_resume reads as a keyword
+    run_dir = path if (path / CHECKPOINTS).is_dir() else path.parent if path.name == CHECKPOINTS else None
+    if run_dir is not None and latest_checkpoint(run_dir) is None:
+        raise LoomError(f"run directory {run_dir} has no complete checkpoint yet (a run writes one at its end "
+                        f"and every train.ckpt_every steps); export a run that has one")
+    return resolve_resume(str(path), None)
+
+
+def _atomic_write(path: Path, write) -> None:
+    """`write(tmp)` into a temporary file beside `path`, flushed to disk, then renamed over `path`."""
+    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # a platform without directory handles: the rename itself is what matters
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _standalone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors, none sharing memory with another (safetensors refuses shared storage)."""
+    out, seen = {}, set()
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        if t.numel():
+            seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face Llama layout
+
+
+def is_gpt(tensors: dict[str, torch.Tensor]) -> bool:
+    return all(k in tensors for k in GPT_KEYS)
+
+
+def gpt_config(meta: dict, tensors: dict[str, torch.Tensor], path: Path) -> GPTConfig:
+    """The GPT shape the checkpoint was trained with: its saved config's preset and model fields,
+    the vocabulary from the embedding (a BPE tokenizer sets it); checked against every tensor."""
+    from loom.config import load_config_text
+    from loom.models.gpt import build_model
+    from loom.models.presets import preset
+
+    if not is_gpt(tensors):
+        raise LoomError(f"{path} holds a model other than loom's GPT (no {' or '.join(GPT_KEYS)}); --layout hf "
+                        f"maps only loom's GPT: export it with --layout loom (its own parameter names)")
+    cfg = load_config_text(meta["config"], f"{path / 'meta.json'} config")
+    overrides = {k: v for k, v in vars(cfg.model).items() if k != "preset" and v is not None}
+    overrides["vocab_size"] = int(tensors["tok_embeddings.weight"].shape[0])
+    try:
+        gpt = preset(cfg.model.preset, **overrides)
+    except ConfigError as e:
+        raise LoomError(f"{path}: its model config is not valid here ({e}); export with --layout loom") from None
+    expected = {k: list(v.shape) for k, v in build_model(gpt, "meta").state_dict().items()}
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise LoomError(f"{path} lacks parameter {name} of its GPT config; the checkpoint is incomplete or "
+                            f"from another model: export with --layout loom")
+        if list(tensors[name].shape) != shape:
+            raise LoomError(f"{path}: parameter {name} is {list(tensors[name].shape)} but its GPT config gives "
+                            f"{shape}; the checkpoint's meta.json does not describe its tensors: export with "
+                            f"--layout loom")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise LoomError(f"{path} holds parameters loom's GPT does not have ({', '.join(extra[:3])}); "
+                        f"export with --layout loom")
+    if gpt.tie_embeddings and not torch.equal(tensors["output.weight"], tensors["tok_embeddings.weight"]):
+        # Configured tied, trained with two matrices (the tie was lost when the run materialized the
+        # model): export the model that was trained, an untied one.
+        gpt = dataclasses.replace(gpt, tie_embeddings=False)
+    return gpt
+
+
+def _rope_halves(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder each head's output rows from loom's interleaved RoPE pairs (2i, 2i+1) to Llama's
+    halves (i, i + head_dim/2): the row for rotation pair i's first element goes to i, the second to
+    i + head_dim/2. (Meta's Llama → Hugging Face permutation.)"""
+    return w.reshape(n_heads, head_dim // 2, 2, w.shape[1]).transpose(1, 2).reshape(n_heads * head_dim, w.shape[1])
+
+
+def hf_state_dict(tensors: dict[str, torch.Tensor], gpt: GPTConfig) -> dict[str, torch.Tensor]:
+    """loom's GPT weights under Hugging Face `LlamaForCausalLM` names (lm_head omitted when tied)."""
+    out = {"model.embed_tokens.weight": tensors["tok_embeddings.weight"]}
+    for i in range(gpt.n_layers):
+        for loom_name, hf_name in _HF_LAYER.items():
+            t = tensors[f"layers.{i}.{loom_name}"]
+            if loom_name == "attention.wq.weight":
+                t = _rope_halves(t, gpt.n_heads, gpt.head_dim)
+            elif loom_name == "attention.wk.weight":
+                t = _rope_halves(t, gpt.n_kv_heads, gpt.head_dim)
+            out[f"model.layers.{i}.{hf_name}"] = t
+    out["model.norm.weight"] = tensors["norm.weight"]
+    if not gpt.tie_embeddings:
+        out["lm_head.weight"] = tensors["output.weight"]
+    return out
+
+
+def hf_config(gpt: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """A `LlamaConfig` (config.json) for the same model."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": gpt.vocab_size,
+        "hidden_size": gpt.d_model,
+        "intermediate_size": gpt.ffn_hidden,
+        "num_hidden_layers": gpt.n_layers,
+        "num_attention_heads": gpt.n_heads,
+        "num_key_value_heads": gpt.n_kv_heads,
+        "head_dim": gpt.head_dim,
+        "max_position_embeddings": gpt.max_seq_len,
+        "rope_theta": float(gpt.rope_theta),
+        "rope_scaling": None,
+        "rms_norm_eps": float(gpt.norm_eps),
+        "tie_word_embeddings": gpt.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
