@@ -160,6 +160,8 @@ class GPT(nn.Module):
         """Initialize every parameter from (seed, its name) alone, so any sharding gives the same values."""
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         dtensor_cls = _dtensor_class()
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight  # `to_empty` gives each module its own copy
         for raw_name, param in self.named_parameters():  # dedups tied weights: initialized once
             name = _plain_name(raw_name)
             full = torch.empty(param.shape, dtype=torch.float32)

@@ -24,6 +24,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -473,7 +474,9 @@ def read_tensors(path: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
         out = {k: torch.empty(m.size, dtype=m.properties.dtype)
                for k, m in metadata.state_dict_metadata.items()
                if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-        dcp.load(out, storage_reader=SafeReader(path), no_dist=True)
+        with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(out, storage_reader=SafeReader(path), no_dist=True)
     except LoomError:
         raise
     except Exception as e:  # noqa: BLE001

@@ -363,20 +363,9 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     ckpt_path = checkpoint.resolve_resume(str(resume), run_dir) if resume is not None else None
     dp_size = d.dp_mesh.size()
 
-    # The same seed on every rank gives every rank the same model (loom's GPT: on meta, initialized
-    # per parameter after sharding).
-    with torch.random.fork_rng():
-        torch.manual_seed(t.seed)
-        user_model = task.model_fn()
-    num_params = sum(q.numel() for q in user_model.parameters())  # the whole model, tied weights once
-    parts = parallelize(user_model, cfg, d)
-    del user_model  # a pipeline stage keeps only its layers
-    model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)  # interleaved: several stages
-    pipe = build_pipeline(parts, cfg, d) if p.pp > 1 else None
-    optimizer = build_optimizer(model, t, p.strategy, d)
-    scheduler = build_scheduler(optimizer, t)
-    scaler = _grad_scaler(cfg, d.device)
-    params = [q for q in model.parameters() if q.requires_grad]
+    built = build_training(cfg, d, task)
+    parts, model, pipe, optimizer, scheduler = built.parts, built.model, built.pipe, built.optimizer, built.scheduler
+    scaler, params, num_params = built.scaler, built.params, built.num_params
     local_params = sum(q.numel() for q in params)  # this rank's stage(s), before TP/FSDP splits
     tokens_per_step = t.batch_size * task.tokens_per_sample
 
@@ -519,6 +508,39 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
             if plan is not None:
                 _print_measured_vs_planned(summary["measured_vs_planned"])
     return result
+
+
+@dataclass
+class Built:
+    """One rank's share of the model and what trains it."""
+
+    parts: list[nn.Module]  # the whole model, or this rank's pipeline stage(s)
+    model: nn.Module  # parts[0], or an nn.ModuleList of several stages
+    pipe: Pipeline | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: Any
+    params: list[torch.Tensor]  # trainable parameters of this rank
+    num_params: int  # of the whole model, tied weights once
+
+
+def build_training(cfg: Config, d: Dist, task: Task) -> Built:
+    """The parallelized model, pipeline schedule, optimizer and LR schedule for this rank."""
+    t, p = cfg.train, cfg.parallel
+    # The same seed on every rank gives every rank the same model (loom's GPT: on meta, initialized
+    # per parameter after sharding).
+    with torch.random.fork_rng():
+        torch.manual_seed(t.seed)
+        user_model = task.model_fn()
+    num_params = sum(q.numel() for q in user_model.parameters())
+    parts = parallelize(user_model, cfg, d)
+    del user_model  # a pipeline stage keeps only its layers
+    model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)  # interleaved: several stages
+    pipe = build_pipeline(parts, cfg, d) if p.pp > 1 else None
+    optimizer = build_optimizer(model, t, p.strategy, d)
+    scheduler = build_scheduler(optimizer, t)
+    params = [q for q in model.parameters() if q.requires_grad]
+    return Built(parts, model, pipe, optimizer, scheduler, _grad_scaler(cfg, d.device), params, num_params)
 
 
 def _checkpoint_meta(cfg: Config, step: int, layout: dict, task: Task) -> dict:
