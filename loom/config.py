@@ -222,7 +222,10 @@ def _apply_toml(cfg: Config, text: str, origin: str) -> None:
         raise ConfigError(f"{origin} is not valid TOML ({e}); fix the syntax at that position") from None
     for section, table in data.items():
         if not isinstance(table, dict):
-            raise ConfigError(f"{origin}: '{section}' must be a [section] table, e.g. [{section}]")
+            owners = [f.name for f in dataclasses.fields(Config) if section in _hints(type(getattr(cfg, f.name)))]
+            fix = (f"put it under [{owners[0]}]" if owners else
+                   f"no section has that key (sections: {', '.join(f.name for f in dataclasses.fields(Config))})")
+            raise ConfigError(f"{origin}: '{section}' is outside any [section] table; {fix}")
         for key, value in table.items():
             _apply(cfg, f"{section}.{key}", value)
 
@@ -337,6 +340,18 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
         raise ConfigError(f"data.eval_fraction = {d.eval_fraction} must be in [0, 1), e.g. 0.02")
     if t.lr <= 0:
         raise ConfigError(f"train.lr = {t.lr} must be > 0, e.g. 3e-4")
+    for name, beta in (("beta1", t.beta1), ("beta2", t.beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"train.{name} = {beta} must be in [0, 1) (an AdamW decay rate), "
+                              f"e.g. --set train.{name}={0.9 if name == 'beta1' else 0.95}")
+    for name, value, example in (("eps", t.eps, "1e-8"), ("weight_decay", t.weight_decay, "0.1"),
+                                 ("warmup_steps", t.warmup_steps, "10"), ("grad_clip", t.grad_clip, "1.0")):
+        if value < 0:
+            raise ConfigError(f"train.{name} = {value} must be ≥ 0, e.g. --set train.{name}={example}"
+                              f"{' (0 turns clipping off)' if name == 'grad_clip' else ''}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1] (the final LR as a fraction "
+                          f"of train.lr), e.g. --set train.min_lr_ratio=0.1")
     if p.offload != "none":
         if p.strategy not in FSDP_STRATEGIES:
             raise ConfigError(

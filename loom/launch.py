@@ -67,11 +67,17 @@ def default_nproc() -> int:
 
 def check_spec(spec: LaunchSpec) -> None:
     if spec.nproc < 1 or spec.nnodes < 1:
-        raise LoomError(f"--nproc ({spec.nproc}) and --nnodes ({spec.nnodes}) must be ≥ 1")
+        raise LoomError(f"--nproc ({spec.nproc}) and --nnodes ({spec.nnodes}) must be ≥ 1 (ranks per machine, "
+                        f"machines), e.g. --nproc 2")
     limit, why = max_local_processes()
     if spec.nproc > limit:
         raise LoomError(f"--nproc {spec.nproc} is more than this machine allows ({why}); "
                         f"use --nproc {limit} or fewer, and add machines with --nnodes")
+    if spec.max_restarts < 0:
+        raise LoomError(f"--max-restarts ({spec.max_restarts}) must be ≥ 0 (0: a failed group is not restarted)")
+    if spec.node_rank is not None and not 0 <= spec.node_rank < spec.nnodes:
+        raise LoomError(f"--node-rank {spec.node_rank} must be in 0..{spec.nnodes - 1} for --nnodes {spec.nnodes}; "
+                        f"give each machine its own rank, 0 on the one hosting --rdzv-endpoint")
     if spec.nnodes > 1 and not spec.rdzv_endpoint:
         raise LoomError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
     if spec.rdzv_endpoint:
