@@ -53,6 +53,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             shutdown()
         return 0
 
+    from loom.train import faults
+
+    faults.planted()  # a malformed LOOM_FAULTS fails here, once, not on every rank
     spec = LaunchSpec(nproc=args.nproc if args.nproc is not None else default_nproc(), nnodes=args.nnodes, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
     check_spec(spec)

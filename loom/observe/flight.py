@@ -37,6 +37,7 @@ def _dump(run_dir: Path, rank: int) -> Path:
     out = run_dir / DIR
     out.mkdir(parents=True, exist_ok=True)
     text = torch._C._distributed_c10d._dump_fr_trace_json(True, True)
+    text = text.decode() if isinstance(text, bytes) else text
     path = out / f"rank{rank}.json"
     tmp = out / f".rank{rank}.json.tmp"
     tmp.write_text(text)

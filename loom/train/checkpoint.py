@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -385,6 +386,9 @@ class SafeReader(dcp.FileSystemReader):
 
 
 def _damaged(path: Path, e: BaseException) -> LoomError:
+    if isinstance(e, CheckpointException) and e.failures:  # DCP wraps each rank's error
+        e = next(iter(e.failures.values()))
+        e = e[0] if isinstance(e, tuple) else e
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     earlier = [p for s, p in checkpoint_steps(path.parent) if p != path]
     hint = f"resume from an earlier one ({earlier[-1]})" if earlier else "start without --resume"
@@ -395,12 +399,9 @@ def _damaged(path: Path, e: BaseException) -> LoomError:
 def check_resumable(meta: dict, cfg: Config, path: Path, shapes: dict[str, list[int]] | None = None) -> None:
     """Refuse a resume whose settings would change the model or which sequences step k sees."""
     saved = load_config_text(meta["config"])
-    conflicts = []
-    for section in ("model",):
-        for key, value in vars(getattr(saved, section)).items():
-            now = getattr(getattr(cfg, section), key)
-            if now is not None and value is not None and now != value or (key == "preset" and now != value):
-                conflicts.append(f"{section}.{key} = {value!r} in the checkpoint, {now!r} now")
+    before, now = _model_fields(saved), _model_fields(cfg)
+    conflicts = [f"model.{key} = {before[key]!r} in the checkpoint, {now[key]!r} now"
+                 for key in before if before[key] != now[key]]
     for dotted in RESUME_FIXED:
         section, key = dotted.split(".")
         before, now = getattr(getattr(saved, section), key), getattr(getattr(cfg, section), key)
@@ -415,7 +416,7 @@ def check_resumable(meta: dict, cfg: Config, path: Path, shapes: dict[str, list[
     if shapes is not None:
         try:
             stored = SafeReader(path).read_metadata().state_dict_metadata
-        except Exception as e:  # noqa: BLE001
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
             raise _damaged(path, e) from None
         for name, shape in shapes.items():
             saved = getattr(stored.get(f"model.{name}"), "size", None)
@@ -427,6 +428,20 @@ def check_resumable(meta: dict, cfg: Config, path: Path, shapes: dict[str, list[
                                 f"but {shape} in this model; use the checkpoint's model settings")
 
 
+def _model_fields(cfg: Config) -> dict:
+    """The model's resolved shape settings (the preset with the config's overrides)."""
+    from dataclasses import asdict
+
+    from loom.models.presets import preset
+
+    m = cfg.model
+    overrides = {k: v for k, v in vars(m).items() if k != "preset" and v is not None}
+    try:
+        return asdict(preset(m.preset, **overrides))
+    except LoomError:  # not one of loom's presets (a user's model): compare the settings as given
+        return dict(vars(m))
+
+
 def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> dict:
     """Fill this rank's (possibly differently sharded) model and optimizer from `path`; restore
     the LR schedule and RNG states. Returns the checkpoint's meta (its step, data position)."""
@@ -436,7 +451,7 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
                                       if k.startswith("model.")})
     try:
         dcp.load(flat, storage_reader=SafeReader(path))
-    except Exception as e:  # noqa: BLE001 - any failure to read is the same advice
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is the same advice
         raise _damaged(path, e) from None
     model_sd = held["model_sd"]
     for k in model_sd:
@@ -479,6 +494,6 @@ def read_tensors(path: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
             dcp.load(out, storage_reader=SafeReader(path), no_dist=True)
     except LoomError:
         raise
-    except Exception as e:  # noqa: BLE001
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
         raise _damaged(path, e) from None
     return {k[len(prefix):]: v for k, v in out.items()}

@@ -463,12 +463,15 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
         if ckpt is not None:
             ckpt.poll()
             if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
+                flush(pending)  # the metrics reach step k before checkpoint k exists (saving syncs anyway)
+                pending = None
                 ckpt.save(step, model, optimizer, scheduler, _checkpoint_meta(cfg, step, layout, task))
         if t.eval_every and step % t.eval_every == 0 and step < t.steps:
             eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn, pipe)
             if main and not quiet and eval_loss is not None:
                 print(f"\neval loss at step {step}: {eval_loss:.4f}", flush=True)
-    flush(pending)
+    if pending is not None:
+        flush(pending)
     if profiler is not None:
         profiler.__exit__(None, None, None)
     elapsed = time.perf_counter() - start

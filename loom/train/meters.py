@@ -24,7 +24,8 @@ def format_duration(seconds: float) -> str:
 class Progress:
     """Redraws one line on a terminal; prints a line every `log_every` steps otherwise (CI, logs)."""
 
-    def __init__(self, total_steps: int, log_every: int, enabled: bool, stream: IO[str] = sys.stderr):
+    def __init__(self, total_steps: int, log_every: int, enabled: bool, stream: IO[str] | None = None):
+        stream = stream or sys.stderr  # looked up now: sys.stderr may have been replaced since import
         self.total, self.log_every, self.enabled, self.stream = total_steps, log_every, enabled, stream
         self.tty = enabled and stream.isatty()
         self.start = time.perf_counter()
