@@ -6,7 +6,8 @@ import os
 import pickle
 import queue
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 

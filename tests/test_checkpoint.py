@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from distributed import run_ranks
+
 from loom.config import load_config
 from loom.errors import LoomError
 from loom.train import checkpoint

@@ -11,8 +11,13 @@ import pytest
 import torch
 
 from loom.data.corpus import load_tokens, resolve_source
-from loom.data.loader import (GlobalBatchSampler, TokenWindows, make_loader, micro_batch_size,
-                              split_train_eval)
+from loom.data.loader import (
+    GlobalBatchSampler,
+    TokenWindows,
+    make_loader,
+    micro_batch_size,
+    split_train_eval,
+)
 from loom.data.tokenizer import BPETokenizer, ByteTokenizer, _chunks, make_tokenizer
 from loom.errors import ConfigError, LoomError
 

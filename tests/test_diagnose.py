@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from distributed import run_ranks
+
 from loom.cli import main
 from loom.observe.analyze import analyze
 

@@ -12,9 +12,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-import test_strategies as S  # noqa: E402  (module access only: its tests are not collected twice)
-from distributed import run_ranks  # noqa: E402
-from loom.train.loop import train  # noqa: E402
+import test_strategies as S
+from distributed import run_ranks
+
+from loom.train.loop import train
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_llama.py"
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from loom.errors import ConfigError
-from loom.parallel.mesh import free_port
 from loom.models.gpt import GPT, PRESETS, GPTConfig, build_model, preset, validate
+from loom.parallel.mesh import free_port
 
 
 def _tiny_model(seed: int = 0, **overrides: object) -> GPT:

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from distributed import run_ranks
+
 from loom.config import load_config
 from loom.parallel.mesh import shutdown
 from loom.train.loop import train

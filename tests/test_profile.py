@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from distributed import run_ranks
+
 from loom.config import ConfigError, load_config, validate
 from loom.observe.analyze import analyze
 from loom.train.loop import train

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from distributed import run_ranks
+
 from loom.config import Config, load_config
 from loom.data.loader import GlobalBatchSampler, split_train_eval
 from loom.models.gpt import build_model

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 from distributed import run_ranks
+
 from loom.config import load_config
 from loom.train.loop import train
 

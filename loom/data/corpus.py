@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loom.data.tokenizer import BPETokenizer, atomic_write, make_tokenizer
+from loom.data.tokenizer import BPETokenizer, make_tokenizer
 from loom.errors import ConfigError, LoomError
+from loom.files import atomic_write
 
 _WHAT_TO_GIVE = 'give a text file, a directory, a glob, a .bin token file or "stdlib"'
 # Stdlib folders that are not representative source (tests, IDE, third-party packages).

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -13,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from loom.errors import ConfigError, LoomError
+from loom.files import atomic_write
 
 # Bump when the training recipe changes, so stale cached tokenizers are not reused.
 _BPE_FORMAT = "loom-bpe-v1"
@@ -49,19 +49,6 @@ class ByteTokenizer:
             raise LoomError(f"byte tokenizer got token ids outside 0..255 (min {data.min()}, max {data.max()}); "
                             "decode ids produced by the byte tokenizer")
         return data.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Temp file + os.replace: concurrent ranks never read a half-written cache file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _as_items(texts_or_files: TextsOrFiles) -> list[str | Path]:

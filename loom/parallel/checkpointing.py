@@ -8,7 +8,9 @@ with FSDP2, DDP and torch.compile.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
 
 
 def apply_activation_checkpointing(layers: nn.ModuleList | nn.ModuleDict, mode: str, every: int = 1) -> int:

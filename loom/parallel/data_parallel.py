@@ -10,11 +10,16 @@ hsdp  -> FSDP2 on the 2-D mesh (dp_replicate, dp_shard): shard inside, replicate
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from loom.config import FSDP_STRATEGIES, ParallelConfig

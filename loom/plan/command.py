@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loom.data.tokenizer import atomic_write
 from loom.errors import ConfigError
+from loom.files import atomic_write
 from loom.plan.candidate import Workload
 from loom.plan.hardware import Cluster, lookup, with_overrides
 from loom.plan.memory import RECIPES

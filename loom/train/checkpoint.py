@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from loom.config import Config, load_config_text, to_toml
 from loom.errors import LoomError
+from loom.files import atomic_write, fsync_dir
 from loom.train import faults
 
 CHECKPOINTS = "checkpoints"
@@ -255,23 +256,6 @@ def _set_rng_state(state: dict) -> None:
     random.setstate((p[0], tuple(p[1]), p[2]))
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Checkpointer:
     """Saves this rank's share of each checkpoint; rank 0 publishes it when every rank is done.
 
@@ -335,8 +319,8 @@ class Checkpointer:
             os.rename(final, trash)
             shutil.rmtree(trash)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
-        _atomic_text(self.root / LATEST, final.name + "\n")
+        fsync_dir(self.root)
+        atomic_write(self.root / LATEST, (final.name + "\n").encode(), durable=True)
         steps = checkpoint_steps(self.root)
         for _, old in steps[:max(len(steps) - self.keep_last, 0)]:
             trash = self.root / f"{TMP_PREFIX}old-{old.name}"

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import warnings
 from pathlib import Path
 
 import torch
 
 from loom.errors import ConfigError, LoomError
+from loom.files import atomic_write
 from loom.models.presets import GPTConfig
 
 LAYOUTS = ("loom", "hf")
@@ -55,9 +54,7 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> 
     _check_output(output)
     path = _resolve(Path(checkpoint))
     meta = ckpt.read_meta(path)
-    with warnings.catch_warnings():  # DCP warns that it loads without a process group: that is the intent
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        tensors = ckpt.read_tensors(path, "model.")
+    tensors = ckpt.read_tensors(path, "model.")
     if not tensors:
         raise LoomError(f"{path} holds no model tensors; pass a checkpoint written by `loom train`")
     written = []
@@ -66,11 +63,11 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> 
         tensors = hf_state_dict(tensors, gpt)
         config = hf_config(gpt, tensors["model.embed_tokens.weight"].dtype)
     metadata = {"format": "pt", "loom_step": str(meta.get("step", "")), "loom_layout": layout}
-    _atomic_write(output, lambda tmp: save_file(_standalone(tensors), str(tmp), metadata=metadata))
+    atomic_write(output, lambda tmp: save_file(_standalone(tensors), str(tmp), metadata=metadata), durable=True)
     written.append(output)
     if layout == "hf":
         beside = output.parent / HF_CONFIG
-        _atomic_write(beside, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+        atomic_write(beside, (json.dumps(config, indent=2) + "\n").encode(), durable=True)
         written.append(beside)
     return written
 
@@ -101,27 +98,6 @@ def _resolve(given: Path) -> Path:
         raise LoomError(f"run directory {run_dir} has no complete checkpoint yet (a run writes one at its end "
                         f"and every train.ckpt_every steps); export a run that has one")
     return resolve_resume(str(path), None)
-
-
-def _atomic_write(path: Path, write) -> None:
-    """`write(tmp)` into a temporary file beside `path`, flushed to disk, then renamed over `path`."""
-    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:  # a platform without directory handles: the rename itself is what matters
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _standalone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -50,6 +50,7 @@ from loom.parallel.pipeline import (
 from loom.parallel.tensor_parallel import check_tp_shapes, loss_context
 from loom.plan.memory import formula_text, model_state_bytes
 from loom.plan.shapes import ModelShape, from_gpt_config
+from loom.train import checkpoint, faults
 from loom.train.meters import (
     MetricsFile,
     PhaseTimer,
@@ -57,7 +58,6 @@ from loom.train.meters import (
     format_duration,
     phase_share,
 )
-from loom.train import checkpoint, faults
 from loom.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 # The root module returns logits from a Linear (a view); the loss never edits them in place.
