@@ -498,6 +498,8 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
         tp_replicated = sum(q.numel() for q in params if q.ndim == 1) if p.tp > 1 else 0  # the norms' gains
         expected = model_state_bytes(p.strategy, local_params, shard, tp=p.tp, tp_replicated=tp_replicated)
         summary = _summary(cfg, result, expected.total, dp_size, shard)
+        last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
+        summary.update(start_step=start_step, skipped_steps=skipped_steps, checkpoint=str(last) if last else None)
         if plan is not None:
             summary["measured_vs_planned"] = measured_vs_planned(rank_memory, plan)
         if run_dir is not None:
@@ -510,6 +512,9 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
             _print_summary(summary, rank_memory, p.strategy, expected.total, run_dir)
             if plan is not None:
                 _print_measured_vs_planned(summary["measured_vs_planned"])
+            if last is not None:
+                print(f"checkpoint: {last}  (continue: loom train --resume auto --out {run_dir} "
+                      f"--set train.steps=N; weights: loom export {last} model.safetensors)")
     return result
 
 
