@@ -92,6 +92,9 @@ def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool) -> No
     if overwrite and resume == "auto":
         raise LoomError("--overwrite deletes the run that --resume auto would continue; pass one of them")
     used = run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
+    if used and overwrite and resume and Path(resume).resolve().is_relative_to(run_dir.resolve()):
+        raise LoomError(f"--overwrite would delete {run_dir}, which holds the checkpoint --resume {resume} names; "
+                        f"pick a new --out to start from it")
     if used and overwrite:
         if not run_dir.is_dir():
             raise LoomError(f"--out {run_dir} is a file, not a run directory; pick another --out")

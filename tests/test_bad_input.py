@@ -570,6 +570,13 @@ def _(c: Ctx) -> str:
     return c.train("--overwrite", "--resume", "auto")
 
 
+@case("run-dir-overwrite-own-checkpoint")
+def _(c: Ctx) -> str:
+    run = c.tmp / "run"
+    shutil.copytree(c.step_2, run / "checkpoints" / "step_2")
+    return c.train("--overwrite", "--resume", str(run / "checkpoints" / "step_2"), "--set", "train.steps=4")
+
+
 @case("run-dir-is-a-file")
 def _(c: Ctx) -> str:
     (c.tmp / "run").write_text("not a directory")

@@ -89,7 +89,7 @@ def _train_from(overrides: list[str], run_dir: str, resume: str | None, steps: i
 
 @pytest.mark.parametrize("before, after", [
     ((4, ["parallel.strategy=zero3"]), (2, ["parallel.strategy=ddp"])),
-    ((2, ["parallel.strategy=ddp"]), (2, ["parallel.strategy=zero3", "parallel.tp=2"])),
+    ((2, ["parallel.strategy=ddp"]), (2, ["parallel.strategy=ddp", "parallel.tp=2"])),
     ((2, ["parallel.strategy=ddp", "parallel.pp=2"]), (2, ["parallel.strategy=zero3"])),
 ], ids=["zero3x4-to-ddpx2", "ddp-to-tp2", "pp2-to-zero3"])
 def test_resume_under_another_strategy_reshards_exactly(tmp_path, before, after):
