@@ -441,14 +441,12 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
     for k in model_sd:
         model_sd[k] = flat[f"model.{names.to_ckpt(k)}"]
     set_model_state_dict(model, model_sd)
-    if held["torch"] is not None:
-        osd = held["torch"]
+    osd = held["torch"]  # None for ZeRO-1: DCP filled its local optimizer's own state tensors in place
+    if osd is not None:
         for name, states in osd["state"].items():
             for key in states:
                 states[key] = flat[f"optim.{names.to_ckpt(name)}.{key}"]
         set_optimizer_state_dict(model, optimizer, osd)
-    else:  # ZeRO-1: the loaded tensors are the local optimizer's own state (filled in place)
-        pass
     scheduler.load_state_dict(meta["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
