@@ -65,7 +65,9 @@ class Watcher:
                 return
 
     def stop(self) -> None:
+        """Before the process group goes: no store call may be in flight when it is destroyed."""
         self.done.set()
+        self.thread.join(timeout=5)
 
 
 def is_timeout(e: BaseException) -> bool:
