@@ -59,23 +59,28 @@ def _rank(rank: int, world: int, port: int, a, out_dir: str) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     from loom.config import validate
     from loom.models.gpt import build_model
-    from loom.parallel.apply import parallelize
     from loom.parallel.mesh import init_distributed
     from loom.train import checkpoint
-    from loom.train.loop import model_config, train_step
-    from loom.train.optim import build_optimizer, build_scheduler
+    from loom.train.loop import (
+        Task,
+        build_training,
+        checkpoint_meta,
+        model_config,
+        next_token_loss,
+        train_step,
+    )
 
     cfg = _config(a)
     d = init_distributed(lambda w: validate(cfg, w), "cpu")
     try:
         torch.manual_seed(cfg.train.seed)
         gpt = model_config(cfg, 256)
-        num_params = gpt.num_params()
-        parts = parallelize(build_model(gpt, "meta"), cfg, d)
-        model = parts[0]
-        optimizer = build_optimizer(model, cfg.train, cfg.parallel.strategy, d)
-        scheduler = build_scheduler(optimizer, cfg.train)
-        params = [p for p in model.parameters() if p.requires_grad]
+        # loom train's own model, optimizer and schedule, on random tokens (no corpus needed)
+        task = Task(model_fn=lambda: build_model(gpt, "meta"), loss_fn=next_token_loss, train_data=None,
+                    tokens_per_sample=cfg.data.seq_len, description=f"GPT {gpt.n_layers}L d{gpt.d_model}")
+        built = build_training(cfg, d, task)
+        model, optimizer, scheduler, params = built.model, built.optimizer, built.scheduler, built.params
+        num_params = built.num_params
         micro = cfg.train.batch_size // d.dp_mesh.size()
         gen = torch.Generator().manual_seed(1000 + rank)
 
@@ -85,15 +90,10 @@ def _rank(rank: int, world: int, port: int, a, out_dir: str) -> None:
 
         stream = batches()
         root = Path(out_dir)
-        layout = {"strategy": cfg.parallel.strategy, "world_size": d.world_size,
-                  "mesh": dict(zip(d.mesh.mesh_dim_names, d.mesh.shape))}
         step = 0
 
-        def meta() -> dict:  # as the loop's _checkpoint_meta
-            return {"layout": layout, "model": f"GPT {gpt.n_layers}L d{gpt.d_model}",
-                    "data": {"next_global_batch": step, "samples_seen": step * cfg.train.batch_size,
-                             "tokens_seen": step * cfg.train.batch_size * cfg.data.seq_len,
-                             "seed": cfg.train.seed}}
+        def meta() -> dict:
+            return checkpoint_meta(cfg, step, d, task)
 
         def one_step(ckpt, published: Path | None) -> tuple[float, bool]:
             """A training step, then poll() as the loop does; whether rank 0 sees `published`

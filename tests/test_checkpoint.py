@@ -149,21 +149,24 @@ def _nonfinite(run_dir: str):
     """skip with a foreach AdamW (checked on the host), skip with a fused one (on the device),
     and stop; rank 1's loss at step 3 is NaN."""
     out = {}
-    for policy, impl in (("skip", "foreach"), ("skip", "fused"), ("stop", "foreach")):
+    for policy, impl, strategy in (("skip", "foreach", "zero2"), ("skip", "fused", "zero2"),
+                                   ("skip", "fused", "zero1"), ("stop", "foreach", "zero2")):
         try:
-            out[policy, impl] = _train(["parallel.strategy=zero2", "train.steps=5", "train.ckpt_every=2",
-                                        f"train.on_nonfinite={policy}", f"train.optimizer_impl={impl}"],
-                                       f"{run_dir}/{policy}-{impl}", faults="nan@3:1")
+            out[policy, impl, strategy] = _train([f"parallel.strategy={strategy}", "train.steps=5",
+                                                  "train.ckpt_every=2", f"train.on_nonfinite={policy}",
+                                                  f"train.optimizer_impl={impl}"],
+                                                 f"{run_dir}/{policy}-{impl}-{strategy}", faults="nan@3:1")
         except LoomError as e:
-            out[policy, impl] = str(e)
+            out[policy, impl, strategy] = str(e)
     return out
 
 
 def test_nonfinite_steps_are_skipped_or_stop_the_run(tmp_path):
     ranks = run_ranks(_nonfinite, 2, str(tmp_path))
-    for impl in ("foreach", "fused"):
-        losses, extra = ranks[0]["skip", impl]
-        run = tmp_path / f"skip-{impl}"
+    # zero1 × fused: ZeRO-1's local fused AdamW skips on the device too
+    for impl, strategy in (("foreach", "zero2"), ("fused", "zero2"), ("fused", "zero1")):
+        losses, extra = ranks[0]["skip", impl, strategy]
+        run = tmp_path / f"skip-{impl}-{strategy}"
         assert np.isnan(losses[2]) and np.isfinite(losses[3:]).all(), impl
         assert extra["skipped_steps"] == [3]
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -175,7 +178,7 @@ def test_nonfinite_steps_are_skipped_or_stop_the_run(tmp_path):
         assert {float(v) for k, v in optim.items() if k.endswith(".step")} == {4.0}, impl
         assert all(torch.isfinite(v).all() for v in checkpoint.read_tensors(step5).values())
     for rank in ranks:  # every rank stops, with the same one-line message
-        message = rank["stop", "foreach"]
+        message = rank["stop", "foreach", "zero2"]
         assert "step 3: loss nan" in message and "train.on_nonfinite = stop" in message
         assert "checkpoints/step_2" in message and "\n" not in message
-    assert not (tmp_path / "stop-foreach" / "checkpoints" / "step_4").exists()
+    assert not (tmp_path / "stop-foreach-zero2" / "checkpoints" / "step_4").exists()

@@ -62,8 +62,7 @@ def init_distributed(dims_for_world, device_request: str = "auto", timeout_s: fl
     device = pick_device(device_request)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), store=_attempt_store(timeout_s),
-                                **_rank_and_world())
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **_attempt_store(timeout_s))
     world = dist.get_world_size()
     dims: ParallelDims = dims_for_world(world)
     mesh = init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
@@ -73,23 +72,19 @@ def init_distributed(dims_for_world, device_request: str = "auto", timeout_s: fl
                 world_size=world, device=device, mesh=mesh, dp_mesh=dp_mesh)
 
 
-def _attempt_store(timeout_s: float) -> dist.Store | None:
-    """Under torchrun, a store private to this attempt: torchrun may keep its store across a
-    restart, and a restarted group must not read the dead group's addresses."""
+def _attempt_store(timeout_s: float) -> dict:
+    """Under torchrun, a store private to this attempt (init_process_group's store, rank, world):
+    torchrun may keep its store across a restart, and a restarted group must not read the dead
+    group's addresses. Elsewhere nothing: env:// as usual."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
-        return None  # env:// as usual
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=not agent_store and os.environ["RANK"] == "0",
-                          timeout=timedelta(seconds=timeout_s), multi_tenant=not agent_store)
-    return dist.PrefixStore(f"loom/attempt_{attempt}", store)
-
-
-def _rank_and_world() -> dict:
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return {}
-    return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0,
+                          timeout=timedelta(seconds=timeout_s), multi_tenant=not agent_store)
+    return {"store": dist.PrefixStore(f"loom/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
 def shutdown() -> None:

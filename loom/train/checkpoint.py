@@ -267,7 +267,7 @@ class Checkpointer:
     def __init__(self, run_dir: Path, cfg: Config, d, keep_last: int, async_save: bool):
         self.root = run_dir / CHECKPOINTS
         self.cfg, self.d, self.keep_last, self.async_save = cfg, d, keep_last, async_save
-        self.pending: tuple[Future, Path, Path] | None = None
+        self.pending: tuple[Future, int] | None = None
         self.group = dist.new_group(backend="gloo") if async_save else None
         self.stall_s: list[float] = []  # training time spent in each save call
         if d.is_main:
@@ -279,7 +279,6 @@ class Checkpointer:
     def save(self, step: int, model: nn.Module, optimizer, scheduler, meta: dict) -> None:
         start = time.perf_counter()
         self.wait()  # one write in flight at a time
-        final = self.root / step_name(step)
         tmp = self.root / f"{TMP_PREFIX}{step_name(step)}"
         tmp.mkdir(parents=True, exist_ok=True)
         flat, _, _ = _state(model, optimizer, self.d)
@@ -290,10 +289,10 @@ class Checkpointer:
             (tmp / META).write_text(json.dumps(meta, indent=1))
         if self.async_save:
             future = dcp.async_save(flat, checkpoint_id=tmp, process_group=self.group)
-            self.pending = (future, tmp, final)
+            self.pending = (future, step)
         else:
             dcp.save(flat, checkpoint_id=tmp)
-            self._publish(tmp, final)
+            self._publish(step)
         self.stall_s.append(time.perf_counter() - start)
 
     def poll(self) -> None:
@@ -304,28 +303,31 @@ class Checkpointer:
     def wait(self) -> None:
         if self.pending is None:
             return
-        future, tmp, final = self.pending
+        future, step = self.pending
         self.pending = None
         future.result()
-        self._publish(tmp, final)
+        self._publish(step)
 
-    def _publish(self, tmp: Path, final: Path) -> None:
+    def _publish(self, step: int) -> None:
         """Rank 0, after DCP wrote `.metadata` (which it does only once every rank has written)."""
-        faults.maybe_kill_in_checkpoint(int(final.name.split("_")[1]), self.d.rank)
+        faults.maybe_kill_in_checkpoint(step, self.d.rank)
         if not self.d.is_main:
             return
+        tmp, final = self.root / f"{TMP_PREFIX}{step_name(step)}", self.root / step_name(step)
         if final.exists():  # the same step saved again (a resumed run): replace it whole
-            trash = self.root / f"{TMP_PREFIX}old-{final.name}"
-            os.rename(final, trash)
-            shutil.rmtree(trash)
+            self._remove(final)
         os.rename(tmp, final)
         fsync_dir(self.root)
         atomic_write(self.root / LATEST, (final.name + "\n").encode(), durable=True)
         steps = checkpoint_steps(self.root)
         for _, old in steps[:max(len(steps) - self.keep_last, 0)]:
-            trash = self.root / f"{TMP_PREFIX}old-{old.name}"
-            os.rename(old, trash)  # invisible first, so a crash never leaves half of one
-            shutil.rmtree(trash)
+            self._remove(old)
+
+    def _remove(self, checkpoint: Path) -> None:
+        """Invisible first (renamed to .tmp-), so a crash never leaves half of one in view."""
+        trash = self.root / f"{TMP_PREFIX}old-{checkpoint.name}"
+        os.rename(checkpoint, trash)
+        shutil.rmtree(trash)
 
     def close(self) -> None:
         self.wait()
@@ -343,9 +345,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
                        "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint._extension")
-    ALLOWED = {("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"), ("builtins", "slice"),
+    ALLOWED = frozenset({("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"), ("builtins", "slice"),
                ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-               ("pathlib", "PurePosixPath")}
+               ("pathlib", "PurePosixPath")})
 
     def find_class(self, module: str, name: str):
         if module in self.ALLOWED_MODULES or (module, name) in self.ALLOWED:

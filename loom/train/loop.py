@@ -313,20 +313,22 @@ def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t,
         if finite.item():
             scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
         scaler.update()
-    elif _skips_on_device(optimizer):
-        optimizer.found_inf = skipped
+    elif (fused := _fused_adamw(optimizer)) is not None:
+        fused.found_inf = skipped
         try:
             optimizer.step()
         finally:
-            del optimizer.found_inf
+            del fused.found_inf
     elif finite.item():
         optimizer.step()
     scheduler.step()
     return grad_norm, skipped, lr
 
 
-def _skips_on_device(optimizer) -> bool:
-    return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
+def _fused_adamw(optimizer) -> torch.optim.AdamW | None:
+    """The fused AdamW that takes the step (ZeRO-1 steps its local one), if the step is one."""
+    inner = getattr(optimizer, "optim", optimizer)
+    return inner if isinstance(inner, torch.optim.AdamW) and inner.defaults.get("fused") else None
 
 
 def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, quiet: bool = False,
@@ -432,8 +434,6 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
 
         profiler = StepProfiler(cfg.profile, run_dir, d.rank, d.device)
         profiler.__enter__()
-    layout = {"strategy": p.strategy, "world_size": d.world_size, "mesh": dict(zip(d.mesh.mesh_dim_names,
-                                                                                     d.mesh.shape))}
     batches = iter(data.train)
     start = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
@@ -465,7 +465,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
             if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
                 flush(pending)  # the metrics reach step k before checkpoint k exists (saving syncs anyway)
                 pending = None
-                ckpt.save(step, model, optimizer, scheduler, _checkpoint_meta(cfg, step, layout, task))
+                ckpt.save(step, model, optimizer, scheduler, checkpoint_meta(cfg, step, d, task))
         if t.eval_every and step % t.eval_every == 0 and step < t.steps:
             eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn, pipe)
             if main and not quiet and eval_loss is not None:
@@ -551,9 +551,11 @@ def build_training(cfg: Config, d: Dist, task: Task) -> Built:
     return Built(parts, model, pipe, optimizer, scheduler, _grad_scaler(cfg, d.device), params, num_params)
 
 
-def _checkpoint_meta(cfg: Config, step: int, layout: dict, task: Task) -> dict:
+def checkpoint_meta(cfg: Config, step: int, d: Dist, task: Task) -> dict:
     """What a checkpoint records besides tensors: the layout that wrote it and the data position
     (global batch `step` is next; the sampler gives the same one under any layout)."""
+    layout = {"strategy": cfg.parallel.strategy, "world_size": d.world_size,
+              "mesh": dict(zip(d.mesh.mesh_dim_names, d.mesh.shape))}
     return {"layout": layout, "model": task.description,
             "data": {"next_global_batch": step, "samples_seen": step * cfg.train.batch_size,
                      "tokens_seen": step * cfg.train.batch_size * task.tokens_per_sample, "seed": cfg.train.seed}}

@@ -58,8 +58,8 @@ class MetricsFile:
         self.file = None
         if path is None:
             return
-        kept = [line for line in (path.read_text().splitlines() if keep_through_step and path.is_file() else [])
-                if _step_of(line) is not None and _step_of(line) <= keep_through_step]
+        lines = path.read_text().splitlines() if keep_through_step and path.is_file() else []
+        kept = [line for line in lines if (step := _step_of(line)) is not None and step <= keep_through_step]
         path.write_text("".join(line + "\n" for line in kept))
         self.file = open(path, "a", buffering=1)
 
