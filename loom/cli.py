@@ -6,6 +6,7 @@ User errors end as one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -232,5 +233,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _exit_rank(code: int) -> None:
+    """End a rank started by torchrun without the interpreter's teardown. torch keeps each
+    process group (gloo: a dozen native threads) alive past destroy_process_group through its
+    DeviceMesh registry; tearing those down during interpreter finalization occasionally aborts
+    ("terminate called without an active exception"), turning a finished run into a failure.
+    Everything loom writes is closed (and checkpoints fsynced) by now; only stdio needs a flush."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from loom.launch import under_launcher
+
+    started_as_rank = under_launcher()  # decided now: an in-process run sets RANK itself
+    code = main()
+    if started_as_rank:
+        _exit_rank(code)
+    sys.exit(code)
