@@ -34,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's loom, here and in the spawned ranks
+sys.path.insert(0, str(ROOT / "bench"))
+from provenance import describe, provenance  # noqa: E402
 MB = 1e6
 
 
@@ -256,7 +258,8 @@ def main() -> None:
               f"{r['async_stall_s']:.2f} s, published after {r['async_write_alone_s']:.2f} s alone / "
               f"{r['async_published_s']:.2f} s training on, step "
               f"{r['step_during_write_s']:.3f} s during the write vs {r['plain_step_s']:.3f} s", flush=True)
-    print(f"\n{report(s)}")
+    s["provenance"] = provenance()
+    print(f"\n{report(s)}\n{describe(s['provenance'])}")
     if a.json:
         a.json.write_text(json.dumps(s, indent=2))
 

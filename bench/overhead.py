@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from provenance import describe, provenance  # noqa: E402
 
 
 CASES = {"ddp": ("ddp", 1, 1), "zero3": ("zero3", 1, 1), "tp2": ("zero3", 2, 1), "pp2": ("zero3", 1, 2)}
@@ -72,16 +74,23 @@ def main() -> None:
                 plain_tps.append(run_plain(case, a, Path(tmp) / f"plain-{case}-{i}.json"))
                 print(f"{case} round {i + 1}: loom {loom_tps[-1]:,.0f} tok/s, plain {plain_tps[-1]:,.0f} tok/s",
                       flush=True)
+            # Each round's ratio compares a loom run with the plain run right after it; the median of
+            # those ratios is the figure, which need not equal the quotient of the two medians.
             ratios = [x / y for x, y in zip(loom_tps, plain_tps)]
             results[case] = {"loom_tokens_per_s": statistics.median(loom_tps),
-                                 "plain_tokens_per_s": statistics.median(plain_tps),
-                                 "ratio_median": statistics.median(ratios), "ratios": ratios}
-    print(f"\n{'case':<10}{'loom tok/s':>12}{'plain tok/s':>13}{'loom/plain':>12}")
+                             "plain_tokens_per_s": statistics.median(plain_tps),
+                             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+                             "ratio_max": max(ratios), "ratios": ratios, "loom_rounds": loom_tps,
+                             "plain_rounds": plain_tps}
+    where = provenance()
+    print(f"\n{describe(where)}; {a.rounds} alternating rounds of {a.steps} steps, {a.preset} preset")
+    print(f"{'case':<10}{'loom tok/s':>12}{'plain tok/s':>13}{'loom/plain':>12}{'rounds min–max':>17}")
     for case, r in results.items():
         print(f"{case:<10}{r['loom_tokens_per_s']:>12,.0f}{r['plain_tokens_per_s']:>13,.0f}"
-              f"{r['ratio_median']:>12.3f}")
+              f"{r['ratio_median']:>12.3f}{r['ratio_min']:>10.3f}–{r['ratio_max']:.3f}")
     if a.json:
-        a.json.write_text(json.dumps(results, indent=2))
+        a.json.write_text(json.dumps({"provenance": where, "rounds": a.rounds, "steps": a.steps,
+                                      "preset": a.preset, "cases": results}, indent=2))
 
 
 if __name__ == "__main__":

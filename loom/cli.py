@@ -61,9 +61,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                       rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
     check_spec(spec)
     validate(cfg, spec.world_size)
-    _preflight_data(cfg, spec.world_size)
+    model = _preflight_data(cfg, spec.world_size)
     run_dir = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.parallel.strategy}"
-    _check_resume(cfg, run_dir, args.resume, args.overwrite)
+    _check_resume(cfg, run_dir, args.resume, args.overwrite, model)
     if spec.world_size == 1 and spec.nnodes == 1:
         from loom.parallel.mesh import shutdown
         from loom.train.loop import train
@@ -83,11 +83,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return rc
 
 
-def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool) -> None:
+def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool, model) -> None:
     """Before any rank starts: never write over a run without --overwrite, and check that the
-    checkpoint to resume exists, is complete and matches the config."""
+    checkpoint to resume exists, is complete, matches the config and holds exactly the model's
+    and AdamW's tensors (nothing in it is read as code; see loom/train/safe_load.py)."""
     import shutil
 
+    from loom.models.gpt import build_model
+    from loom.train import safe_load
     from loom.train.checkpoint import check_resumable, read_meta, resolve_resume
 
     if overwrite and resume == "auto":
@@ -106,10 +109,13 @@ def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool) -> No
     path = resolve_resume(resume, run_dir) if resume else None
     if path is not None:
         check_resumable(read_meta(path), cfg, path)
+        expected = safe_load.adamw_entries(build_model(model, device="meta"))
+        safe_load.check_entries(path, safe_load.read_metadata(path), expected)
 
 
-def _preflight_data(cfg, world_size: int) -> None:
-    """Load the data once before ranks start: a missing path or a too-small corpus fails here."""
+def _preflight_data(cfg, world_size: int):
+    """Load the data once before ranks start: a missing path or a too-small corpus fails here.
+    Returns the model's GPTConfig (its vocabulary follows the data's tokenizer)."""
     from loom.config import resolve_dims
     from loom.data.loader import GlobalBatchSampler, split_train_eval
     from loom.train.loop import load_data, model_config
@@ -119,7 +125,7 @@ def _preflight_data(cfg, world_size: int) -> None:
     train_set, _ = split_train_eval(tokens, d.seq_len, d.eval_fraction)
     dims = resolve_dims(cfg.parallel, world_size)
     GlobalBatchSampler(len(train_set), cfg.train.batch_size, 0, dims.dp, cfg.train.grad_accum, cfg.train.seed)
-    model_config(cfg, vocab)
+    return model_config(cfg, vocab)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -7,6 +7,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+_UMASK = os.umask(0)  # read once (os.umask can only be read by setting it), then restored
+os.umask(_UMASK)
+
 
 def atomic_write(path: Path, data: bytes | Callable[[Path], None], durable: bool = False) -> None:
     """Write `data` (bytes, or a function that writes the given temporary path) to `path`.
@@ -24,6 +27,7 @@ def atomic_write(path: Path, data: bytes | Callable[[Path], None], durable: bool
                 f.write(data)
         if callable(data):
             data(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's file is private; the result is an ordinary file, as open() makes
         if durable:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())

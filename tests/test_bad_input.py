@@ -659,6 +659,36 @@ def _(c: Ctx) -> str:
     return c.train("--resume", str(c.step_2), "--set", "train.steps=2")
 
 
+def _crafted(c: Ctx, kind: str) -> str:
+    from crafted import craft
+
+    marker = c.tmp / "MARKER"
+    path = craft(kind, c.step_2, c.tmp / "old" / "checkpoints" / "step_2", marker)
+    message = c.train("--resume", str(path), "--set", "train.steps=4")
+    assert not marker.exists()
+    return message
+
+
+@case("ckpt-non-tensor-entry")
+def _(c: Ctx) -> str:
+    return _crafted(c, "byte-entry")
+
+
+@case("ckpt-entry-dtype")
+def _(c: Ctx) -> str:
+    return _crafted(c, "wrong-dtype")
+
+
+@case("ckpt-extra-entry")
+def _(c: Ctx) -> str:
+    return _crafted(c, "extra-entry")
+
+
+@case("ckpt-metadata-global")
+def _(c: Ctx) -> str:
+    return _crafted(c, "metadata-global")
+
+
 # ---------------------------------------------------------------------------------------------
 # faults
 
@@ -752,3 +782,9 @@ def test_bad_input(case_id, tmp_path, corpus, capsys, request):
     message = CASES[case_id](Ctx(tmp_path, corpus, capsys, request))
     assert isinstance(message, str) and message
     assert_message(message, row.message)
+
+
+def test_readme_counts_the_catalogue():
+    """The README's figure is the catalogue's row count, not a number written once."""
+    said = re.findall(r"every bad input tried \((\d+) cases\)", (ROOT / "README.md").read_text(encoding="utf-8"))
+    assert said == [str(len(ROWS))], f"README says {said}, docs/bad-input.md has {len(ROWS)} rows"

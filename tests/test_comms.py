@@ -1,5 +1,8 @@
-"""CollectiveCounter sees what each engine really issues, with exact payload and ring bytes.
+"""CollectiveCounter sees what each engine really issues: counts and payload bytes (observed),
+with the ring model's wire bytes beside them (modelled).
 
+Every expected number is worked out by hand from the tensors handed to the collectives, never by
+planner code: the payloads must hold even with the ring model replaced by nonsense.
 One run of 4 gloo ranks covers every case (spawning ranks costs more than the cases): N = 4
 makes the ring factors distinct (all-reduce 3/2, the others 3/4), subgroups give N = 2 and 1.
 """
@@ -17,7 +20,7 @@ WORLD = 4
 
 
 def _rows(comm: CollectiveCounter) -> list[tuple[str, int, int, int]]:
-    return [(r["kind"], r["group_size"], r["payload_bytes"], r["sent_bytes"]) for r in comm.records]
+    return [(r["kind"], r["group_size"], r["payload_bytes"], r["modelled_wire_bytes"]) for r in comm.records]
 
 
 def _rank_cases() -> dict:
@@ -35,6 +38,28 @@ def _rank_cases() -> dict:
     pair, _ = dist.new_subgroups(2)  # {0, 1}, {2, 3}
     alone, _ = dist.new_subgroups(1)
     out = {}
+
+    x = torch.ones(1000)  # fp32: 4000 bytes
+    half = torch.ones(1000, dtype=torch.float16)  # 2000 bytes
+    with CollectiveCounter() as comm:
+        dist.all_reduce(x)
+        dist.all_gather_into_tensor(torch.empty(2, 1000), x.view(1, 1000), group=pair)  # out [2, 1000]
+        dist.all_gather([torch.empty(1000) for _ in range(WORLD)], x)  # output 4 × [1000]
+        dist.reduce_scatter_tensor(torch.empty(1, 1000), torch.ones(2, 1000), group=pair)  # in [2, 1000]
+        dist.broadcast(half, src=0)
+        funcol.all_reduce(x, "sum", pair).wait()
+    out["known"] = _rows(comm), comm.summary()
+    # The planner's ring formula replaced by nonsense: the observed quantities must not move.
+    import loom.observe.comms as comms
+
+    real, comms.ring = comms.ring, lambda kind, n, size: -1.0
+    try:
+        with CollectiveCounter() as comm:
+            dist.all_reduce(x)
+            dist.all_gather_into_tensor(torch.empty(2, 1000), x.view(1, 1000), group=pair)
+        out["no_model"] = comm.summary()
+    finally:
+        comms.ring = real
 
     t = torch.ones(6)  # 24 bytes
     h = torch.ones(5, dtype=torch.bfloat16)  # 10 bytes, a pipeline activation
@@ -93,6 +118,37 @@ def ranks() -> list[dict]:
     return run_ranks(_rank_cases, WORLD)
 
 
+def test_known_payloads_and_counts(ranks):
+    rows = [
+        ("all_reduce", 4, 4000, 6000),  # [1000] fp32; modelled 2·3/4·4000
+        ("all_gather", 2, 8000, 4000),  # the [2, 1000] output; modelled 1/2·8000
+        ("all_gather", 4, 16000, 12000),  # list form: 4 outputs of 4000
+        ("reduce_scatter", 2, 8000, 4000),  # the [2, 1000] input
+        ("broadcast", 4, 2000, 1500),  # [1000] fp16
+        ("all_reduce", 2, 4000, 4000),  # functional, group by name
+    ]
+    for r in ranks:
+        assert r["known"][0] == rows
+        summary = r["known"][1]
+        assert summary["count"] == 6 and summary["payload_bytes"] == 42000
+        assert summary["modelled_wire_bytes"] == 31500
+        assert summary["by_kind"] == {
+            "all_reduce": {"count": 2, "payload_bytes": 8000, "modelled_wire_bytes": 10000},
+            "all_gather": {"count": 2, "payload_bytes": 24000, "modelled_wire_bytes": 16000},
+            "reduce_scatter": {"count": 1, "payload_bytes": 8000, "modelled_wire_bytes": 4000},
+            "broadcast": {"count": 1, "payload_bytes": 2000, "modelled_wire_bytes": 1500},
+        }
+
+
+def test_payloads_do_not_come_from_the_model(ranks):
+    for r in ranks:
+        summary = r["no_model"]
+        assert summary["count"] == 2 and summary["payload_bytes"] == 12000
+        assert summary["by_kind"]["all_reduce"]["payload_bytes"] == 4000
+        assert summary["by_kind"]["all_gather"]["payload_bytes"] == 8000
+        assert summary["modelled_wire_bytes"] == -2  # only the labelled model field moved
+
+
 def test_plain_collectives(ranks):
     common = [
         ("all_reduce", 4, 24, 36),  # 2·3/4·24
@@ -110,9 +166,11 @@ def test_plain_collectives(ranks):
         assert ranks[rank]["plain"][0] == common + tail, f"rank {rank}"
     summary = ranks[0]["plain"][1]
     assert summary["count"] == 10
-    assert summary["sent_bytes"] == 36 + 72 + 72 + 18 + 24 + 0 + 24 + 10 + 0 + 24
-    assert summary["by_kind"]["all_reduce"] == {"count": 3, "payload_bytes": 72, "sent_bytes": 60}
-    assert summary["by_kind"]["send"] == {"count": 2, "payload_bytes": 34, "sent_bytes": 34}
+    assert summary["payload_bytes"] == 24 + 96 + 96 + 24 + 24 + 24 + 48 + 10 + 10 + 24
+    assert summary["modelled_wire_bytes"] == 36 + 72 + 72 + 18 + 24 + 0 + 24 + 10 + 0 + 24
+    assert summary["by_kind"]["all_reduce"] == {"count": 3, "payload_bytes": 72, "modelled_wire_bytes": 60}
+    assert summary["by_kind"]["send"] == {"count": 2, "payload_bytes": 34, "modelled_wire_bytes": 34}
+    assert summary["by_kind"]["recv"] == {"count": 1, "payload_bytes": 10, "modelled_wire_bytes": 0}
 
 
 def test_ddp_one_bucket_all_reduce(ranks):

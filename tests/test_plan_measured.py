@@ -1,5 +1,12 @@
 """Measured vs planned: `loom train` writes plan.json, and on gloo ranks each rank's model-state
-bytes (1%), activation peak (20%) and bytes sent by its collectives in a step (5%) match it."""
+bytes (1%) and activation peak (20%) match it, and so do the collectives of a step as observed
+(payload bytes and counts per kind; wire bytes are only modelled, so not compared here).
+
+The plan leaves out the loop's few-byte collectives (mean loss, gradient norm, loss parallel's
+per-token statistics: all-reduces; DDP's rebuilt bucket order in step 2: broadcasts). So
+all-gather, reduce-scatter, send and recv must match exactly, all-reduce and broadcast may
+exceed the plan by those bytes: at most 0.5% of the rank's planned payload (0.35% seen, tp × ddp).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ CASES = [
     ("zero3", 2, ("parallel.pp=2",)),
 ]
 IDS = ["ddp", "zero1", "zero2", "zero3-accum2", "hsdp-2x2", "tp2-sp", "tp2xddp-ac", "pp2"]
+EXACT = ("all_gather", "reduce_scatter", "send", "recv")  # only the plan's collectives issue these
+EXTRA = 0.005  # the unplanned few-byte collectives, as a share of the rank's planned payload
 
 
 def _rank(cfg, out: str) -> None:
@@ -38,11 +47,20 @@ def test_measured_matches_plan(corpus, tmp_path, strategy, world, extra):
     rows = json.loads((tmp_path / "summary.json").read_text())["measured_vs_planned"]
     assert len(rows) == world
     for row in rows:
-        for key, tolerance in (("model_state_bytes", 0.01), ("activation_peak_bytes", 0.20),
-                               ("comm_sent_bytes", 0.05)):
+        for key, tolerance in (("model_state_bytes", 0.01), ("activation_peak_bytes", 0.20)):
             measured, planned = row[key]
             assert planned > 0 and measured is not None, (row["rank"], key, row)
             assert abs(measured - planned) <= tolerance * planned, (row["rank"], key, measured, planned)
+        seen, planned = row["comm_payload_bytes"]
+        assert 0 < planned <= seen <= planned * (1 + EXTRA), (row["rank"], seen, planned)
+        for kind, v in row["comm_by_kind"].items():
+            (seen, planned), (n_seen, n_planned) = v["payload_bytes"], v["count"]
+            where = (row["rank"], kind, v)
+            if kind in EXACT:
+                assert seen == pytest.approx(planned, rel=1e-9) and n_seen == n_planned, where
+            else:
+                assert planned * (1 - 1e-9) <= seen <= planned + EXTRA * row["comm_payload_bytes"][1], where
+                assert n_planned is None or n_seen >= n_planned, where
 
 
 def test_summary_prints_measured_beside_planned(corpus, tmp_path, capsys):
@@ -54,5 +72,6 @@ def test_summary_prints_measured_beside_planned(corpus, tmp_path, capsys):
     finally:
         shutdown()
     out = capsys.readouterr().out
-    assert "measured / planned (MiB)" in out and "sent by collectives per step" in out
+    assert "measured / planned (MiB)" in out and "collective payload per step (observed)" in out
+    assert "wire bytes per step, modelled" in out
     assert (tmp_path / "plan.json").exists()

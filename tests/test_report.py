@@ -6,6 +6,7 @@ standard library, so "the charts are there" is checked on pixels, not only on ma
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import zlib
@@ -54,9 +55,12 @@ def analysis(findings: bool = True) -> dict:
                       "expected_effect": "hide about half the exposed comm"}] if findings else [],
         "measured_vs_planned": [{"rank": 0, "model_state_bytes": [52_000_000, 50_000_000],
                                  "activation_peak_bytes": [30_000_000, 24_000_000],
-                                 "comm_sent_bytes": [80_000_000, 75_000_000]}],
+                                 "comm_payload_bytes": [150_000_000, 150_000_000], "comm_count": [1234, None],
+                                 "comm_by_kind": {"all_gather": {"payload_bytes": [100_000_000, 100_000_000],
+                                                                 "count": [1234, None]}},
+                                 "comm_modelled_wire_bytes": [75_000_000, 75_000_000]}],
         "plan": {"label": "zero3 dp2", "memory_bytes": {"total": 80_000_000}, "comm_bytes_per_step": 75_000_000,
-                 "step_time_s": None},
+                 "comm_payload_bytes_per_step": 150_000_000, "step_time_s": None},
     }
 
 
@@ -93,6 +97,20 @@ def test_self_contained_and_escaped(tmp_path):
     assert text.index('id="findings"') < text.index('id="ledger"') < text.index('id="step-time"')
     assert "parallel.prefetch = true" in text and "hide about half" in text
     assert "straggler" in text and 'class="n straggler"' in text
+
+
+def test_measured_vs_planned_labels_observed_and_modelled():
+    text = render_html(analysis())
+    section = text[text.index('id="measured-vs-planned"'):]
+    for label in ("collective payload / step (observed)", "collectives / step (observed)",
+                  "all_gather payload / step", "all_gather count / step",
+                  "wire bytes / step (ring model, not observed)", "wire bytes per step (ring model)"):
+        assert label in section, label
+    assert "1,234" in section and "1.21 KiB" not in section  # a count, not bytes
+    # Runs written before payloads were split from modelled wire bytes still render.
+    old = analysis()
+    old["measured_vs_planned"] = [{"rank": 0, "comm_sent_bytes": [80_000_000, 75_000_000]}]
+    assert "wire bytes / step (ring model, not observed)" in render_html(old)
 
 
 def test_ledger_bar_widths_match_shares():
@@ -216,6 +234,8 @@ def _chromium(report: Path, tmp: Path, *args: str) -> subprocess.CompletedProces
 
 def test_renders_in_chromium(tmp_path):
     if not CHROMIUM.exists():
+        if os.environ.get("LOOM_REQUIRE_BROWSER"):  # set by .ci/run: under CI a missing browser fails
+            pytest.fail("/usr/bin/chromium is missing but LOOM_REQUIRE_BROWSER is set (.ci/run installs it)")
         pytest.skip("/usr/bin/chromium is missing (CI installs Debian's chromium in .ci/run)")
     report = render_report(analysis(), tmp_path / "report.html")
 

@@ -124,7 +124,7 @@ def _encode_cached(tokenizer: BPETokenizer, text: str) -> np.ndarray:
     """
     path = tokenizer.cache_path.with_suffix(".tokens.npy")
     if path.exists():
-        return np.load(path, mmap_mode="r")
+        return np.load(path, mmap_mode="r", allow_pickle=False)
     tokens = tokenizer.encode(text)
     buf = io.BytesIO()
     np.save(buf, tokens)

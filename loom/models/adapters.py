@@ -133,18 +133,31 @@ class HFDecoderStage(nn.Module):
         self.lm_head = full.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                  position_ids=position_ids)
+        mask_fns = {"full_attention": create_causal_mask,
+                    "sliding_attention": create_sliding_window_causal_mask}
+        masks = {kind: mask_fns[kind](config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                      position_ids=position_ids)
+                 for kind in {self._attention_kind(int(i)) for i in self.model.layers}}
         rotary = self.model.rotary_emb(h, position_ids=position_ids)
-        for layer in self.model.layers.values():
-            h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids)
+        for i, layer in self.model.layers.items():
+            h = layer(h, attention_mask=masks[self._attention_kind(int(i))], position_embeddings=rotary,
+                      position_ids=position_ids)
         if self.lm_head is None:
             return h
         return self.lm_head(self.model.norm(h))
+
+    def _attention_kind(self, layer_id: int) -> str:
+        """The mask the full model gives layer `layer_id`: per layer (Qwen2's `layer_types`), or a
+        sliding window on every layer when the config has one (Mistral), else causal (Llama)."""
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types is not None:
+            return layer_types[layer_id]
+        sliding = getattr(self.config, "sliding_window", None) is not None
+        return "sliding_attention" if sliding else "full_attention"
 
 
 def is_hf_decoder(model: nn.Module) -> bool:

@@ -1,9 +1,20 @@
-"""Measured communication per rank: every collective a region issues, its payload and bytes sent.
+"""Observed communication per rank: every collective a region issues, its kind, group and payload.
 
 A TorchDispatchMode sees the c10d ops where every engine ends up, whichever API issued them:
 DDP's C++ reducer, FSDP2, ZeroRedundancyOptimizer, pipelining's p2p, DTensor and functional
 collectives. Only shapes and dtypes are read, so counting adds no device synchronization.
-Bytes sent follow the ring model the planner uses, so measured and predicted traffic compare.
+
+Observed (read off the tensors handed to the collective): the count of calls and the payload,
+the Φ of the ring formulas, in bytes:
+  all_reduce, broadcast, reduce           the buffer
+  all_gather                              the full (gathered) output, N shards
+  reduce_scatter                          the full (unreduced) input, N shards
+  gather, scatter                         the full tensor, N per-rank pieces
+  all_to_all                              this rank's input
+  send, recv                              the tensor (batch_isend_irecv: each op separately)
+What the wire carries depends on the algorithm the backend picks and is not seen here;
+`modelled_wire_bytes` applies the ring model (loom.plan.comm.ring) to the observed payload and is
+labelled as the model it is.
 """
 
 from __future__ import annotations
@@ -63,7 +74,8 @@ _OPS: dict[str, tuple[str, str | None, bool]] = {
 
 
 def ring_sent_bytes(kind: str, payload_bytes: int, group_size: int) -> int:
-    """Bytes one rank sends to move `payload_bytes`: the planner's ring model, in whole bytes."""
+    """Modelled, not observed: bytes one rank would send to move `payload_bytes` by the ring model,
+    in whole bytes."""
     return math.floor(ring(kind, group_size, payload_bytes) + 1e-6)  # floor, robust to float rounding
 
 
@@ -86,9 +98,9 @@ def _group_size(group: Any) -> int:
 class CollectiveCounter(TorchDispatchMode):
     """Records every collective issued inside `with CollectiveCounter() as comm:` on this rank.
 
-    `comm.records`: one dict per collective (kind, group_size, payload_bytes, sent_bytes, op);
-    `comm.summary()`: totals per kind. Payload is the logical tensor moved: the gathered output
-    of an all-gather, the unreduced input of a reduce-scatter, the tensor of the others.
+    `comm.records`: one dict per collective (kind, group_size, payload_bytes, modelled_wire_bytes,
+    op); `comm.summary()`: count and payload bytes in all and per kind (observed), with the ring
+    model's wire bytes beside them (modelled). Payload conventions: the module's docstring.
     """
 
     def __init__(self) -> None:
@@ -119,14 +131,16 @@ class CollectiveCounter(TorchDispatchMode):
         for k, tensors in ops:
             payload = _nbytes(tensors) * (n if per_rank else 1)
             self.records.append({"kind": k, "group_size": n, "payload_bytes": payload,
-                                 "sent_bytes": ring_sent_bytes(k, payload, n), "op": func.name()})
+                                 "modelled_wire_bytes": ring_sent_bytes(k, payload, n), "op": func.name()})
 
     def summary(self) -> dict:
+        """{"count", "payload_bytes", "modelled_wire_bytes", "by_kind": {kind: the same three}}."""
+        keys = ("count", "payload_bytes", "modelled_wire_bytes")
         by_kind: dict[str, dict[str, int]] = {}
         for r in self.records:
-            s = by_kind.setdefault(r["kind"], {"count": 0, "payload_bytes": 0, "sent_bytes": 0})
+            s = by_kind.setdefault(r["kind"], dict.fromkeys(keys, 0))
             s["count"] += 1
             s["payload_bytes"] += r["payload_bytes"]
-            s["sent_bytes"] += r["sent_bytes"]
-        return {"count": len(self.records), "sent_bytes": sum(r["sent_bytes"] for r in self.records),
-                "by_kind": by_kind}
+            s["modelled_wire_bytes"] += r["modelled_wire_bytes"]
+        total = {k: sum(s[k] for s in by_kind.values()) for k in keys}
+        return {**total, "by_kind": by_kind}

@@ -576,20 +576,33 @@ def _collective_table(per_rank: list[dict], order: list[str], stragglers: dict[s
 
 
 def _planned(analysis: dict, ranks: list[tuple[str, dict]]) -> str:
+    # Collectives: payload bytes and counts are observed; wire bytes only modelled (ring model).
     labels = {"model_state_bytes": "model states", "activation_peak_bytes": "activation peak",
-              "comm_sent_bytes": "comm sent / step"}
+              "comm_payload_bytes": "collective payload / step (observed)",
+              "comm_count": "collectives / step (observed)",
+              "comm_modelled_wire_bytes": "wire bytes / step (ring model, not observed)",
+              "comm_sent_bytes": "wire bytes / step (ring model, not observed)"}  # runs before the split
     rows = []
     for entry in analysis.get("measured_vs_planned") or []:
         if not isinstance(entry, dict):
             continue
+        pairs: list[tuple[str, Any, bool]] = []  # (label, [measured, planned], is a count)
         for key, pair in entry.items():
-            if key == "rank" or not isinstance(pair, list | tuple) or len(pair) != 2:
+            if key == "comm_by_kind" and isinstance(pair, dict):
+                for kind, v in pair.items():
+                    if isinstance(v, dict):
+                        pairs += [(f"{kind} payload / step", v.get("payload_bytes"), False),
+                                  (f"{kind} count / step", v.get("count"), True)]
+            elif key != "rank":
+                pairs.append((labels.get(key, key), pair, key == "comm_count"))
+        for label, pair, is_count in pairs:
+            if not isinstance(pair, list | tuple) or len(pair) != 2:
                 continue
             m, p = _num(pair[0]), _num(pair[1])
             ratio = f"{m / p:.2f}×" if m is not None and p else "—"
-            bar = _pair_bar(m, p)
-            rows.append(([(_e(entry.get("rank", "—")), "n"), (_e(labels.get(key, key)), ""), (_bytes(m), "n"),
-                          (_bytes(p), "n"), (ratio, "n"), (bar, "")], ""))
+            fmt = _count if is_count else _bytes
+            rows.append(([(_e(entry.get("rank", "—")), "n"), (_e(label), ""), (fmt(m), "n"),
+                          (fmt(p), "n"), (ratio, "n"), (_pair_bar(m, p), "")], ""))
     plan = analysis.get("plan") if isinstance(analysis.get("plan"), dict) else {}
     facts = []
     if plan:
@@ -597,8 +610,10 @@ def _planned(analysis: dict, ranks: list[tuple[str, dict]]) -> str:
         mem_total = mem.get("total") if isinstance(mem, dict) else mem
         if _num(mem_total) is not None:
             facts.append(("memory per rank", _bytes(mem_total)))
+        if _num(plan.get("comm_payload_bytes_per_step")) is not None:
+            facts.append(("collective payload per step", _bytes(plan["comm_payload_bytes_per_step"])))
         if _num(plan.get("comm_bytes_per_step")) is not None:
-            facts.append(("comm per step", _bytes(plan["comm_bytes_per_step"])))
+            facts.append(("wire bytes per step (ring model)", _bytes(plan["comm_bytes_per_step"])))
         planned_s = _num(plan.get("step_time_s"))
         measured = _mean(_wall(s) for _, r in ranks for s in _steps(r))
         planned = "not predicted" if planned_s is None else f"{_ms(planned_s * 1000)} ms"
@@ -616,6 +631,11 @@ def _planned(analysis: dict, ranks: list[tuple[str, dict]]) -> str:
         body += '<div style="height:10px"></div>' + _legend([("measured", "#4c78a8"), ("planned", "#bab0ac")])
         body += _table(head, rows)
     return _section("measured-vs-planned", "Measured vs planned", body)
+
+
+def _count(v: Any) -> str:
+    v = _num(v)
+    return "—" if v is None else f"{v:,.0f}"
 
 
 def _pair_bar(m: float | None, p: float | None, width: int = 180) -> str:

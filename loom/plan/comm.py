@@ -17,6 +17,14 @@ What the engines issue per step (as loom runs them; `loom train` measures the sa
   pp     each micro-batch's activation to the next stage in forward, its gradient back in backward
 A group lies within a node when its ranks fit in one (TP innermost, then dp_shard, dp_replicate,
 PP outermost); otherwise its bytes are counted on the inter-node link.
+
+Beside the bytes sent (a model: the ring factors), the account keeps what a rank can observe,
+the payload Φ per collective kind (as loom/observe/comms.py counts it) and, where the plan knows
+it, how many collectives carry it: FSDP2 issues one per unit (a block, the embedding, norm + head)
+and TP and PP one per activation, but DDP's buckets and ZeRO-1's per-parameter broadcasts are
+the engine's choice (None). Groups of one rank issue nothing. Not planned: the few-byte
+all-reduces of the loop (mean loss, gradient norm, loss parallel's per-token statistics) and
+DDP's broadcast of its rebuilt bucket order in step 2.
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ class CommAccount:
     by_kind: dict[str, float] = field(default_factory=dict)
     # seconds at link bandwidth, split by whether compute can hide them
     overlappable: dict[str, float] = field(default_factory=dict)
+    # Observable per rank, by collective kind (all_reduce, all_gather, ..., send, recv): payload
+    # bytes before any ring factor, and the count of collectives (None: not known to the plan).
+    payload_by_kind: dict[str, float] = field(default_factory=dict)
+    count_by_kind: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -48,6 +60,20 @@ class CommAccount:
             self.intra_node += sent
         self.by_kind[kind] = self.by_kind.get(kind, 0.0) + sent
 
+    def issue(self, kind: str, n: int, payload: float, count: int | None = None) -> None:
+        """Collectives of `kind` over groups of n ranks carrying `payload` bytes in all."""
+        if n <= 1 or payload <= 0:
+            return  # engines skip collectives over a group of one (FSDP2 on dp = 1, as observed)
+        self.payload_by_kind[kind] = self.payload_by_kind.get(kind, 0.0) + payload
+        known = count is not None and self.count_by_kind.get(kind, 0) is not None
+        self.count_by_kind[kind] = self.count_by_kind.get(kind, 0) + count if known else None
+
+    def payload_dict(self) -> dict:
+        counts = list(self.count_by_kind.values())
+        return {"payload_bytes": sum(self.payload_by_kind.values()),
+                "payload_bytes_by_kind": dict(self.payload_by_kind),
+                "count": None if None in counts else sum(counts), "count_by_kind": dict(self.count_by_kind)}
+
     def to_dict(self) -> dict:
         return {"intra_node": self.intra_node, "inter_node": self.inter_node, "total": self.total,
                 "by_kind": dict(self.by_kind)}
@@ -55,7 +81,8 @@ class CommAccount:
 
 def ring(kind: str, n: int, size: float) -> float:
     """Bytes one rank sends in a ring (or pipelined chain) collective over n ranks on a tensor of
-    `size` bytes. The planner predicts with it and loom/observe/comms.py measures with it."""
+    `size` bytes. The planner predicts with it; loom/observe/comms.py models (does not observe)
+    wire bytes with it from the payloads it sees."""
     if kind == "send":
         return size
     if n <= 1 or kind in ("recv", "barrier"):
@@ -90,11 +117,16 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
         # updated parameters once per step: 2Φ, as DDP.
         acc.add("reduce_scatter", ring("reduce_scatter", c.dp, grad_bytes), dp_inter)
         acc.add("all_gather", ring("all_gather", c.dp, param_bytes), dp_inter)
+        acc.issue("reduce_scatter", c.dp, grad_bytes)
+        acc.issue("all_gather", c.dp, param_bytes)
     elif c.strategy == "ddp":
         acc.add("all_reduce", ring("all_reduce", c.dp, grad_bytes), dp_inter)
+        acc.issue("all_reduce", c.dp, grad_bytes)
     elif c.strategy == "zero1":
         acc.add("all_reduce", ring("all_reduce", c.dp, grad_bytes), dp_inter)
         acc.add("broadcast", ring("broadcast", c.dp, 4 * local), dp_inter)  # updated fp32 params
+        acc.issue("all_reduce", c.dp, grad_bytes)
+        acc.issue("broadcast", c.dp, 4 * local)
     else:
         n = c.shard_size
         shard_inter = n * c.tp > gpus_per_node
@@ -106,6 +138,16 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
         acc.add("reduce_scatter", ring("reduce_scatter", n, grad_bytes), shard_inter)
         if c.strategy == "hsdp":
             acc.add("all_reduce", ring("all_reduce", c.replicate_size, grad_bytes / n), dp_inter)
+        # One collective per FSDP unit: the blocks, the embedding, norm + head (tied: the root
+        # holds all three). The last-gathered unit stays gathered into backward. A pipeline
+        # stage's units differ by stage: counts unknown there.
+        units = (shape.n_layers + (1 if shape.tie_embeddings else 2)) if shape.known and c.pp == 1 else None
+        backward = 0 if c.strategy == "zero2" else 1
+        gathers = micro_steps * (units + backward * (units - 1)) if units else None
+        acc.issue("all_gather", n, gathered, gathers)
+        acc.issue("reduce_scatter", n, grad_bytes, units)
+        if c.strategy == "hsdp":
+            acc.issue("all_reduce", c.replicate_size, grad_bytes / n, units)
     groups["dp"] = acc.total
 
     if c.tp > 1 and shape.known:
@@ -116,9 +158,15 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
         # a checkpointed block's recompute stops at its last saved tensor, before the MLP's
         # reduction: one more. The embedding (forward) and the head (backward) add one each.
         ckpt = checkpointed_layers(round(layers), c.activation_checkpointing, c.ac_every)
-        per_micro = (4 * layers + ckpt + (2 if c.pp == 1 else 1)) * ring("all_reduce", c.tp, activation)
+        reductions = 4 * layers + ckpt + (2 if c.pp == 1 else 1)
+        per_micro = reductions * ring("all_reduce", c.tp, activation)
         acc.add("tp", per_micro * c.grad_accum, c.tp > gpus_per_node)
         groups["tp"] = per_micro * c.grad_accum
+        # Sequence parallel turns each all-reduce into an all-gather and a reduce-scatter, each
+        # of the whole (sequence-gathered) activation.
+        count = round(reductions * c.grad_accum)
+        for kind in ("all_gather", "reduce_scatter") if c.sequence_parallel else ("all_reduce",):
+            acc.issue(kind, c.tp, count * activation, count)
 
     if c.pp > 1 and shape.known:
         activation = w.seq_len * c.micro_batch * shape.d_model * w.act_bytes
@@ -131,4 +179,6 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
         pp_inter = c.world > gpus_per_node and c.dp * c.tp >= gpus_per_node  # stages on other nodes
         acc.add("send", sent, pp_inter)
         groups["pp"] = sent
+        for kind in ("send", "recv"):  # as many received as sent, on the rank modelled here
+            acc.issue(kind, c.pp, sent, sends * c.grad_accum)
     return acc, groups

@@ -9,17 +9,15 @@ It is written into `.tmp-step_N` and made visible by one atomic rename once ever
 are complete; `latest` names it afterwards; older ones beyond `train.keep_last` are removed.
 A visible step_N is therefore always whole: a crash while writing leaves only a `.tmp-` folder.
 
-Loading reads DCP's metadata with an unpickler that admits only DCP's own metadata classes, and
-tensors as raw bytes: no pickle of untrusted data. Non-tensor state is JSON.
+Loading runs nothing from the files (loom/train/safe_load.py): DCP's index is unpickled with an
+allow-list and checked entry by entry before any tensor is read; non-tensor state is JSON.
 """
 
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -47,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from loom.config import Config, load_config_text, to_toml
 from loom.errors import LoomError
 from loom.files import atomic_write, fsync_dir
-from loom.train import faults
+from loom.train import faults, safe_load
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -123,9 +121,15 @@ def check_complete(path: Path) -> None:
 def read_meta(path: Path) -> dict:
     check_complete(path)
     try:
-        return json.loads((path / META).read_text())
+        meta = json.loads((path / META).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoomError(f"{path / META} is damaged ({e}); resume from an earlier checkpoint") from None
+    kinds = {"step": int, "world_size": int, "config": str, "scheduler": dict}
+    wrong = [k for k, kind in kinds.items() if not isinstance(meta, dict) or type(meta.get(k)) is not kind]
+    if wrong or meta["step"] < 0 or meta["world_size"] < 1:
+        raise LoomError(f"{path / META} is damaged (no valid {', '.join(wrong) or 'step or world_size'}); resume "
+                        f"from an earlier checkpoint")
+    return meta
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,41 +344,12 @@ class Checkpointer:
 # Loading
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` is a pickle: admit only the classes DCP's metadata is made of."""
-
-    ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
-                       "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint._extension")
-    ALLOWED = frozenset({("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"), ("builtins", "slice"),
-               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-               ("pathlib", "PurePosixPath")})
-
-    def find_class(self, module: str, name: str):
-        if module in self.ALLOWED_MODULES or (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
-
-
-class SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
 def _damaged(path: Path, e: BaseException) -> LoomError:
     if isinstance(e, CheckpointException) and e.failures:  # DCP wraps each rank's error
         e = next(iter(e.failures.values()))
         e = e[0] if isinstance(e, tuple) else e
+    if isinstance(e, LoomError):  # refused by the safe reader: its own message says why
+        return e
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     earlier = [p for s, p in checkpoint_steps(path.parent) if p != path]
     hint = f"resume from an earlier one ({earlier[-1]})" if earlier else "start without --resume"
@@ -382,7 +357,7 @@ def _damaged(path: Path, e: BaseException) -> LoomError:
                      f"from another model: {hint}")
 
 
-def check_resumable(meta: dict, cfg: Config, path: Path, shapes: dict[str, list[int]] | None = None) -> None:
+def check_resumable(meta: dict, cfg: Config, path: Path) -> None:
     """Refuse a resume whose settings would change the model or which sequences step k sees."""
     saved = load_config_text(meta["config"])
     before, now = _model_fields(saved), _model_fields(cfg)
@@ -399,19 +374,6 @@ def check_resumable(meta: dict, cfg: Config, path: Path, shapes: dict[str, list[
     if meta["step"] >= cfg.train.steps:
         raise LoomError(f"{path} is at step {meta['step']} and train.steps = {cfg.train.steps}: nothing left to "
                         f"train; raise train.steps (e.g. --set train.steps={meta['step'] + cfg.train.steps})")
-    if shapes is not None:
-        try:
-            stored = SafeReader(path).read_metadata().state_dict_metadata
-        except (Exception, CheckpointException) as e:  # noqa: BLE001
-            raise _damaged(path, e) from None
-        for name, shape in shapes.items():
-            saved = getattr(stored.get(f"model.{name}"), "size", None)
-            if saved is None:
-                raise LoomError(f"cannot resume from {path}: parameter {name} is not in the checkpoint (it holds "
-                                f"a different model); use the checkpoint's model settings")
-            if list(saved) != shape:
-                raise LoomError(f"cannot resume from {path}: parameter {name} is {list(saved)} in the checkpoint "
-                                f"but {shape} in this model; use the checkpoint's model settings")
 
 
 def _model_fields(cfg: Config) -> dict:
@@ -430,13 +392,20 @@ def _model_fields(cfg: Config) -> dict:
 
 def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> dict:
     """Fill this rank's (possibly differently sharded) model and optimizer from `path`; restore
-    the LR schedule and RNG states. Returns the checkpoint's meta (its step, data position)."""
+    the LR schedule and RNG states. Returns the checkpoint's meta (its step, data position).
+
+    Before any tensor is read, the checkpoint's index must hold exactly the entries this layout
+    saves (every rank's, gathered), each a tensor of the same dtype and global shape."""
     meta = read_meta(path)
+    check_resumable(meta, cfg, path)
     flat, held, names = _state(model, optimizer, d)
-    check_resumable(meta, cfg, path, {k[len("model."):]: list(v.shape) for k, v in flat.items()
-                                      if k.startswith("model.")})
+    mine = {k: (v.dtype, tuple(v.shape)) for k, v in flat.items()}
+    everyone: list[dict] = [{} for _ in range(d.world_size)]
+    dist.all_gather_object(everyone, mine)  # pipeline stages and ZeRO-1 owners each hold a part
+    metadata = safe_load.read_metadata(path)
+    safe_load.check_entries(path, metadata, {k: v for part in everyone for k, v in part.items()})
     try:
-        dcp.load(flat, storage_reader=SafeReader(path))
+        dcp.load(flat, storage_reader=safe_load.SafeReader(path, metadata), planner=safe_load.SafePlanner())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is the same advice
         raise _damaged(path, e) from None
     model_sd = held["model_sd"]
@@ -449,7 +418,7 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
             for key in states:
                 states[key] = flat[f"optim.{names.to_ckpt(name)}.{key}"]
         set_optimizer_state_dict(model, optimizer, osd)
-    scheduler.load_state_dict(meta["scheduler"])
+    scheduler.load_state_dict(_scheduler_state(path, meta["scheduler"], scheduler))
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
     if _is_zero1(optimizer):
@@ -458,26 +427,44 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
     rng = path / f"rng_rank{d.rank}.json"
     if meta["world_size"] != d.world_size:
         rng = path / "rng_rank0.json"  # another layout: every rank takes rank 0's streams
-    _set_rng_state(json.loads(rng.read_text()))
+    try:
+        _set_rng_state(json.loads(rng.read_text()))
+    except (OSError, ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        raise LoomError(f"{rng} is damaged ({type(e).__name__}: {str(e)[:120]}); resume from an earlier "
+                        f"checkpoint") from None
     return meta
 
 
-def read_tensors(path: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
-    """Every tensor under `prefix`, whole, without a process group (export, inspection)."""
-    check_complete(path)
-    reader = SafeReader(path)
-    try:
-        metadata = reader.read_metadata()
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def _scheduler_state(path: Path, saved: Any, scheduler) -> dict:
+    """The LR schedule's counters from meta.json, checked: LambdaLR.load_state_dict would set
+    any attribute a file names, so only these keys, of these types, are taken."""
+    state = scheduler.state_dict()
+    groups = len(state["base_lrs"])
+    numbers = lambda v: isinstance(v, list) and len(v) == groups and all(  # noqa: E731
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+    kinds = {"base_lrs": numbers, "_last_lr": numbers, "last_epoch": lambda v: type(v) is int,
+             "_step_count": lambda v: type(v) is int}
+    if not isinstance(saved, dict) or any(k not in saved or not ok(saved[k]) for k, ok in kinds.items()):
+        raise LoomError(f"{path / META} is damaged (its LR schedule is not {sorted(kinds)} for {groups} parameter "
+                        f"groups); resume from an earlier checkpoint")
+    return {**state, **{k: saved[k] for k in kinds}}
 
-        out = {k: torch.empty(m.size, dtype=m.properties.dtype)
-               for k, m in metadata.state_dict_metadata.items()
-               if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+
+def read_tensors(path: Path, prefix: str = "model.", expected: safe_load.Expected | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix`, whole, without a process group (export, inspection). With
+    `expected`, the entries under `prefix` must be exactly those, with those dtypes and shapes."""
+    check_complete(path)
+    metadata = safe_load.read_metadata(path)
+    entries = {k: m for k, m in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    if expected is not None:
+        safe_load.check_entries(path, metadata, expected, prefix)
+    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()}
+    try:
         with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(out, storage_reader=SafeReader(path), no_dist=True)
-    except LoomError:
-        raise
+            dcp.load(out, storage_reader=safe_load.SafeReader(path, metadata), planner=safe_load.SafePlanner(),
+                     no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001
         raise _damaged(path, e) from None
     return {k[len(prefix):]: v for k, v in out.items()}

@@ -22,7 +22,9 @@ import torch
 
 from loom.errors import ConfigError, LoomError
 from loom.files import atomic_write
+from loom.models.gpt import build_model
 from loom.models.presets import GPTConfig
+from loom.train import safe_load
 
 LAYOUTS = ("loom", "hf")
 HF_CONFIG = "config.json"
@@ -54,12 +56,19 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> 
     _check_output(output)
     path = _resolve(Path(checkpoint))
     meta = ckpt.read_meta(path)
-    tensors = ckpt.read_tensors(path, "model.")
-    if not tensors:
+    stored = {k.removeprefix("model."): tuple(m.size) for k, m in
+              safe_load.read_metadata(path).state_dict_metadata.items() if k.startswith("model.")}
+    if not stored:
         raise LoomError(f"{path} holds no model tensors; pass a checkpoint written by `loom train`")
+    # loom's GPT: exactly the entries its saved config gives, with their dtypes and shapes, checked
+    # before any payload is read (another model: each entry is still checked to be a tensor).
+    gpt = gpt_config(meta, stored, path) if layout == "hf" or is_gpt(stored) else None
+    expected = None if gpt is None else {f"model.{k}": (v.dtype, tuple(v.shape))
+                                         for k, v in build_model(gpt, "meta").state_dict().items()}
+    tensors = ckpt.read_tensors(path, "model.", expected)
     written = []
     if layout == "hf":
-        gpt = gpt_config(meta, tensors, path)
+        gpt = untie_if_trained_apart(gpt, tensors)
         tensors = hf_state_dict(tensors, gpt)
         config = hf_config(gpt, tensors["model.embed_tokens.weight"].dtype)
     metadata = {"format": "pt", "loom_step": str(meta.get("step", "")), "loom_layout": layout}
@@ -117,44 +126,34 @@ def _standalone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # Hugging Face Llama layout
 
 
-def is_gpt(tensors: dict[str, torch.Tensor]) -> bool:
-    return all(k in tensors for k in GPT_KEYS)
+def is_gpt(names) -> bool:
+    return all(k in names for k in GPT_KEYS)
 
 
-def gpt_config(meta: dict, tensors: dict[str, torch.Tensor], path: Path) -> GPTConfig:
+def gpt_config(meta: dict, stored: dict[str, tuple[int, ...]], path: Path) -> GPTConfig:
     """The GPT shape the checkpoint was trained with: its saved config's preset and model fields,
-    the vocabulary from the embedding (a BPE tokenizer sets it); checked against every tensor."""
+    the vocabulary from the embedding (a BPE tokenizer sets it). `stored`: name -> shape, from the
+    checkpoint's index; the caller checks every entry against the model this config builds."""
     from loom.config import load_config_text
-    from loom.models.gpt import build_model
     from loom.models.presets import preset
 
-    if not is_gpt(tensors):
+    if not is_gpt(stored):
         raise LoomError(f"{path} holds a model other than loom's GPT (no {' or '.join(GPT_KEYS)}); --layout hf "
                         f"maps only loom's GPT: export it with --layout loom (its own parameter names)")
     cfg = load_config_text(meta["config"], f"{path / 'meta.json'} config")
     overrides = {k: v for k, v in vars(cfg.model).items() if k != "preset" and v is not None}
-    overrides["vocab_size"] = int(tensors["tok_embeddings.weight"].shape[0])
+    overrides["vocab_size"] = int(stored["tok_embeddings.weight"][0])
     try:
-        gpt = preset(cfg.model.preset, **overrides)
+        return preset(cfg.model.preset, **overrides)
     except ConfigError as e:
         raise LoomError(f"{path}: its model config is not valid here ({e}); export with --layout loom") from None
-    expected = {k: list(v.shape) for k, v in build_model(gpt, "meta").state_dict().items()}
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise LoomError(f"{path} lacks parameter {name} of its GPT config; the checkpoint is incomplete or "
-                            f"from another model: export with --layout loom")
-        if list(tensors[name].shape) != shape:
-            raise LoomError(f"{path}: parameter {name} is {list(tensors[name].shape)} but its GPT config gives "
-                            f"{shape}; the checkpoint's meta.json does not describe its tensors: export with "
-                            f"--layout loom")
-    extra = sorted(set(tensors) - set(expected))
-    if extra:
-        raise LoomError(f"{path} holds parameters loom's GPT does not have ({', '.join(extra[:3])}); "
-                        f"export with --layout loom")
+
+
+def untie_if_trained_apart(gpt: GPTConfig, tensors: dict[str, torch.Tensor]) -> GPTConfig:
     if gpt.tie_embeddings and not torch.equal(tensors["output.weight"], tensors["tok_embeddings.weight"]):
         # Configured tied, trained with two matrices (the tie was lost when the run materialized the
         # model): export the model that was trained, an untied one.
-        gpt = dataclasses.replace(gpt, tie_embeddings=False)
+        return dataclasses.replace(gpt, tie_embeddings=False)
     return gpt
 
 

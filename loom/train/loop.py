@@ -376,7 +376,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
         meta = checkpoint.load(ckpt_path, model, optimizer, scheduler, cfg, d)
         start_step = meta["step"]
         if main and not quiet:
-            print(f"resumed from {ckpt_path} (step {start_step}, saved by {meta['layout']['strategy']} on "
+            print(f"resumed from {ckpt_path} (step {start_step}, saved by {meta.get('layout', {}).get('strategy', '?')} on "
                   f"{meta['world_size']} rank(s)); training steps {start_step + 1}..{t.steps}", flush=True)
     elif resume is not None and main and not quiet:
         print(f"no checkpoint in {run_dir} yet: starting from step 1", flush=True)
@@ -408,10 +408,11 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     grad_norms: list[float] = []
     step_times: list[float] = []
     skipped_steps: list[int] = []
+    evals: dict[int, float] = {}  # step -> held-out loss, every train.eval_every steps
     memory: RankMemory | None = None
     peak = PeakMemory(d.device, model, optimizer)
     pending: dict | None = None  # last step's device values, read back after the next step is queued
-    comm_sent: dict | None = None  # the collectives of the second step
+    comm_seen: dict | None = None  # the collectives of the second step (CollectiveCounter.summary)
 
     def flush(record: dict) -> None:
         loss, gnorm, skipped = record.pop("values").tolist()
@@ -447,7 +448,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
                              timer, step)
         phases = timer.end_step()
         if comm is not None:
-            comm_sent = comm.summary()
+            comm_seen = comm.summary()
         if step == start_step + 1:
             memory = measure_model_states(model, optimizer)
             memory.num_params = num_params
@@ -460,16 +461,18 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
                    "values": values, "phases": phases}
         if profiler is not None:
             profiler.step()
+        if t.eval_every and step % t.eval_every == 0 and step < t.steps:  # the last step: the final eval
+            held_out = evaluate(model, data.eval, d, cfg, task.loss_fn, pipe)
+            if held_out is not None:
+                evals[step] = pending["eval_loss"] = held_out  # written with the step's metrics
+                if main and not quiet:
+                    print(f"\neval loss at step {step}: {held_out:.4f}", flush=True)
         if ckpt is not None:
             ckpt.poll()
             if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
                 flush(pending)  # the metrics reach step k before checkpoint k exists (saving syncs anyway)
                 pending = None
                 ckpt.save(step, model, optimizer, scheduler, checkpoint_meta(cfg, step, d, task))
-        if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-            eval_loss = evaluate(model, data.eval, d, cfg, task.loss_fn, pipe)
-            if main and not quiet and eval_loss is not None:
-                print(f"\neval loss at step {step}: {eval_loss:.4f}", flush=True)
     if pending is not None:
         flush(pending)
     if profiler is not None:
@@ -482,15 +485,17 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
 
     memory.peak_bytes = peak.peak_bytes
     rank_memory: list[dict] = [None] * d.world_size  # type: ignore[list-item]
-    measured = {**memory.to_dict(), "pp_stage": d.mesh["pp"].get_local_rank(), "comm_sent_bytes": comm_sent["sent_bytes"] if comm_sent else None,
-                "comm_by_kind": comm_sent["by_kind"] if comm_sent else None}
+    # Observed: count and payload of the collectives of step 2; wire bytes only as the ring model.
+    measured = {**memory.to_dict(), "pp_stage": d.mesh["pp"].get_local_rank(),
+                **{f"comm_{k}": comm_seen[k] if comm_seen else None
+                   for k in ("count", "payload_bytes", "modelled_wire_bytes", "by_kind")}}
     dist.all_gather_object(rank_memory, measured)
     # The first step pays for warm-up and the second for memory tracking: time the steady state after them.
     timed = step_times[2:] or step_times
     tokens_per_s = tokens_per_step * len(timed) / sum(timed)
     state = _full_state_dict(parts) if return_state else None
     result = RunResult(losses, grad_norms, eval_loss, rank_memory, tokens_per_s, elapsed, state,
-                       extra={"start_step": start_step, "skipped_steps": skipped_steps,
+                       extra={"start_step": start_step, "skipped_steps": skipped_steps, "evals": evals,
                               "checkpoint_stall_s": ckpt.stall_s if ckpt is not None else []})
     if main:
         shard = d.mesh["dp_shard"].size() if p.strategy in FSDP_STRATEGIES else dp_size
@@ -579,6 +584,7 @@ def _plan_run(cfg: Config, shape: ModelShape, d: Dist) -> dict:
     measurements). On CPU there is no GPU to price time on: bytes only."""
     import os
 
+    from loom.plan.comm import comm_per_step
     from loom.plan.hardware import Cluster, detect
     from loom.plan.memory import stage_memory
     from loom.plan.search import config_candidate, config_workload, estimate
@@ -595,6 +601,12 @@ def _plan_run(cfg: Config, shape: ModelShape, d: Dist) -> dict:
     record = estimate(w, c, cluster)
     record["memory_bytes_by_stage"] = {s: stage_memory(w, c, s, cluster.fragmentation).to_dict()
                                        for s in range(c.pp)}
+    # What a rank can observe (payload bytes and counts per collective kind), for comparison with
+    # the run's CollectiveCounter; comm_bytes_per_step stays the ring model's wire bytes.
+    payload = comm_per_step(w, c, cluster.gpus_per_node)[0].payload_dict()
+    record.update(comm_payload_bytes_per_step=payload["payload_bytes"],
+                  comm_payload_bytes_by_kind=payload["payload_bytes_by_kind"],
+                  comm_count_per_step=payload["count"], comm_count_by_kind=payload["count_by_kind"])
     record["gpu"] = gpu.name if gpu else None
     return record
 
@@ -614,32 +626,60 @@ def _full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:
-    """Per rank: model-state bytes, the step's activation peak (peak minus model states) and the
-    bytes its collectives sent in a step, each measured and as the plan predicted (its stage)."""
+    """Per rank, [measured, planned] pairs: model-state bytes, the step's activation peak (peak
+    minus model states) and the collectives of a step: payload bytes and counts (observed, in all
+    and per kind; a planned count is None where the plan does not know it). Wire bytes are not
+    observable: `comm_modelled_wire_bytes` is the ring model on the observed payloads beside the
+    plan's (modelled) comm_bytes_per_step."""
     rows = []
+    plan_payload = plan.get("comm_payload_bytes_by_kind") or {}
+    plan_count = plan.get("comm_count_by_kind") or {}
     for rank, m in enumerate(ranks):
         planned = plan["memory_bytes_by_stage"][m["pp_stage"]]
         activation = m["peak_bytes"] - m["model_state_bytes"] if m["peak_bytes"] is not None else None
+        seen = m["comm_by_kind"]  # None: no step was counted (a run of one step)
+        absent = {"payload_bytes": 0, "count": 0} if seen is not None else {}
+        by_kind = {}
+        for k in sorted({*(seen or {}), *plan_payload}):
+            got = (seen or {}).get(k, absent)
+            by_kind[k] = {"payload_bytes": [got.get("payload_bytes"), plan_payload.get(k, 0)],
+                          "count": [got.get("count"), plan_count.get(k, 0)]}
         rows.append({
             "rank": rank,
             "model_state_bytes": [m["model_state_bytes"], planned["model_states"]],
             "activation_peak_bytes": [activation, planned["activations"] + planned["buffers"]],
-            "comm_sent_bytes": [m["comm_sent_bytes"], plan["comm_bytes_per_step"]],
+            "comm_payload_bytes": [m["comm_payload_bytes"], plan.get("comm_payload_bytes_per_step")],
+            "comm_count": [m["comm_count"], plan.get("comm_count_per_step")],
+            "comm_by_kind": by_kind,
+            "comm_modelled_wire_bytes": [m["comm_modelled_wire_bytes"], plan["comm_bytes_per_step"]],
         })
     return rows
 
 
 def _print_measured_vs_planned(rows: list[dict]) -> None:
     mib = 2**20
-    print("measured / planned (MiB)  model states           activation peak        sent by collectives per step")
+
+    def cell(got, want) -> str:
+        ratio = f"{got / want:5.2f}" if got is not None and want else "  n/a"
+        got_text = f"{got / mib:8.2f}" if got is not None else "     n/a"
+        want_text = f"{want / mib:8.2f}" if want is not None else "     n/a"
+        return f"{got_text} / {want_text} {ratio}"
+
+    print("measured / planned (MiB)  model states           activation peak        "
+          "collective payload per step (observed)")
     for row in rows:
-        cells = []
-        for key in ("model_state_bytes", "activation_peak_bytes", "comm_sent_bytes"):
-            got, want = row[key]
-            ratio = f"{got / want:5.2f}" if got is not None and want else "  n/a"
-            got_text = f"{got / mib:8.2f}" if got is not None else "     n/a"
-            cells.append(f"{got_text} / {want / mib:8.2f} {ratio}")
-        print(f"  rank {row['rank']:<18}" + "   ".join(cells))
+        keys = ("model_state_bytes", "activation_peak_bytes", "comm_payload_bytes")
+        print(f"  rank {row['rank']:<18}" + "   ".join(cell(*row[k]) for k in keys))
+        for kind, pair in (row.get("comm_by_kind") or {}).items():
+            got_n, want_n = pair["count"]
+            counts = f"×{'n/a' if got_n is None else got_n} / {'?' if want_n is None else want_n}"
+            print(f"    {kind:<15} {counts:>13}{'':48}{cell(*pair['payload_bytes'])}")
+    # Wire bytes depend on the backend's algorithm and are not observed: say so beside the figure.
+    wire = ", ".join(f"rank {r['rank']} {r['comm_modelled_wire_bytes'][0] / mib:.2f}"
+                     for r in rows if r["comm_modelled_wire_bytes"][0] is not None)
+    if rows:
+        print(f"  wire bytes per step, modelled (ring model on the observed payloads, not measured): "
+              f"{wire or 'n/a'} MiB; plan {rows[0]['comm_modelled_wire_bytes'][1] / mib:.2f} MiB")
 
 
 def _summary(cfg: Config, r: RunResult, expected: float, dp: int, shard: int) -> dict:

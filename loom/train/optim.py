@@ -84,13 +84,14 @@ class _ZeroOverLocalShards(_zero_class()):  # type: ignore[misc]
 
 
 def lr_lambda(t: TrainConfig):
-    """Linear warmup to lr, then cosine decay to lr · min_lr_ratio at the last step."""
+    """Step k (1-based) of T trains at lr·k/W during the W warmup steps, then at
+    lr·(m + (1−m)·½(1 + cos(π(k−W)/(T−W)))): the peak at step W, the floor lr·m at step T."""
     warmup = min(t.warmup_steps, t.steps)
 
-    def factor(step: int) -> float:  # `step` = optimizer steps already taken
+    def factor(step: int) -> float:  # `step` = optimizer steps already taken = k − 1
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(t.steps - warmup, 1)
+        progress = (step + 1 - warmup) / max(t.steps - warmup, 1)
         cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine
 
