@@ -22,9 +22,9 @@ def provenance() -> dict:
     import torch
 
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", "loom", "bench", "pyproject.toml"))
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "commit": commit + (" (with uncommitted changes)" if dirty else ""),
+            "commit": commit + (" (with uncommitted code changes)" if dirty else ""),
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, {platform.system()}",
             "python": platform.python_version(), "torch": torch.__version__}
 
