@@ -37,7 +37,8 @@ def _step(n: int, t0: float, i: int) -> list[str]:
     """One step's events (about 420), starting at t0 µs."""
     ev = [_event(f"ProfilerStep#{n}", "user_annotation", MAIN, t0, STEP_US - 20, i)]
     add = ev.append
-    add(_event("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "user_annotation", MAIN, t0, 500, i))
+    add(_event("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "user_annotation", MAIN, t0,
+               500, i))
     for k in range(20):  # collate
         add(_event("aten::stack", "cpu_op", MAIN, t0 + 10 + 24 * k, 20, i + k))
     add(_event("DistributedDataParallel.forward", "user_annotation", MAIN, t0 + 500, 2500, i))
@@ -56,7 +57,8 @@ def _step(n: int, t0: float, i: int) -> list[str]:
                        ', "Input Dims": [[262144]], "Input type": ["float"]'))
     add(_event("Optimizer.step#AdamW.step", "user_annotation", MAIN, t0 + 7200, 2000, i))
     for k in range(130):
-        add(_event("aten::_foreach_lerp_" if k % 2 else "aten::add_", "cpu_op", MAIN, t0 + 7210 + 15 * k, 12, i + k))
+        add(_event("aten::_foreach_lerp_" if k % 2 else "aten::add_", "cpu_op", MAIN, t0 + 7210 + 15 * k,
+                   12, i + k))
     add(_event("Optimizer.zero_grad#AdamW.zero_grad", "user_annotation", MAIN, t0 + 9250, 100, i))
     add(_event("aten::item", "cpu_op", MAIN, t0 + 9400, 20, i))
     add(_event("aten::_local_scalar_dense", "cpu_op", MAIN, t0 + 9402, 15, i))
@@ -78,7 +80,8 @@ def write_trace(path: Path, megabytes: float, compress: bool) -> int:
             f.write(chunk)
             written += len(chunk)
             n += 1
-        f.write(_event("aten::empty", "cpu_op", MAIN, 1e6 + n * STEP_US, 1, 0) + '\n  ],\n  "traceName": "bench"\n}\n')
+        f.write(_event("aten::empty", "cpu_op", MAIN, 1e6 + n * STEP_US, 1, 0)
+                + '\n  ],\n  "traceName": "bench"\n}\n')
     return n
 
 
@@ -103,13 +106,14 @@ def main() -> None:
         start = time.perf_counter()
         out = analyze_dir(tmp, workers=args.workers)
         wall = time.perf_counter() - start
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    peak_kb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+               + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     led = out["ranks"]["0"]
     s = led["steps"][len(led["steps"]) // 2]
     print(f"analyze_dir: {wall:.1f} s (target < 60 s), peak RSS {peak_kb / 1e6:.2f} GB (target < 3 GB; "
           f"this process {self_before / 1e6:.2f} GB before analysis)")
-    print(f"{len(out['ranks'])} ranks, {len(led['steps'])} steps and {len(led['collectives'])} collectives per rank; "
-          f"a step: wall {s['wall_ms']:.2f} ms, shares {s['shares']}")
+    print(f"{len(out['ranks'])} ranks, {len(led['steps'])} steps and {len(led['collectives'])} collectives "
+          f"per rank; a step: wall {s['wall_ms']:.2f} ms, shares {s['shares']}")
 
 
 if __name__ == "__main__":

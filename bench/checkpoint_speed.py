@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's loom, here and in the spawned ranks
 sys.path.insert(0, str(ROOT / "bench"))
 from provenance import describe, provenance  # noqa: E402
+
 MB = 1e6
 
 
@@ -60,17 +61,13 @@ def _rank(rank: int, world: int, port: int, a, out_dir: str) -> None:
 
     torch.set_num_threads(1)  # the ranks share the machine's cores
     from loom.config import validate
-    from loom.models.gpt import build_model
+    from loom.models.gpt.model import build_model
     from loom.parallel.mesh import init_distributed
     from loom.train import checkpoint
-    from loom.train.loop import (
-        Task,
-        build_training,
-        checkpoint_meta,
-        model_config,
-        next_token_loss,
-        train_step,
-    )
+    from loom.train.checkpoint import checkpoint_meta
+    from loom.train.driver import build_training
+    from loom.train.step import train_step
+    from loom.train.task import Task, model_config, next_token_loss
 
     cfg = _config(a)
     d = init_distributed(lambda w: validate(cfg, w), "cpu")
@@ -102,7 +99,8 @@ def _rank(rank: int, world: int, port: int, a, out_dir: str) -> None:
             (shared with every rank, so all take the same number of steps)."""
             nonlocal step
             start = time.perf_counter()
-            train_step(model, optimizer, scheduler, None, stream, params, cfg, d, step=step)
+            train_step(model, optimizer, scheduler, None, stream, params, cfg, d, None, task.loss_fn,
+                       step=step)
             step += 1
             ckpt.poll()
             flag = torch.tensor([float(d.is_main and published is not None and published.is_dir())])
@@ -175,8 +173,9 @@ def summarize(ranks: list[dict], a) -> dict:
     out = []
     for i in range(a.rounds):
         rs = [rk["rounds"][i] for rk in ranks]
-        slowest = {k: max(r[k] for r in rs) for k in ("sync_save_s", "sync_stall_s", "load_s", "async_stall_s",
-                                                      "async_published_s", "async_write_alone_s")}
+        slowest = {k: max(r[k] for r in rs) for k in ("sync_save_s", "sync_stall_s", "load_s",
+                                                      "async_stall_s", "async_published_s",
+                                                      "async_write_alone_s")}
         plain = [max(s) for s in zip(*(r["plain_step_s"] for r in rs))]
         during = [max(s) for s in zip(*(r["steps_during_write_s"] for r in rs))]
         out.append({**slowest, "bytes": rs[0]["bytes"], "plain_step_s": _median(plain),
@@ -205,14 +204,16 @@ def summarize(ranks: list[dict], a) -> dict:
 def report(s: dict) -> str:
     m = s["model"]
     model = (f"model {s['checkpoint_bytes'] / MB:.0f} MB on disk ({m['num_params'] / 1e6:.1f}M params, "
-             f"{m['n_layers']}L d{m['d_model']} vocab {m['vocab_size']}, {s['strategy']}, {s['ranks']} ranks, "
+             f"{m['n_layers']}L d{m['d_model']} vocab {m['vocab_size']}, {s['strategy']}, "
+             f"{s['ranks']} ranks, "
              f"cpu/gloo)")
     sync = (f"sync save   {s['sync_save_s']:5.2f} s  {s['sync_save_mb_per_s']:4.0f} MB/s   "
             f"(training stalled {s['sync_stall_s']:.2f} s)")
     background = (f"async save  stall {s['async_stall_s']:.2f} s ({s['async_stall_vs_sync']:.0%} of sync), "
                   f"published after {s['async_write_alone_s']:.2f} s (save() then wait(), no training)")
     overlap = (f"            training on: published at the poll after {s['steps_during_write']:.0f} step(s), "
-               f"{s['async_published_s']:.2f} s; steps during the write {s['step_slowdown_during_write']:.2f}× "
+               f"{s['async_published_s']:.2f} s; steps during the write "
+               f"{s['step_slowdown_during_write']:.2f}× "
                f"slower (the rounds' median ratio; steps {s['step_during_write_s']:.3f} s vs "
                f"{s['plain_step_s']:.3f} s)")
     load = (f"load        {s['load_s']:5.2f} s  {s['load_mb_per_s']:4.0f} MB/s   "
@@ -234,7 +235,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4, help="global batch (sequences per step)")
     ap.add_argument("--plain-steps", type=int, default=4, help="plain steps timed before each async save")
-    ap.add_argument("--max-steps", type=int, default=200, help="at most this many steps wait for an async write")
+    ap.add_argument("--max-steps", type=int, default=200,
+                    help="at most this many steps wait for an async write")
     ap.add_argument("--smoke", action="store_true", help="a tiny model, one round (checks the script runs)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
@@ -244,7 +246,7 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from loom.parallel.mesh import free_port
+    from loom.launch import free_port
 
     world = 2
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the ranks, before they import torch

@@ -24,14 +24,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from provenance import describe, provenance  # noqa: E402
 
-
 CASES = {"ddp": ("ddp", 1, 1), "zero3": ("zero3", 1, 1), "tp2": ("zero3", 2, 1), "pp2": ("zero3", 1, 2)}
 
 
 def run_loom(case: str, a, out: Path) -> float:
     strategy, tp, pp = CASES[case]
     cmd = [sys.executable, "-m", "loom.cli", "train", "--nproc", "2", "--out", str(out),
-           "--set", f"parallel.strategy={strategy}", "--set", f"parallel.tp={tp}", "--set", f"parallel.pp={pp}",
+           "--set", f"parallel.strategy={strategy}", "--set", f"parallel.tp={tp}",
+           "--set", f"parallel.pp={pp}",
            "--set", f"model.preset={a.preset}",
            "--set", f"train.steps={a.steps}", "--set", f"train.batch_size={a.batch_size}",
            "--set", f"data.seq_len={a.seq_len}", "--set", "data.num_workers=1",
@@ -72,7 +72,8 @@ def main() -> None:
             for i in range(a.rounds):
                 loom_tps.append(run_loom(case, a, Path(tmp) / f"loom-{case}-{i}"))
                 plain_tps.append(run_plain(case, a, Path(tmp) / f"plain-{case}-{i}.json"))
-                print(f"{case} round {i + 1}: loom {loom_tps[-1]:,.0f} tok/s, plain {plain_tps[-1]:,.0f} tok/s",
+                print(f"{case} round {i + 1}: loom {loom_tps[-1]:,.0f} tok/s, "
+                      f"plain {plain_tps[-1]:,.0f} tok/s",
                       flush=True)
             # Each round's ratio compares a loom run with the plain run right after it; the median of
             # those ratios is the figure, which need not equal the quotient of the two medians.

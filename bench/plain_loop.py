@@ -28,9 +28,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from loom.data.corpus import load_tokens
 from loom.data.loader import split_train_eval
-from loom.models.gpt import build_model, preset
-from loom.parallel.pipeline import build_stage, stage_layers
-from loom.parallel.tensor_parallel import apply_tensor_parallel
+from loom.models.gpt.config import preset
+from loom.models.gpt.model import build_model
+from loom.models.gpt.pipeline import build_stage
+from loom.models.gpt.tensor_parallel import apply_tensor_parallel
+from loom.parallel.pipeline import stage_layers
 from loom.train.optim import clip_grad_norm
 
 
@@ -92,9 +94,11 @@ def main() -> None:
 
     first, last = pp_rank == 0, pp_rank == a.pp - 1
     if a.pp > 1:
-        schedule = Schedule1F1B(PipelineStage(model, pp_rank, a.pp, torch.device("cpu"), group=mesh["pp"].get_group()),
+        schedule = Schedule1F1B(PipelineStage(model, pp_rank, a.pp, torch.device("cpu"),
+                                              group=mesh["pp"].get_group()),
                                 n_microbatches=a.pp, scale_grads=False,
-                                loss_fn=lambda out, tgt: F.cross_entropy(out.float().flatten(0, 1), tgt.flatten()) / a.pp)
+                                loss_fn=lambda out, tgt: F.cross_entropy(out.float().flatten(0, 1),
+                                                                         tgt.flatten()) / a.pp)
     step_times = []
     batches = iter(loader)
     for _ in range(a.steps):

@@ -34,7 +34,8 @@ def main() -> None:
         plan = search(workload, cluster)
         times.append(time.perf_counter() - start)
     best = plan.candidates[plan.recommended]
-    print(f"{args.model} on {cluster.describe()} ({cluster.world_size} GPUs), global batch {args.global_batch} × "
+    print(f"{args.model} on {cluster.describe()} ({cluster.world_size} GPUs), "
+          f"global batch {args.global_batch} × "
           f"{args.seq_len}: {len(plan.candidates)} candidates in {min(times):.3f} s "
           f"(best of {args.repeat}; target < 2 s) — {len(plan.candidates) / min(times):,.0f} candidates/s")
     print(f"recommended: {best['label']}, micro-batch {best['micro_batch']} × {best['grad_accum']}, "

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
 
@@ -22,7 +23,8 @@ def provenance() -> dict:
     import torch
 
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", "loom", "bench", "pyproject.toml"))
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", "loom", "bench",
+                      "pyproject.toml"))
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": commit + (" (with uncommitted code changes)" if dirty else ""),
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, {platform.system()}",

@@ -4,7 +4,7 @@ trained by loom with ZeRO-3 (FSDP2) over 2 ranks × tensor parallel over 2 ranks
     pip install transformers
     python -m torch.distributed.run --standalone --nproc-per-node 4 examples/hf_llama.py
 
-loom only needs a model factory, a loss and a dataset (`loom.train.loop.Task`); the config
+loom only needs a model factory, a loss and a dataset (`loom.train.task.Task`); the config
 chooses the strategy. FSDP units are the decoder layers; the tensor-parallel plan for Llama,
 Mistral and Qwen2 decoders is in loom/parallel/tensor_parallel.py.
 """
@@ -18,7 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from loom.config import Config, load_config
 from loom.data.loader import split_train_eval
-from loom.train.loop import Task, load_data, train
+from loom.train.driver import train
+from loom.train.task import Task, load_data
 
 SETTINGS = ["parallel.strategy=zero3", "parallel.tp=2", "train.steps=20", "train.batch_size=8",
             "data.seq_len=64", "train.lr=3e-3"]

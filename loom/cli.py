@@ -25,9 +25,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=None, help="this machine's rank (static rendezvous)")
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous, same on every node")
     p.add_argument("--max-restarts", type=int, default=0,
-                   help="torchrun restarts of a failed group; each restart resumes from the latest checkpoint")
+                   help="torchrun restarts of a failed group; each restart resumes from the latest "
+                        "checkpoint")
     p.add_argument("--resume", metavar="auto|PATH",
-                   help="continue from a checkpoint: auto (the --out run's latest) or RUN_DIR/checkpoints/step_N")
+                   help="continue from a checkpoint: auto (the --out run's latest) or "
+                        "RUN_DIR/checkpoints/step_N")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out run directory")
 
 
@@ -46,7 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if under_launcher():  # a rank started by torchrun/srun: join and train
         adopt_slurm_env()
         from loom.parallel.mesh import shutdown
-        from loom.train.loop import train
+        from loom.train.driver import train
 
         try:
             train(cfg, args.out, resume=args.resume)
@@ -57,7 +59,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from loom.train import faults
 
     faults.planted()  # a malformed LOOM_FAULTS fails here, once, not on every rank
-    spec = LaunchSpec(nproc=args.nproc if args.nproc is not None else default_nproc(), nnodes=args.nnodes, node_rank=args.node_rank,
+    spec = LaunchSpec(nproc=args.nproc if args.nproc is not None else default_nproc(), nnodes=args.nnodes,
+                      node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
     check_spec(spec)
     validate(cfg, spec.world_size)
@@ -66,7 +69,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_resume(cfg, run_dir, args.resume, args.overwrite, model)
     if spec.world_size == 1 and spec.nnodes == 1:
         from loom.parallel.mesh import shutdown
-        from loom.train.loop import train
+        from loom.train.driver import train
 
         try:
             train(cfg, run_dir, resume=args.resume)
@@ -89,7 +92,7 @@ def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool, model
     and AdamW's tensors (nothing in it is read as code; see loom/train/safe_load.py)."""
     import shutil
 
-    from loom.models.gpt import build_model
+    from loom.models.gpt.model import build_model
     from loom.train import safe_load
     from loom.train.checkpoint import check_resumable, read_meta, resolve_resume
 
@@ -97,15 +100,15 @@ def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool, model
         raise LoomError("--overwrite deletes the run that --resume auto would continue; pass one of them")
     used = run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
     if used and overwrite and resume and Path(resume).resolve().is_relative_to(run_dir.resolve()):
-        raise LoomError(f"--overwrite would delete {run_dir}, which holds the checkpoint --resume {resume} names; "
-                        f"pick a new --out to start from it")
+        raise LoomError(f"--overwrite would delete {run_dir}, which holds the checkpoint --resume {resume} "
+                        f"names; pick a new --out to start from it")
     if used and overwrite:
         if not run_dir.is_dir():
             raise LoomError(f"--out {run_dir} is a file, not a run directory; pick another --out")
         shutil.rmtree(run_dir)
     elif used and resume != "auto":
-        raise LoomError(f"run directory {run_dir} already exists; continue it with --resume auto, replace it with "
-                        f"--overwrite, or pick a new --out")
+        raise LoomError(f"run directory {run_dir} already exists; continue it with --resume auto, replace it "
+                        f"with --overwrite, or pick a new --out")
     path = resolve_resume(resume, run_dir) if resume else None
     if path is not None:
         check_resumable(read_meta(path), cfg, path)
@@ -118,7 +121,7 @@ def _preflight_data(cfg, world_size: int):
     Returns the model's GPTConfig (its vocabulary follows the data's tokenizer)."""
     from loom.config import resolve_dims
     from loom.data.loader import GlobalBatchSampler, split_train_eval
-    from loom.train.loop import load_data, model_config
+    from loom.train.task import load_data, model_config
 
     d = cfg.data
     tokens, vocab = load_data(cfg)
@@ -177,9 +180,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from loom.plan.command import run  # pure Python: torch is imported only for --trace
+    from loom.plan.command import run  # pure Python: `loom plan` imports no torch
 
-    return run(args)
+    cfg, plan, model = run(args)
+    if args.trace:
+        from loom.train.trace import print_trace  # the real model and strategy, on fake tensors
+
+        print_trace(cfg, plan, model)
+    return 0
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -192,10 +200,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default="H100-SXM", help="GPU model from the catalog (default H100-SXM)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--recipe", default="torch", help="precision recipe: torch (16 B/param), zero (ZeRO paper), "
-                                                      "megatron (18 B/param)")
+    p.add_argument("--recipe", default="torch", help="precision recipe: torch (16 B/param), "
+                                                     "zero (ZeRO paper), megatron (18 B/param)")
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a GPU or cluster field, e.g. --hw bf16_tflops=700 --hw achievable_fraction=0.4")
+                   help="override a GPU or cluster field, e.g. --hw bf16_tflops=700 "
+                        "--hw achievable_fraction=0.4")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--emit", help="write the recommended candidate as a loom config (TOML)")
     p.add_argument("--trace", action="store_true",
@@ -214,13 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = sub.add_parser("analyze", help="the step ledger and a diagnosis from torch.profiler traces")
     analyze.add_argument("trace_dir", type=Path, help="folder of per-rank Chrome traces (.json or .json.gz)")
     analyze.add_argument("--format", choices=("table", "json", "html"), default="table")
-    analyze.add_argument("--out", type=Path, help="where ledger.json and report.html go (default: the run directory)")
+    analyze.add_argument("--out", type=Path,
+                         help="where ledger.json and report.html go (default: the run directory)")
     analyze.set_defaults(func=cmd_analyze)
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
-    export.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step_N (or a run directory: its latest)")
+    export.add_argument("checkpoint", type=Path,
+                        help="RUN_DIR/checkpoints/step_N (or a run directory: its latest)")
     export.add_argument("output", type=Path, help="the .safetensors file to write")
     export.add_argument("--layout", choices=("loom", "hf"), default="loom",
-                        help="parameter names: loom's, or Hugging Face Llama's (+ config.json beside the file)")
+                        help="parameter names: loom's, or Hugging Face Llama's (+ config.json beside "
+                             "the file)")
     export.set_defaults(func=cmd_export)
     plan = sub.add_parser("plan", help="predict memory, communication and step time of every strategy")
     _add_plan_args(plan)

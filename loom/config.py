@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loom import strategies
 from loom.errors import ConfigError
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
-STRATEGY_ALIASES = {"fsdp": "zero3", "zero0": "ddp"}
-FSDP_STRATEGIES = ("zero2", "zero3", "hsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 OFFLOADS = ("none", "cpu")
@@ -204,7 +202,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         if not sep or not key.strip():
             raise ConfigError(f"--set '{item}' must look like section.key=value, e.g. --set train.steps=10")
         _apply(cfg, key.strip(), _parse_value(text.strip()))
-    cfg.parallel.strategy = STRATEGY_ALIASES.get(cfg.parallel.strategy, cfg.parallel.strategy)
+    cfg.parallel.strategy = strategies.ALIASES.get(cfg.parallel.strategy, cfg.parallel.strategy)
     return cfg
 
 
@@ -222,9 +220,11 @@ def _apply_toml(cfg: Config, text: str, origin: str) -> None:
         raise ConfigError(f"{origin} is not valid TOML ({e}); fix the syntax at that position") from None
     for section, table in data.items():
         if not isinstance(table, dict):
-            owners = [f.name for f in dataclasses.fields(Config) if section in _hints(type(getattr(cfg, f.name)))]
+            owners = [f.name for f in dataclasses.fields(Config)
+                      if section in _hints(type(getattr(cfg, f.name)))]
             fix = (f"put it under [{owners[0]}]" if owners else
-                   f"no section has that key (sections: {', '.join(f.name for f in dataclasses.fields(Config))})")
+                   f"no section has that key "
+                   f"(sections: {', '.join(f.name for f in dataclasses.fields(Config))})")
             raise ConfigError(f"{origin}: '{section}' is outside any [section] table; {fix}")
         for key, value in table.items():
             _apply(cfg, f"{section}.{key}", value)
@@ -250,8 +250,9 @@ def to_toml(cfg: Config) -> str:
 
 def _choice(path: str, value: str, choices: typing.Sequence[str]) -> None:
     if value not in choices:
-        raise ConfigError(f"{path} = '{value}' is not one of {', '.join(choices)}"
-                          f"{_did_you_mean(value, choices) if difflib.get_close_matches(value, choices, n=1) else ''}")
+        raise ConfigError(
+            f"{path} = '{value}' is not one of {', '.join(choices)}"
+            f"{_did_you_mean(value, choices) if difflib.get_close_matches(value, choices, n=1) else ''}")
 
 
 def _positive(path: str, value: float, minimum: float = 1) -> None:
@@ -278,7 +279,8 @@ class ParallelDims:
 
 
 def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
-    """DDP/ZeRO-1 replicate over the dp ranks, ZeRO-2/3 shard over them, HSDP does both."""
+    """The strategy's use of the dp ranks: replicate over them (ddp, zero1), shard over them
+    (zero2, zero3) or both (hsdp: dp_replicate × dp_shard)."""
     _positive("parallel.tp", p.tp)
     _positive("parallel.pp", p.pp)
     tp, pp = p.tp, p.pp
@@ -286,10 +288,10 @@ def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
         raise ConfigError(f"pp × tp = {pp} × {tp} = {pp * tp} does not divide the world size {world_size}; "
                           f"pick degrees whose product divides {world_size}")
     dp = world_size // (pp * tp)
-    if p.strategy in ("ddp", "zero1"):
-        return ParallelDims(dp_replicate=dp, dp_shard=1, tp=tp, pp=pp)
-    if p.strategy in ("zero2", "zero3"):
-        return ParallelDims(dp_replicate=1, dp_shard=dp, tp=tp, pp=pp)
+    s = strategies.lookup(p.strategy)
+    if s.dp_mesh != "hybrid":
+        replicate, shard = s.dp_dims(dp)
+        return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp)
     shard = p.dp_shard if p.dp_shard != -1 else dp // max(p.dp_replicate, 1)
     product = pp * p.dp_replicate * shard * tp
     if product != world_size or shard < 1:
@@ -303,7 +305,7 @@ def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
 def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -> ParallelDims:
     """Check every value and their combinations for `world_size` ranks; returns the dp layout."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
-    _choice("parallel.strategy", p.strategy, STRATEGIES + tuple(STRATEGY_ALIASES))
+    _choice("parallel.strategy", p.strategy, (*strategies.STRATEGIES, *strategies.ALIASES))
     _choice("parallel.offload", p.offload, OFFLOADS)
     _choice("parallel.activation_checkpointing", p.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _choice("train.precision", t.precision, PRECISIONS)
@@ -323,17 +325,19 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     _positive("train.keep_last", t.keep_last)
     _positive("train.collective_timeout_s", t.collective_timeout_s, 0.001)
     if t.ckpt_every < 0:
-        raise ConfigError(f"train.ckpt_every = {t.ckpt_every} must be ≥ 0 (0 saves only at the end), e.g. 100")
+        raise ConfigError(f"train.ckpt_every = {t.ckpt_every} must be ≥ 0 (0 saves only at the end), "
+                          f"e.g. 100")
     prof = cfg.profile
     if min(prof.wait, prof.warmup) < 0 or prof.active < 1:
-        raise ConfigError(f"profile.wait = {prof.wait}, warmup = {prof.warmup} must be ≥ 0 and profile.active = "
-                          f"{prof.active} ≥ 1, e.g. --set profile.active=3")
+        raise ConfigError(f"profile.wait = {prof.wait}, warmup = {prof.warmup} must be ≥ 0 and "
+                          f"profile.active = {prof.active} ≥ 1, e.g. --set profile.active=3")
     if prof.enabled and prof.wait + prof.warmup + prof.active > t.steps:
         raise ConfigError(f"the profiler needs profile.wait + warmup + active = "
                           f"{prof.wait + prof.warmup + prof.active} steps but train.steps = {t.steps}; "
                           f"raise train.steps or lower profile.active")
     if t.eval_batches < 0 or t.eval_every < 0:
-        raise ConfigError("train.eval_batches and train.eval_every must be ≥ 0 (0 turns eval off / to the end)")
+        raise ConfigError("train.eval_batches and train.eval_every must be ≥ 0 (0 turns eval off / to "
+                          "the end)")
     if d.num_workers < 0:
         raise ConfigError(f"data.num_workers = {d.num_workers} must be ≥ 0 (0 loads in the main process)")
     if not 0 <= d.eval_fraction < 1:
@@ -350,10 +354,10 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
             raise ConfigError(f"train.{name} = {value} must be ≥ 0, e.g. --set train.{name}={example}"
                               f"{' (0 turns clipping off)' if name == 'grad_clip' else ''}")
     if not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1] (the final LR as a fraction "
-                          f"of train.lr), e.g. --set train.min_lr_ratio=0.1")
+        raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1] (the final LR as a "
+                          f"fraction of train.lr), e.g. --set train.min_lr_ratio=0.1")
     if p.offload != "none":
-        if p.strategy not in FSDP_STRATEGIES:
+        if not strategies.lookup(p.strategy).shards_params:
             raise ConfigError(
                 f"parallel.offload = '{p.offload}' needs a sharded strategy (zero2, zero3 or hsdp), "
                 f"not '{p.strategy}'; set parallel.strategy=zero3 or parallel.offload=none")
@@ -368,15 +372,16 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     if t.device == "cuda" and cuda_available is False:
         raise ConfigError("train.device = 'cuda' but no CUDA device is visible; set train.device=cpu or auto")
     dims = resolve_dims(p, world_size)
-    if dims.tp > 1 and p.strategy == "zero1" and t.precision == "fp16":
+    if dims.tp > 1 and strategies.lookup(p.strategy).shards_optimizer_only and t.precision == "fp16":
         # GradScaler unscales the optimizer's params' grads; under TP, ZeRO-1 links them at step only.
         raise ConfigError("zero1 with parallel.tp > 1 does not take fp16 loss scaling; "
                           "use train.precision=bf16 (no scaler needed) or parallel.strategy=zero2")
     if p.sequence_parallel and d.seq_len % dims.tp:
-        raise ConfigError(f"parallel.sequence_parallel splits data.seq_len = {d.seq_len} over tp = {dims.tp}; "
-                          f"use a seq_len divisible by {dims.tp}")
+        raise ConfigError(f"parallel.sequence_parallel splits data.seq_len = {d.seq_len} over "
+                          f"tp = {dims.tp}; use a seq_len divisible by {dims.tp}")
     if dims.pp > 1 and t.precision == "fp16":
-        raise ConfigError("fp16 loss scaling is not wired into the pipeline schedules; use train.precision=bf16")
+        raise ConfigError("fp16 loss scaling is not wired into the pipeline schedules; "
+                          "use train.precision=bf16")
     per = dims.dp * t.grad_accum * (pipeline_microbatches(p) if dims.pp > 1 else 1)
     if t.batch_size % per:
         multiples = ", ".join(str(per * k) for k in range(1, 4))

@@ -27,7 +27,8 @@ def atomic_write(path: Path, data: bytes | Callable[[Path], None], durable: bool
                 f.write(data)
         if callable(data):
             data(tmp)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's file is private; the result is an ordinary file, as open() makes
+        # mkstemp's file is private; the result is an ordinary file, as open() makes
+        os.chmod(tmp, 0o666 & ~_UMASK)
         if durable:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())

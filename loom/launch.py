@@ -67,16 +67,18 @@ def default_nproc() -> int:
 
 def check_spec(spec: LaunchSpec) -> None:
     if spec.nproc < 1 or spec.nnodes < 1:
-        raise LoomError(f"--nproc ({spec.nproc}) and --nnodes ({spec.nnodes}) must be ≥ 1 (ranks per machine, "
-                        f"machines), e.g. --nproc 2")
+        raise LoomError(f"--nproc ({spec.nproc}) and --nnodes ({spec.nnodes}) must be ≥ 1 "
+                        f"(ranks per machine, machines), e.g. --nproc 2")
     limit, why = max_local_processes()
     if spec.nproc > limit:
         raise LoomError(f"--nproc {spec.nproc} is more than this machine allows ({why}); "
                         f"use --nproc {limit} or fewer, and add machines with --nnodes")
     if spec.max_restarts < 0:
-        raise LoomError(f"--max-restarts ({spec.max_restarts}) must be ≥ 0 (0: a failed group is not restarted)")
+        raise LoomError(f"--max-restarts ({spec.max_restarts}) must be ≥ 0 (0: a failed group is not "
+                        f"restarted)")
     if spec.node_rank is not None and not 0 <= spec.node_rank < spec.nnodes:
-        raise LoomError(f"--node-rank {spec.node_rank} must be in 0..{spec.nnodes - 1} for --nnodes {spec.nnodes}; "
+        raise LoomError(f"--node-rank {spec.node_rank} must be in 0..{spec.nnodes - 1} for "
+                        f"--nnodes {spec.nnodes}; "
                         f"give each machine its own rank, 0 on the one hosting --rdzv-endpoint")
     if spec.nnodes > 1 and not spec.rdzv_endpoint:
         raise LoomError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
@@ -96,8 +98,8 @@ def _check_endpoint(spec: LaunchSpec) -> None:
         try:
             s.bind((host, int(port)))
         except OSError:
-            raise LoomError(f"port {port} on {host} is already in use (another run's rendezvous?); pick a free "
-                            f"port: --rdzv-endpoint {host}:{_free_port()}") from None
+            raise LoomError(f"port {port} on {host} is already in use (another run's rendezvous?); "
+                            f"pick a free port: --rdzv-endpoint {host}:{free_port()}") from None
 
 
 def _is_local(host: str) -> bool:
@@ -107,7 +109,8 @@ def _is_local(host: str) -> bool:
         return False
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous or a single process's store)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

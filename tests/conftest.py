@@ -1,9 +1,13 @@
-"""Shared fixtures: a small real text corpus, so no test needs a download."""
+"""Shared fixtures (a small real text corpus, so no test needs a download) and the `distributed`
+marker: every test under tests/distributed/ spawns ranks, so `-m "not distributed"` is the fast
+inner loop (tests/unit/)."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,3 +19,27 @@ def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_text(inspect.getsource(json) + inspect.getsource(inspect)[:60_000])
     return path
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    here = Path(__file__).parent / "distributed"
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.distributed)
+
+
+@pytest.fixture(autouse=True)
+def _own_environment():
+    """A world of one trained in this process sets RANK, MASTER_PORT, ... and keeps a process
+    group; left behind, the next `loom train` would think it is a torchrun rank. Undo both."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if "torch.distributed" in sys.modules:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)

@@ -76,7 +76,8 @@ def craft(kind: str, source: Path, dest: Path, marker: Path) -> Path:
         shutil.copy(f, dest / f.name)
     if kind == "pickled-payload":  # a tensor entry whose bytes are a pickle of a callable
         (dest / "__9_0.distcp").write_bytes(pickle.dumps(RunsCommand(marker), protocol=2))
-        _edit_index(dest, lambda m: _point_at(m, "model.norm.weight", "__9_0.distcp", (dest / "__9_0.distcp")))
+        _edit_index(dest, lambda m: _point_at(m, "model.norm.weight", "__9_0.distcp",
+                                              (dest / "__9_0.distcp")))
     elif kind == "payload-outside":  # a payload file outside the checkpoint folder
         outside = dest.parent / "outside.distcp"
         shutil.copy(dest / "__0_0.distcp", outside)

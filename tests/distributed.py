@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from loom.parallel.mesh import free_port
+from loom.launch import free_port
 
 
 def _worker(fn: Callable, rank: int, world: int, port: int, results, args: tuple) -> None:

@@ -65,7 +65,8 @@ def resolve_source(source: str, max_bytes: int = 8_000_000) -> list[Path] | Path
         if not files:
             raise LoomError(f"data.source '{source}' is a directory with no files; {_WHAT_TO_GIVE}")
     elif glob.has_magic(source):
-        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
+        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True)
+                       if Path(p).is_file())
         if not files:
             raise LoomError(f"data.source '{source}' matched no files; {_WHAT_TO_GIVE}")
     else:
@@ -91,7 +92,8 @@ def _load_bin(path: Path, bin_dtype: str, vocab_size: int) -> np.ndarray:
     top = int(tokens.max())
     if top >= vocab_size:
         raise LoomError(f"data.source '{path}' has token id {top} but the vocab size is {vocab_size}; "
-                        f"set data.bpe_vocab_size (the vocab of .bin tokens) and model.vocab_size to at least {top + 1}")
+                        f"set data.bpe_vocab_size (the vocab of .bin tokens) and model.vocab_size "
+                        f"to at least {top + 1}")
     return tokens
 
 

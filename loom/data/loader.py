@@ -1,25 +1,30 @@
 """Token windows, and a sampler whose global batches are the same whatever the parallel layout.
 
 Step k always trains on global batch k of a seeded permutation; data-parallel ranks and
-gradient-accumulation micro-steps only decide who takes which part of it.
+gradient-accumulation micro-steps only decide who takes which part of it. `build_loaders` gives a
+rank its DataLoaders (workers, prefetch, pinned memory) for training and eval.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.utils.data
 
+from loom.config import Config, pipeline_microbatches
 from loom.errors import ConfigError, LoomError
 
 
 class TokenWindows(torch.utils.data.Dataset):
-    """Non-overlapping windows of seq_len+1 tokens; item i -> LongTensor[seq_len+1] (inputs = [:-1], targets = [1:])."""
+    """Non-overlapping windows of seq_len+1 tokens; item i -> LongTensor[seq_len+1]
+    (inputs = [:-1], targets = [1:])."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, start_window: int = 0, num_windows: int | None = None) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, start_window: int = 0,
+                 num_windows: int | None = None) -> None:
         if seq_len < 1:
             raise ConfigError(f"data.seq_len={seq_len} must be at least 1; use e.g. 256")
         self.tokens = tokens
@@ -29,8 +34,8 @@ class TokenWindows(torch.utils.data.Dataset):
         if num_windows is None:
             num_windows = total - start_window
         if start_window < 0 or num_windows < 0 or start_window + num_windows > total:
-            raise LoomError(f"windows {start_window}..{start_window + num_windows} are outside the {total} windows "
-                            f"of {self.window} tokens in the corpus; pick a range inside 0..{total}")
+            raise LoomError(f"windows {start_window}..{start_window + num_windows} are outside the {total} "
+                            f"windows of {self.window} tokens in the corpus; pick a range inside 0..{total}")
         self.start_window = start_window
         self.num_windows = num_windows
 
@@ -45,18 +50,21 @@ class TokenWindows(torch.utils.data.Dataset):
         return torch.from_numpy(np.asarray(self.tokens[start:start + self.window], dtype=np.int64))
 
 
-def split_train_eval(tokens: np.ndarray, seq_len: int, eval_fraction: float) -> tuple[TokenWindows, TokenWindows]:
+def split_train_eval(tokens: np.ndarray, seq_len: int,
+                     eval_fraction: float) -> tuple[TokenWindows, TokenWindows]:
     """Hold out the last windows for eval (at least one when eval_fraction > 0)."""
     if not 0.0 <= eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction={eval_fraction} must be in [0, 1); use e.g. 0.05, or 0 for no eval")
+        raise ConfigError(f"data.eval_fraction={eval_fraction} must be in [0, 1); use e.g. 0.05, "
+                          f"or 0 for no eval")
     if seq_len < 1:
         raise ConfigError(f"data.seq_len={seq_len} must be at least 1; use e.g. 256")
     window = seq_len + 1
     total = len(tokens) // window
     n_eval = max(1, int(total * eval_fraction)) if eval_fraction > 0 else 0
     if total - n_eval < 1:
-        raise LoomError(f"the corpus has {len(tokens)} tokens = {total} windows of {window} tokens, too few to train "
-                        f"on with {n_eval} held out for eval; use a bigger corpus or smaller data.seq_len")
+        raise LoomError(f"the corpus has {len(tokens)} tokens = {total} windows of {window} tokens, too few "
+                        f"to train on with {n_eval} held out for eval; use a bigger corpus or smaller "
+                        f"data.seq_len")
     train = TokenWindows(tokens, seq_len, 0, total - n_eval)
     evals = TokenWindows(tokens, seq_len, total - n_eval, n_eval)
     return train, evals
@@ -72,7 +80,8 @@ def _nearby_multiples(value: int, unit: int) -> str:
 def micro_batch_size(global_batch: int, dp_size: int, grad_accum: int) -> int:
     """Sequences per micro-batch on one rank; global_batch must split evenly over ranks and micro-steps."""
     if dp_size < 1 or grad_accum < 1:
-        raise ConfigError(f"data-parallel size ({dp_size}) and train.grad_accum ({grad_accum}) must both be at least 1")
+        raise ConfigError(f"data-parallel size ({dp_size}) and train.grad_accum ({grad_accum}) must both be "
+                          f"at least 1")
     unit = dp_size * grad_accum
     if global_batch < 1 or global_batch % unit:
         raise ConfigError(f"train.batch_size={global_batch} is not divisible by grad_accum({grad_accum}) × "
@@ -92,13 +101,15 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
     """
 
     def __init__(self, num_windows: int, global_batch: int, dp_rank: int, dp_size: int, grad_accum: int,
-                 seed: int, start_step: int = 0, num_steps: int | None = None, seq_len: int | None = None) -> None:
+                 seed: int, start_step: int = 0, num_steps: int | None = None,
+                 seq_len: int | None = None) -> None:
         self.micro_batch = micro_batch_size(global_batch, dp_size, grad_accum)
         if not 0 <= dp_rank < dp_size:
             raise ConfigError(f"data-parallel rank {dp_rank} is outside 0..{dp_size - 1}")
         if num_windows < global_batch:
             of_len = f" of {seq_len + 1} tokens" if seq_len is not None else ""
-            raise ConfigError(f"the corpus has {num_windows} windows{of_len} but one global batch needs {global_batch}; "
+            raise ConfigError(f"the corpus has {num_windows} windows{of_len} but one global batch needs "
+                              f"{global_batch}; "
                               "use a bigger corpus or smaller train.batch_size / data.seq_len")
         if start_step < 0 or (num_steps is not None and num_steps < 0):
             raise ConfigError(f"start_step ({start_step}) and num_steps ({num_steps}) must not be negative")
@@ -143,8 +154,9 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         return self.num_steps * self.grad_accum
 
 
-def make_loader(dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler[list[int]], num_workers: int,
-                prefetch_factor: int | None, pin_memory: bool) -> torch.utils.data.DataLoader:
+def make_loader(dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler[list[int]],
+                num_workers: int, prefetch_factor: int | None,
+                pin_memory: bool) -> torch.utils.data.DataLoader:
     """A DataLoader over the sampler's micro-batches; items stack into LongTensor[micro_batch, seq_len+1]."""
     if num_workers < 0:
         raise ConfigError(f"data.num_workers={num_workers} must be 0 (load in the training process) or more")
@@ -159,3 +171,30 @@ def make_loader(dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sam
         persistent_workers=num_workers > 0,
         pin_memory=pin_memory and torch.cuda.is_available(),
     )
+
+
+@dataclass
+class Loaders:
+    train: torch.utils.data.DataLoader  # this rank's micro-batches, step after step
+    eval: torch.utils.data.DataLoader | None  # this rank's slice of the held-out batches
+    micro_batch: int
+
+
+def build_loaders(cfg: Config, train_set: torch.utils.data.Dataset, eval_set: torch.utils.data.Dataset | None,
+                  dp_rank: int, dp_size: int, pin_memory: bool, start_step: int = 0) -> Loaders:
+    """Every data-parallel rank reads its own disjoint slice of each global batch, from global
+    batch `start_step` on (a resumed run continues where the checkpoint stopped)."""
+    t = cfg.train
+    sampler = GlobalBatchSampler(len(train_set), t.batch_size, dp_rank, dp_size, t.grad_accum, t.seed,
+                                 start_step=start_step, num_steps=t.steps - start_step)
+    train_loader = make_loader(train_set, sampler, cfg.data.num_workers, cfg.data.prefetch_factor, pin_memory)
+    eval_loader = None
+    # Whole batches for every dp rank (and, under a pipeline, for each of its micro-batches).
+    unit = dp_size * (pipeline_microbatches(cfg.parallel) if cfg.parallel.pp > 1 else 1)
+    eval_batch = min(t.batch_size, len(eval_set) // unit * unit) if eval_set else 0
+    if eval_batch >= unit and t.eval_batches > 0:
+        eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, 1, t.seed,
+                                          num_steps=min(t.eval_batches, len(eval_set) // eval_batch))
+        eval_loader = make_loader(eval_set, eval_sampler, 0, None, pin_memory)
+    return Loaders(train_loader, eval_loader, sampler.micro_batch)
+

@@ -46,8 +46,8 @@ class ByteTokenizer:
     def decode(self, ids: Any) -> str:
         data = np.asarray(ids, dtype=np.int64).ravel()
         if data.size and (data.min() < 0 or data.max() > 255):
-            raise LoomError(f"byte tokenizer got token ids outside 0..255 (min {data.min()}, max {data.max()}); "
-                            "decode ids produced by the byte tokenizer")
+            raise LoomError(f"byte tokenizer got token ids outside 0..255 (min {data.min()}, "
+                            f"max {data.max()}); decode ids produced by the byte tokenizer")
         return data.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
@@ -98,7 +98,8 @@ def _import_tokenizers() -> Any:
         import tokenizers
     except ImportError:
         raise LoomError("data.tokenizer = 'bpe' needs the tokenizers package; "
-                        "run `pip install tokenizers` (or `pip install loom[bpe]`), or use data.tokenizer = 'byte'") from None
+                        "run `pip install tokenizers` (or `pip install loom[bpe]`), or use "
+                        "data.tokenizer = 'byte'") from None
     return tokenizers
 
 
@@ -110,12 +111,14 @@ class BPETokenizer:
 
     def __init__(self, texts_or_files: TextsOrFiles, vocab_size: int, cache_dir: Path | None = None) -> None:
         if vocab_size <= 256:
-            raise ConfigError(f"data.bpe_vocab_size={vocab_size} is too small for a byte-level BPE (256 bytes are the base "
-                              "alphabet); use a value above 256 such as 512, or data.tokenizer = 'byte'")
+            raise ConfigError(f"data.bpe_vocab_size={vocab_size} is too small for a byte-level BPE "
+                              "(256 bytes are the base alphabet); use a value above 256 such as 512, or "
+                              "data.tokenizer = 'byte'")
         tk = _import_tokenizers()
         items = _as_items(texts_or_files)
         if not items:
-            raise LoomError("BPE tokenizer got no training text; give a corpus with at least one non-empty file")
+            raise LoomError("BPE tokenizer got no training text; give a corpus with at least one "
+                            "non-empty file")
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_path = cache_dir / f"bpe-{vocab_size}-{_cache_key(items, vocab_size)}.json"
         if self.cache_path.exists():
@@ -141,7 +144,8 @@ class BPETokenizer:
         )
         texts = [_read_text(item) for item in items]
         if not any(texts):
-            raise LoomError("BPE tokenizer got only empty text; give a corpus with at least one non-empty file")
+            raise LoomError("BPE tokenizer got only empty text; give a corpus with at least one "
+                            "non-empty file")
         tok.train_from_iterator(texts, trainer=trainer)
         return tok
 

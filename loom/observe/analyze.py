@@ -11,12 +11,12 @@ import tomllib
 from pathlib import Path
 
 from loom.observe.diagnose import diagnose
+from loom.observe.ledger import analyze_dir
+from loom.observe.report import render_report
 from loom.observe.stragglers import find_stragglers, match_collectives
 
 
 def analyze(trace_dir: Path) -> dict:
-    from loom.observe.ledger import analyze_dir
-
     analysis = analyze_dir(trace_dir)
     analysis["collectives"] = match_collectives(analysis["ranks"])
     analysis["stragglers"] = find_stragglers(analysis["collectives"], analysis["ranks"])
@@ -46,8 +46,9 @@ def render_table(analysis: dict) -> str:
             lines.append(f"  rank {rank}: warning: {w}")
         for s in info.get("steps", []):
             sh = s["shares"]
-            lines.append(f"{rank:>4} {s['step']:>5} {s['wall_ms']:9.1f} {sh['compute']:7.1f}% {sh['comm_exposed']:8.1f}% "
-                         f"{sh['io']:5.1f}% {sh['idle']:5.1f}% {s['comm_hidden_ms']:9.1f} {s['overlap_pct']:6.0f}% "
+            lines.append(f"{rank:>4} {s['step']:>5} {s['wall_ms']:9.1f} {sh['compute']:7.1f}% "
+                         f"{sh['comm_exposed']:8.1f}% {sh['io']:5.1f}% {sh['idle']:5.1f}% "
+                         f"{s['comm_hidden_ms']:9.1f} {s['overlap_pct']:6.0f}% "
                          f"{s['forward_ms']:8.1f} {s['backward_ms']:8.1f} {s['optimizer_ms']:8.1f}")
     kinds: dict[str, list[float]] = {}
     for info in analysis["ranks"].values():
@@ -71,8 +72,6 @@ def render_table(analysis: dict) -> str:
 
 def write_outputs(analysis: dict, out_dir: Path) -> tuple[Path, Path]:
     """ledger.json and report.html beside the traces' run."""
-    from loom.observe.report import render_report
-
     ledger = out_dir / "ledger.json"
     ledger.write_text(json.dumps(analysis, indent=1))
     return ledger, render_report(analysis, out_dir / "report.html")

@@ -30,7 +30,8 @@ def _share(steps: list[dict], part: str) -> float:
     return _mean(s["shares"][part] for s in steps)
 
 
-def _finding(category: str, title: str, evidence: str, cause: str, knob: str, value: str, effect: str) -> dict:
+def _finding(category: str, title: str, evidence: str, cause: str, knob: str, value: str,
+             effect: str) -> dict:
     return {"category": category, "title": title, "evidence": evidence, "cause": cause, "knob": knob,
             "value": value, "expected_effect": effect}
 
@@ -55,9 +56,11 @@ def diagnose(analysis: dict, config: dict | None = None) -> list[dict]:
         suggest = max(4, 2 * workers) if workers else 4
         findings.append(_finding(
             "io", f"Input pipeline stalls the step: IO is {io:.0f}% of it",
-            f"IO {io:.0f}% of a {wall:.1f} ms step (compute {compute:.0f}%), mean over {len(steps)} steps and "
-            f"{len(ranks)} rank(s); DataLoader waits {_mean(s.get('data_ms', 0) for s in steps):.1f} ms per step",
-            "batches are produced in the training process (or by too few workers), so the step waits for them",
+            f"IO {io:.0f}% of a {wall:.1f} ms step (compute {compute:.0f}%), mean over {len(steps)} "
+            f"steps and {len(ranks)} rank(s); DataLoader waits "
+            f"{_mean(s.get('data_ms', 0) for s in steps):.1f} ms per step",
+            "batches are produced in the training process (or by too few workers), so the step waits for "
+            "them",
             "data.num_workers", (f"{suggest} (now {workers if workers is not None else 'unknown'}); and "
                                  "data.prefetch_factor ≥ 2"),
             f"up to {io:.0f}% shorter steps once loading overlaps compute"))
@@ -68,7 +71,8 @@ def diagnose(analysis: dict, config: dict | None = None) -> list[dict]:
         others = [st for r, info in ranks.items() if r != rank for st in info.get("steps", [])]
         own_io, own_idle = _share(mine, "io") if mine else 0.0, _share(mine, "idle") if mine else 0.0
         waiting = _share(others, "comm_exposed") if others else 0.0
-        knob, value = ("data.num_workers", "more workers on every rank (rank's IO is high)") if own_io >= SHARE else \
+        knob, value = ("data.num_workers",
+                       "more workers on every rank (rank's IO is high)") if own_io >= SHARE else \
             ("the host of rank " + rank, "remove what stalls it before each step (sleeps, CPU contention, "
              "a slow disk, uneven data)")
         findings.append(_finding(
@@ -86,15 +90,16 @@ def diagnose(analysis: dict, config: dict | None = None) -> list[dict]:
         for info in ranks.values():
             for c in info.get("collectives", []):
                 kinds[c["kind"]] = kinds.get(c["kind"], 0.0) + c.get("duration_ms", 0.0)
-        sharded = kinds.get("all_gather", 0.0) + kinds.get("reduce_scatter", 0.0) > kinds.get("all_reduce", 0.0)
+        sharded = (kinds.get("all_gather", 0.0) + kinds.get("reduce_scatter", 0.0)
+                   > kinds.get("all_reduce", 0.0))
         if sharded:
-            knob, value = "parallel.fsdp_prefetch", (f"{int(par.get('fsdp_prefetch', 1)) + 1} (gather the next "
-                                                     "blocks earlier); or parallel.strategy=zero2 to keep "
-                                                     "parameters gathered through backward")
+            knob, value = "parallel.fsdp_prefetch", (f"{int(par.get('fsdp_prefetch', 1)) + 1} (gather the "
+                                                     "next blocks earlier); or parallel.strategy=zero2 to "
+                                                     "keep parameters gathered through backward")
         else:
             bucket = par.get("ddp_bucket_mb", 25.0)
-            knob, value = "parallel.ddp_bucket_mb", (f"{max(bucket / 2, 1):g} (now {bucket:g}): smaller buckets "
-                                                     "start reducing earlier in backward")
+            knob, value = "parallel.ddp_bucket_mb", (f"{max(bucket / 2, 1):g} (now {bucket:g}): smaller "
+                                                     "buckets start reducing earlier in backward")
         findings.append(_finding(
             "comm", f"Communication is exposed: {comm:.0f}% of the step waits on collectives",
             f"exposed {comm:.0f}%, overlap {overlap:.0f}% of collective time hidden under compute; by kind "
@@ -130,7 +135,8 @@ def diagnose(analysis: dict, config: dict | None = None) -> list[dict]:
             f"{syncs:.1f} ops per step that read a tensor's value on the host (aten::item / "
             "_local_scalar_dense / stream syncs), each one stalls the host until the device catches up",
             "a .item(), .cpu(), print or Python branch on a tensor inside the training step",
-            "code: the training step", "read losses and metrics a step late (as loom does) instead of .item()",
+            "code: the training step",
+            "read losses and metrics a step late (as loom does) instead of .item()",
             "the host runs ahead again; on GPUs the device no longer idles at every sync"))
     kernel_steps = [s for s in steps if s.get("kernels")]
     if kernel_steps:

@@ -89,7 +89,8 @@ def timeout_error(e: BaseException, run_dir: Path, d, timeout_s: float, wait_s: 
     record = json.loads(mine.read_text())
     entries = [x for x in record.get("entries", []) if not x["is_p2p"]]
     if not entries:
-        return LoomError(f"a collective timed out after {timeout_s:g} s on rank {d.rank} ({str(e).splitlines()[0]}); "
+        return LoomError(f"a collective timed out after {timeout_s:g} s on rank {d.rank} "
+                         f"({str(e).splitlines()[0]}); "
                          f"raise train.collective_timeout_s if the wait is legitimate")
     stuck = max(entries, key=lambda x: x["time_created_ns"])
     pg, desc = stuck["process_group"]
@@ -109,9 +110,10 @@ def timeout_error(e: BaseException, run_dir: Path, d, timeout_s: float, wait_s: 
         if last < seq:
             behind[r] = last
     late = ", ".join(f"{r} (at #{v})" if v is not None else f"{r} (no answer)" for r, v in behind.items())
-    who = f"rank(s) {late} did not arrive" if behind else "every rank arrived (a transport problem, not a hang)"
+    who = (f"rank(s) {late} did not arrive" if behind
+           else "every rank arrived (a transport problem, not a hang)")
     size = " × ".join(str(s) for s in stuck.get("input_sizes", [])[:1])
-    return LoomError(f"collective {stuck['profiling_name']} #{seq} ({size}, group '{desc}', ranks {members}) timed "
-                     f"out after {timeout_s:g} s on rank {d.rank}: {who}; flight recorder dumps in {run_dir / DIR}; "
-                     f"raise train.collective_timeout_s if the wait is legitimate")
+    return LoomError(f"collective {stuck['profiling_name']} #{seq} ({size}, group '{desc}', ranks {members}) "
+                     f"timed out after {timeout_s:g} s on rank {d.rank}: {who}; flight recorder dumps in "
+                     f"{run_dir / DIR}; raise train.collective_timeout_s if the wait is legitimate")
 

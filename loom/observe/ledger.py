@@ -479,7 +479,8 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
     if gpu:
         k = _pairs([_interleave(col.k_start, col.k_end)])
         nccl = np.frombuffer(col.k_nccl, dtype=np.int8).astype(bool)
-        sets = [_union(k[~nccl]), _union(k[nccl]), _union(np.concatenate([_pairs([col.mem]), np.stack(io, 1)]))]
+        sets = [_union(k[~nccl]), _union(k[nccl]),
+                _union(np.concatenate([_pairs([col.mem]), np.stack(io, 1)]))]
         kstart = np.frombuffer(col.k_start, dtype=np.int64)
         order = np.argsort(kstart, kind="stable")
         kstart, kdur = kstart[order], (np.frombuffer(col.k_end, dtype=np.int64) - np.frombuffer(
@@ -542,7 +543,8 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
         step = windows[i][0] if i >= 0 and t < windows[i][2] else None
         out_coll.append({"step": step, "kind": c["kind"], "bytes": c["bytes"], "group_size": c["group_size"],
                          "group": c["group"], "seq": c["seq"],
-                         "enqueue_us": (base_ns + c["_enqueue"]) / 1000 if c["_enqueue"] is not None else None,
+                         "enqueue_us": ((base_ns + c["_enqueue"]) / 1000 if c["_enqueue"] is not None
+                                        else None),
                          "start_us": (base_ns + c["_start"]) / 1000, "end_us": (base_ns + c["_end"]) / 1000,
                          "duration_ms": (c["_end"] - c["_start"]) / 1e6})
     table = col.kernel_ops if gpu else col.cpu_ops
@@ -668,12 +670,14 @@ def _merge(ledgers: list[dict]) -> dict:
             t[0] += op["total_ms"]
             t[1] += op["count"]
     names = ", ".join(Path(led["trace"]).name for led in ledgers)
-    return {"rank": ledgers[0]["rank"], "kind": "gpu" if any(led["kind"] == "gpu" for led in ledgers) else "cpu",
+    return {"rank": ledgers[0]["rank"],
+            "kind": "gpu" if any(led["kind"] == "gpu" for led in ledgers) else "cpu",
             "trace": "; ".join(led["trace"] for led in ledgers),
             "warnings": [w for led in ledgers for w in led["warnings"]] + [
                 f"{len(ledgers)} traces of one rank merged ({names})"],
             "steps": sorted((s for led in ledgers for s in led["steps"]), key=lambda s: s["start_us"]),
             "collectives": sorted((c for led in ledgers for c in led["collectives"]),
-                                  key=lambda c: c["enqueue_us"] if c["enqueue_us"] is not None else c["start_us"]),
+                                  key=lambda c: (c["enqueue_us"] if c["enqueue_us"] is not None
+                                                 else c["start_us"])),
             "top_ops": [{"name": k, "total_ms": v[0], "count": v[1]}
                         for k, v in sorted(ops.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]]}

@@ -31,7 +31,8 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.prof = profile(activities=activities,
                             schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
-                            on_trace_ready=self._write, record_shapes=cfg.record_shapes, with_stack=cfg.with_stack)
+                            on_trace_ready=self._write, record_shapes=cfg.record_shapes,
+                            with_stack=cfg.with_stack)
         self.steps_done = 0
         self.snapshot = self.cuda and cfg.memory_snapshot
 

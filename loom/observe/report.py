@@ -53,7 +53,8 @@ section{background:#fff;border:1px solid #d8dee4;border-radius:8px;padding:16px 
 .meta dd{margin:0;font-size:16px;font-weight:600}
 .note{color:#57606a;font-size:13px;margin:6px 0 0}
 .ok{color:#1a7f37;font-weight:600;margin:0}
-.finding{border-left:4px solid #e45756;background:#fbfbfc;padding:10px 14px;margin:10px 0;border-radius:0 6px 6px 0}
+.finding{border-left:4px solid #e45756;background:#fbfbfc;padding:10px 14px;margin:10px 0;\
+border-radius:0 6px 6px 0}
 .finding p{margin:3px 0}
 .finding .k{color:#57606a;font-size:12px;text-transform:uppercase;letter-spacing:.03em;margin-right:6px}
 code{background:#eef1f4;border-radius:4px;padding:1px 5px;font-size:13px;
@@ -71,8 +72,10 @@ td.n,th.n{text-align:right}
 td.name{white-space:normal;word-break:break-all;max-width:420px}
 tr.straggler td{background:#fdecea}
 td.straggler{background:#fdecea;font-weight:600}
-.tag{display:inline-block;background:#e45756;color:#fff;border-radius:10px;padding:0 7px;font-size:11px;margin-left:6px}
-.callout{border-left:4px solid #d6616b;background:#fdf3f3;padding:8px 12px;margin:8px 0;border-radius:0 6px 6px 0}
+.tag{display:inline-block;background:#e45756;color:#fff;border-radius:10px;padding:0 7px;font-size:11px;\
+margin-left:6px}
+.callout{border-left:4px solid #d6616b;background:#fdf3f3;padding:8px 12px;margin:8px 0;\
+border-radius:0 6px 6px 0}
 .callout p{margin:2px 0}
 """
 
@@ -303,7 +306,8 @@ def _table(head: list[tuple[str, bool]], rows: list[tuple[list[tuple[str, str]],
     for cells, cls in rows:
         tds = "".join(f'<td class="{c}">{v}</td>' for v, c in cells)
         body.append(f'<tr class="{cls}">{tds}</tr>')
-    return f'<div class="scroll"><table><thead><tr>{th}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+    return (f'<div class="scroll"><table><thead><tr>{th}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table></div>')
 
 
 def _section(sid: str, title: str, body: str) -> str:
@@ -404,7 +408,8 @@ def _step_table(ranks: list[tuple[str, dict]], stragglers: dict[str, dict]) -> s
         cells = [(_e(s.get("step", "—")), "n"), (_e(rid), "n"), (_ms(_wall(s)), "n")]
         cells += [(_ms(s.get(k)), "n") for k in ("compute_ms", "comm_exposed_ms", "comm_hidden_ms", "io_ms",
                                                   "idle_ms")]
-        cells += [("—" if overlap is None else f"{overlap:.0f}%", "n"), (_mini_bar(shares) if shares else "", "")]
+        cells += [("—" if overlap is None else f"{overlap:.0f}%", "n"),
+                  (_mini_bar(shares) if shares else "", "")]
         body.append((cells, "straggler" if rid in stragglers else ""))
     note = "" if len(rows) == len(shown) else f'<p class="note">First {len(shown)} of {len(rows)} rows.</p>'
     return _section("steps", "Ledger per step (ms)", _table(head, body) + note)
@@ -426,10 +431,12 @@ def _phases(ranks: list[tuple[str, dict]]) -> str:
         rows.append((f"rank {rid}", segs, f"{_ms(sum(v or 0.0 for v in m.values()))} ms", False))
     present = [p for p in PHASE_PARTS if any(m[p[0]] is not None for _, m in means)]
     legend = _legend((label, fill) for _, label, fill, _ in present)
-    head = [("rank", True)] + [(f"{label} ms", True) for _, label, *_ in present] + [("backward / forward", True)]
+    head = ([("rank", True)] + [(f"{label} ms", True) for _, label, *_ in present]
+            + [("backward / forward", True)])
     body = []
     for rid, m in means:
-        ratio = m["backward_ms"] / m["forward_ms"] if m["forward_ms"] and m["backward_ms"] is not None else None
+        ratio = (m["backward_ms"] / m["forward_ms"] if m["forward_ms"] and m["backward_ms"] is not None
+                 else None)
         cells = [(_e(rid), "n")] + [(_ms(m[k]), "n") for k, *_ in present]
         body.append((cells + [("—" if ratio is None else f"{ratio:.2f}×", "n")], ""))
     return _section("phases", "Forward / backward / optimizer per rank (mean ms)",
@@ -447,18 +454,22 @@ def _top_ops(ranks: list[tuple[str, dict]]) -> str:
             ops[str(op["name"])][rid] = (prev[0] + total, prev[1] + count)
     kernel_rows = []
     for rid, r in ranks:
-        k = {key: _mean(s.get(key) for s in _steps(r)) for key in ("kernels", "mean_kernel_us", "occupancy_pct")}
+        k = {key: _mean(s.get(key) for s in _steps(r))
+             for key in ("kernels", "mean_kernel_us", "occupancy_pct")}
         if any(v is not None for v in k.values()):
-            kernel_rows.append(([(_e(rid), "n"), ("—" if k["kernels"] is None else f"{k['kernels']:,.0f}", "n"),
+            kernel_rows.append(([(_e(rid), "n"),
+                                 ("—" if k["kernels"] is None else f"{k['kernels']:,.0f}", "n"),
                                  (_ms(k["mean_kernel_us"]), "n"),
-                                 ("—" if k["occupancy_pct"] is None else f"{k['occupancy_pct']:.0f}%", "n")], ""))
+                                 ("—" if k["occupancy_pct"] is None else f"{k['occupancy_pct']:.0f}%", "n")],
+                                ""))
     if not ops and not kernel_rows:
         return ""
     body = ""
     if ops:
         top = sorted(ops.items(), key=lambda kv: -sum(t for t, _ in kv[1].values()))[:_MAX_OPS]
-        head = [("op / kernel", False), ("ranks", True), ("calls", True), ("total ms (mean over ranks)", True),
-                ("ms per call", True), ("min ms (rank)", True), ("max ms (rank)", True)]
+        head = [("op / kernel", False), ("ranks", True), ("calls", True),
+                ("total ms (mean over ranks)", True), ("ms per call", True), ("min ms (rank)", True),
+                ("max ms (rank)", True)]
         rows = []
         for name, per in top:
             totals = [t for t, _ in per.values()]
@@ -466,8 +477,10 @@ def _top_ops(ranks: list[tuple[str, dict]]) -> str:
             lo = min(per.items(), key=lambda kv: kv[1][0])
             hi = max(per.items(), key=lambda kv: kv[1][0])
             rows.append(([(_e(name), "name"), (str(len(per)), "n"), (f"{calls:,.0f}", "n"),
-                          (_ms(sum(totals) / len(totals)), "n"), (_ms(sum(totals) / calls) if calls else "—", "n"),
-                          (f"{_ms(lo[1][0])} ({_e(lo[0])})", "n"), (f"{_ms(hi[1][0])} ({_e(hi[0])})", "n")], ""))
+                          (_ms(sum(totals) / len(totals)), "n"),
+                          (_ms(sum(totals) / calls) if calls else "—", "n"),
+                          (f"{_ms(lo[1][0])} ({_e(lo[0])})", "n"), (f"{_ms(hi[1][0])} ({_e(hi[0])})", "n")],
+                         ""))
         body += _table(head, rows)
     if kernel_rows:
         head = [("rank", True), ("kernels / step", True), ("mean kernel µs", True), ("occupancy", True)]
@@ -482,7 +495,8 @@ def _collectives(analysis: dict, ranks: list[tuple[str, dict]], stragglers: dict
         late = _num(s.get("late_ms_mean"))
         evidence = f" — {_e(s['evidence'])}" if s.get("evidence") else ""
         parts.append(f'<div class="callout"><p><b>Straggler: rank {_e(rid)}</b>'
-                     f'{"" if late is None else f" arrives {_ms(late)} ms late on average"}{evidence}</p></div>')
+                     f'{"" if late is None else f" arrives {_ms(late)} ms late on average"}'
+                     f'{evidence}</p></div>')
     parts.append(_wait_vs_transfer(matched, ranks, stragglers))
     body = "".join(parts)
     return _section("collectives", "Collectives", body) if body else ""
@@ -499,8 +513,8 @@ def _kinds_table(ranks: list[tuple[str, dict]], matched: list[dict]) -> str:
                 acc[1] += _num(c.get("bytes")) or 0.0
                 acc[2] += _num(c.get("duration_ms")) or 0.0
     if by_kind:
-        head = [("kind", False), ("calls per rank", True), ("bytes per rank", True), ("ms per rank (mean)", True),
-                ("slowest rank ms", True)]
+        head = [("kind", False), ("calls per rank", True), ("bytes per rank", True),
+                ("ms per rank (mean)", True), ("slowest rank ms", True)]
         rows = []
         for kind, per in sorted(by_kind.items(), key=lambda kv: -sum(a[2] for a in kv[1].values())):
             n = len(per)
@@ -537,7 +551,8 @@ def _wait_vs_transfer(matched: list[dict], ranks: list[tuple[str, dict]], stragg
     for rid in order:
         wait, transfer = totals[rid]
         segs = [("wait", "wait", WAIT_COLOR, "#ffffff", wait / scale * LEDGER_BAR_W, _ms(wait)),
-                ("transfer", "transfer", TRANSFER_COLOR, "#ffffff", transfer / scale * LEDGER_BAR_W, _ms(transfer))]
+                ("transfer", "transfer", TRANSFER_COLOR, "#ffffff", transfer / scale * LEDGER_BAR_W,
+                 _ms(transfer))]
         right = f"{_ms(wait + transfer)} ms" + (" · straggler" if rid in stragglers else "")
         rows.append((f"rank {rid}", segs, right, rid in stragglers))
     return (f'<h3 style="margin-top:14px">Wait vs transfer over {len(per_rank)} matched collectives</h3>'
@@ -553,11 +568,13 @@ def _collective_table(per_rank: list[dict], order: list[str], stragglers: dict[s
     top = sorted(per_rank, key=spread, reverse=True)[:_MAX_COLLECTIVES]
     wide = len(order) <= _MAX_RANK_COLUMNS
     head = [("#", True), ("kind", False), ("bytes", True), ("last rank", True)]
-    head += [(f"r{rid} wait / transfer ms", True) for rid in order] if wide else [("max wait ms (rank)", True)]
+    head += ([(f"r{rid} wait / transfer ms", True) for rid in order] if wide
+             else [("max wait ms (rank)", True)])
     rows = []
     for c in top:
         last = None if c.get("last_rank") is None else str(c["last_rank"])
-        cells = [(_e(c.get("index", "—")), "n"), (_e(c.get("kind") or "?"), ""), (_bytes(c.get("bytes")), "n"),
+        cells = [(_e(c.get("index", "—")), "n"), (_e(c.get("kind") or "?"), ""),
+                 (_bytes(c.get("bytes")), "n"),
                  ("—" if last is None else _e(last), "n straggler" if last in stragglers else "n")]
         pr = {str(k): v for k, v in c["per_rank"].items() if isinstance(v, dict)}
         if wide:
@@ -626,8 +643,8 @@ def _planned(analysis: dict, ranks: list[tuple[str, dict]]) -> str:
         body += '<dl class="meta">' + label + "".join(
             f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in facts) + "</dl>"
     if rows:
-        head = [("rank", True), ("what", False), ("measured", True), ("planned", True), ("measured / planned", True),
-                ("", False)]
+        head = [("rank", True), ("what", False), ("measured", True), ("planned", True),
+                ("measured / planned", True), ("", False)]
         body += '<div style="height:10px"></div>' + _legend([("measured", "#4c78a8"), ("planned", "#bab0ac")])
         body += _table(head, rows)
     return _section("measured-vs-planned", "Measured vs planned", body)

@@ -47,8 +47,8 @@ def match_collectives(ranks: dict[str, dict]) -> list[dict]:
                         "transfer_ms": max(tables[r][k].get("end_us", last) - last, 0.0) / 1000}
                     for r, a in arrivals.items()}
         c = first[k]
-        matched.append({"index": len(matched), "kind": c["kind"], "bytes": c.get("bytes"), "step": c.get("step"),
-                        "last_rank": int(last_rank), "per_rank": per_rank})
+        matched.append({"index": len(matched), "kind": c["kind"], "bytes": c.get("bytes"),
+                        "step": c.get("step"), "last_rank": int(last_rank), "per_rank": per_rank})
     return matched
 
 
@@ -86,9 +86,10 @@ def find_stragglers(matched: list[dict], ranks: dict[str, dict]) -> list[dict]:
             waiting = {r: _per_step_max(matched, r) for r in ranks if int(r) != rank}
             out.append({"rank": rank, "late_ms_mean": late_ms, "last_share": share,
                         "evidence": (f"rank {rank} arrived last at {count} of {len(matched)} collectives and "
-                                     f"{late_ms:.1f} ms behind the others per step (mean step {mean_wall:.1f} ms); "
-                                     "per step the others waited "
-                                     + ", ".join(f"rank {r}: {w:.1f} ms" for r, w in sorted(waiting.items())))})
+                                     f"{late_ms:.1f} ms behind the others per step "
+                                     f"(mean step {mean_wall:.1f} ms); per step the others waited "
+                                     + ", ".join(f"rank {r}: {w:.1f} ms"
+                                                 for r, w in sorted(waiting.items())))})
     return sorted(out, key=lambda s: -s["late_ms_mean"])
 
 

@@ -140,7 +140,8 @@ class TraceStream:
             yield from self._array()
             return
         if c != "{":
-            raise LoomError(f"{self.path} is not a JSON trace (starts with {self._buf[self._i:self._i + 20]!r}): "
+            raise LoomError(f"{self.path} is not a JSON trace "
+                            f"(starts with {self._buf[self._i:self._i + 20]!r}): "
                             "give torch.profiler's export_chrome_trace output")
         self._i += 1
         found = False

@@ -1,29 +1,37 @@
-"""Turn a model into this rank's parallel, initialized model parts.
+"""Turn a model into this rank's parallel, initialized model parts, and what the loop needs of them.
 
-The order is fixed (see DESIGN.md): TP -> activation checkpointing -> compile -> FSDP/DDP, then the
-weights are materialized and initialized. Initialization is per parameter from (seed, name), so
-every strategy and world size starts from the same weights.
+The order is fixed: pipeline split -> TP -> activation checkpointing -> compile -> FSDP/DDP, then
+the weights are materialized and initialized. Initialization is per parameter from (seed, name),
+so every strategy and world size starts from the same weights. The model is known only through
+its adapter (loom/parallel/adapter.py); the engines are loom/parallel/ddp.py and fsdp.py (zero1's
+optimizer side: zero1.py), chosen by the strategy table (loom/strategies.py).
 """
 
 from __future__ import annotations
 
-from torch import nn
+import contextlib
+from collections.abc import Iterator
 
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from loom import strategies
 from loom.config import Config, pipeline_microbatches
-from loom.models.adapters import ModelAdapter, adapter_for
-from loom.parallel.checkpointing import apply_activation_checkpointing
-from loom.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
+from loom.parallel.activation_checkpointing import apply_activation_checkpointing
+from loom.parallel.adapter import ModelAdapter
+from loom.parallel.ddp import apply_ddp
+from loom.parallel.fsdp import apply_fsdp
 from loom.parallel.mesh import Dist
 from loom.parallel.pipeline import rank_stages, stage_layers, validate_pipeline
 
 
-def parallelize(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter | None = None) -> list[nn.Module]:
+def parallelize(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter) -> list[nn.Module]:
     """Returns this rank's parallelized parts with weights on `d.device`: the whole model, or with
     pipeline parallelism this rank's stage(s). A meta-init model (loom's GPT) arrives on the meta
     device and is initialized after sharding; any other model arrives built (same seed on every
     rank) and is moved and sharded."""
     p = cfg.parallel
-    adapter = adapter or adapter_for(model)
     if p.pp == 1:
         return [_parallelize_part(model, cfg, d, adapter)]
     n_layers = adapter.num_layers(model)
@@ -57,3 +65,22 @@ def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdap
         model.to_empty(device=d.device)
         adapter.init_weights(model, cfg.train.seed)
     return apply_ddp(model, p, d)  # zero1 shards the optimizer, not the model
+
+
+def uses_fsdp(p) -> bool:
+    """Whether FSDP2 wraps the model: zero2/zero3/hsdp, and ddp/zero1 under TP (see fsdp.py)."""
+    return strategies.lookup(p.strategy).uses_fsdp(p.tp)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient collective on non-final micro-steps of gradient accumulation."""
+    if isinstance(model, DDP):
+        with (contextlib.nullcontext() if enabled else model.no_sync()):
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        yield
+    else:
+        yield
+

@@ -8,15 +8,16 @@ parallel "tp" (innermost, so a TP group sits on one node's fast links).
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from loom.config import ParallelDims
+from loom.launch import free_port
 
 
 @dataclass
@@ -35,10 +36,10 @@ class Dist:
         return self.rank == 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def local_view(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (a replicated one's whole value), or
+    the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def pick_device(requested: str) -> torch.device:

@@ -1,21 +1,21 @@
-"""Pipeline parallelism: split the GPT into stages by layer and run them with torch.distributed.pipelining.
+"""Pipeline parallelism, the model-independent part: which layers each stage holds, which stages
+each rank runs, and torch.distributed.pipelining's schedules over them.
 
-A stage is the GPT class with the parts it doesn't hold removed (gpt.py), keeping the full
-model's parameter names, so `init_weights(seed)` gives each stage the full model's values and
-checkpoints map 1:1. The embedding lives on the first stage, norm + head + loss on the last.
+Each model builds its own stage modules (loom/models/gpt/pipeline.py, loom/models/hf/adapter.py):
+the embedding on the first stage, norm + head + loss on the last, the full model's parameter
+names kept so checkpoints map 1:1.
 
 Schedules: `gpipe` and `1f1b` run one stage per rank; `interleaved` (Interleaved 1F1B) runs
 `virtual` stages per rank, assigned round-robin: rank r holds stages r, r + pp, r + 2pp, ...
+The bubble, (p−1)/(m+p−1) or (p−1)/(v·m+p−1), is the planner's loom.plan.step.bubble_fraction.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -25,7 +25,6 @@ from torch.distributed.pipelining import (
 )
 
 from loom.errors import ConfigError
-from loom.models.gpt import GPT
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -62,6 +61,12 @@ def rank_stages(rank: int, pp: int, virtual: int = 1) -> list[int]:
     return [rank + k * pp for k in range(virtual)]
 
 
+def refuse_tied_embeddings(tied: bool, num_stages: int, fix: str) -> None:
+    """The embedding (first stage) and the head (last stage) cannot share one weight across ranks."""
+    if tied and num_stages > 1:
+        raise ConfigError(f"pipeline parallelism cannot split tied embeddings; {fix}")
+
+
 def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, microbatches: int,
                       *, tie_embeddings: bool = False) -> None:
     """Raise a one-line ConfigError for a pipeline setup that cannot run (checks the batch not at all)."""
@@ -69,12 +74,12 @@ def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, micro
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"parallel.{name} must be a positive integer, got {value!r}")
     if schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule = {schedule!r} is unknown; choose one of: {', '.join(SCHEDULES)}")
+        raise ConfigError(f"parallel.pp_schedule = {schedule!r} is unknown; choose one of: "
+                          f"{', '.join(SCHEDULES)}")
     if pp > n_layers:
-        raise ConfigError(f"parallel.pp = {pp} is more than the model's {n_layers} layers; use pp ≤ {n_layers}")
-    if pp > 1 and tie_embeddings:
-        # The embedding (first stage) and the head (last stage) would share one weight across ranks.
-        raise ConfigError("pipeline parallelism cannot split tied embeddings; set model.tie_embeddings=false")
+        raise ConfigError(f"parallel.pp = {pp} is more than the model's {n_layers} layers; "
+                          f"use pp ≤ {n_layers}")
+    refuse_tied_embeddings(tie_embeddings, pp * virtual, "set model.tie_embeddings=false")
     if schedule == "interleaved":
         if virtual < 2:
             raise ConfigError(
@@ -84,7 +89,8 @@ def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, micro
         if n_layers % (pp * virtual):
             raise ConfigError(
                 f"interleaved pipeline: the model's {n_layers} layers are not divisible by "
-                f"pp × virtual stages = {pp} × {virtual} = {pp * virtual}; change pp, pp_virtual_stages or n_layers"
+                f"pp × virtual stages = {pp} × {virtual} = {pp * virtual}; change pp, pp_virtual_stages or "
+                f"n_layers"
             )
     elif virtual != 1:
         raise ConfigError(
@@ -104,45 +110,6 @@ def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, micro
         )
 
 
-def bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float:
-    """Idle fraction of a pipeline step: (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1)."""
-    return (pp - 1) / (virtual * microbatches + pp - 1)
-
-
-def build_stage(model: GPT, stage_index: int, num_stages: int, layer_ids: list[int]) -> GPT:
-    """The stage module for `stage_index`, from a GPT on the meta device; `model` is left unchanged.
-
-    Only the structure is copied (meta tensors have no storage), so one full model can give every
-    stage a rank holds; materialize with `to_empty` + `init_weights(seed)` afterwards.
-    """
-    if any(not t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        raise ValueError("build_stage needs the model on the meta device (build_model(cfg, 'meta'))")
-    if not isinstance(model.layers, nn.ModuleList):
-        raise TypeError("build_stage needs the full model (layers as an nn.ModuleList), not a stage")
-    if num_stages > 1 and model.cfg.tie_embeddings:
-        raise ConfigError("pipeline parallelism cannot split tied embeddings; set model.tie_embeddings=false")
-    if not 0 <= stage_index < num_stages:
-        raise ValueError(f"stage_index {stage_index} is outside 0..{num_stages - 1}")
-    n_layers = len(model.layers)
-    if not layer_ids or any(not 0 <= i < n_layers for i in layer_ids):
-        raise ValueError(f"layer_ids {layer_ids} must be a non-empty list of indices in 0..{n_layers - 1}")
-
-    stage = copy.deepcopy(model)
-    # Keyed by the original index, so names stay "layers.<i>.…" as in the full model.
-    stage.layers = nn.ModuleDict({str(i): stage.layers[i] for i in layer_ids})
-    if stage_index > 0:
-        stage.tok_embeddings = None  # takes hidden states from the previous stage
-    if stage_index < num_stages - 1:
-        stage.norm = None  # returns hidden states to the next stage
-        stage.output = None
-    return stage
-
-
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy of logits [b, T, V] against targets [b, T], as the plain training loop."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def _scaled(loss_fn: LossFn, microbatches: int) -> LossFn:
     # The schedule sums the micro-batch gradients; dividing each loss by m makes that sum the
     # gradient of the mean over the whole batch (micro-batches of equal size).
@@ -152,16 +119,17 @@ def _scaled(loss_fn: LossFn, microbatches: int) -> LossFn:
     return scaled_loss
 
 
-def build_schedule(stages: list[GPT], stage_indices: list[int], num_stages: int,
+def build_schedule(stages: list[nn.Module], stage_indices: list[int], num_stages: int,
                    pp_group: dist.ProcessGroup | None, device: torch.device | str, schedule: str,
-                   microbatches: int, loss_fn: LossFn = cross_entropy_loss):
+                   microbatches: int, loss_fn: LossFn):
     """Wrap this rank's stage module(s) in PipelineStages and return the torch schedule for them.
 
     `loss_fn(logits, targets)` is the unscaled mean loss of one micro-batch; the schedule gets it
     divided by `microbatches` (see `pipeline_step` for the loss it reports).
     """
     if schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule = {schedule!r} is unknown; choose one of: {', '.join(SCHEDULES)}")
+        raise ConfigError(f"parallel.pp_schedule = {schedule!r} is unknown; choose one of: "
+                          f"{', '.join(SCHEDULES)}")
     if len(stages) != len(stage_indices):
         raise ValueError(f"{len(stages)} stage modules but {len(stage_indices)} stage indices")
     device = torch.device(device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loom import strategies
 from loom.plan.shapes import ModelShape
 
 # Where the offloadable states live. "optimizer": ZeRO-Offload (grads and optimizer states on
@@ -33,7 +34,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class Candidate:
-    strategy: str  # ddp | zero1 | zero2 | zero3 | hsdp
+    strategy: str  # a name in loom.strategies.STRATEGIES
     dp: int
     tp: int = 1
     pp: int = 1
@@ -52,28 +53,34 @@ class Candidate:
         return self.dp * self.tp * self.pp
 
     @property
+    def strategy_info(self) -> strategies.Strategy:
+        return strategies.lookup(self.strategy)
+
+    @property
     def shard_size(self) -> int:
         """N of the formulas: ranks one shard of the model states is split over."""
-        if self.strategy == "hsdp":
-            return self.dp_shard
-        return 1 if self.strategy == "ddp" else self.dp
+        s = self.strategy_info
+        return s.shard_size(*s.dp_dims(self.dp, self.dp_shard))
 
     @property
     def replicate_size(self) -> int:
-        return self.dp // self.dp_shard if self.strategy == "hsdp" else 1
+        """Replica groups of a hybrid strategy (hsdp); 1 otherwise."""
+        return self.dp // self.dp_shard if self.strategy_info.dp_mesh == "hybrid" else 1
 
     @property
     def engine(self) -> str:
         if self.offload in ("optimizer", "nvme"):
             return "deepspeed"  # FSDP2 offloads all sharded states or none, and never to NVMe
-        return {"ddp": "ddp", "zero1": "zero1"}.get(self.strategy, "fsdp2")
+        s = self.strategy_info
+        return "zero1" if s.shards_optimizer_only else s.engine  # zero1: DDP + ZeroRedundancyOptimizer
 
     @property
     def runs_in_loom(self) -> bool:
         return self.engine != "deepspeed"
 
     def label(self) -> str:
-        parts = [self.strategy if self.strategy != "hsdp" else f"hsdp({self.replicate_size}×{self.dp_shard})"]
+        hybrid = self.strategy_info.dp_mesh == "hybrid"
+        parts = [f"{self.strategy}({self.replicate_size}×{self.dp_shard})" if hybrid else self.strategy]
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
         if self.pp > 1:

@@ -19,7 +19,7 @@ A group lies within a node when its ranks fit in one (TP innermost, then dp_shar
 PP outermost); otherwise its bytes are counted on the inter-node link.
 
 Beside the bytes sent (a model: the ring factors), the account keeps what a rank can observe,
-the payload Φ per collective kind (as loom/observe/comms.py counts it) and, where the plan knows
+the payload Φ per collective kind (as loom/observe/collectives.py counts it) and, where the plan knows
 it, how many collectives carry it: FSDP2 issues one per unit (a block, the embedding, norm + head)
 and TP and PP one per activation, but DDP's buckets and ZeRO-1's per-parameter broadcasts are
 the engine's choice (None). Groups of one rank issue nothing. Not planned: the few-byte
@@ -81,7 +81,7 @@ class CommAccount:
 
 def ring(kind: str, n: int, size: float) -> float:
     """Bytes one rank sends in a ring (or pipelined chain) collective over n ranks on a tensor of
-    `size` bytes. The planner predicts with it; loom/observe/comms.py models (does not observe)
+    `size` bytes. The planner predicts with it; loom/observe/collectives.py models (does not observe)
     wire bytes with it from the payloads it sees."""
     if kind == "send":
         return size
@@ -112,41 +112,40 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
     param_bytes = per_param * local
     dp_inter = c.dp * c.tp > gpus_per_node
     micro_steps = c.grad_accum if c.pp == 1 else 1  # a pipeline runs its micro-batches in one step
-    if w.recipe != "torch" and c.strategy in ("zero1", "zero2"):
+    s = c.strategy_info
+    if w.recipe != "torch" and s.zero_stage in (1, 2):
         # The ZeRO paper's stages 1-2 (DeepSpeed): reduce-scatter the gradients, all-gather the
         # updated parameters once per step: 2Φ, as DDP.
         acc.add("reduce_scatter", ring("reduce_scatter", c.dp, grad_bytes), dp_inter)
         acc.add("all_gather", ring("all_gather", c.dp, param_bytes), dp_inter)
         acc.issue("reduce_scatter", c.dp, grad_bytes)
         acc.issue("all_gather", c.dp, param_bytes)
-    elif c.strategy == "ddp":
+    elif not s.shards_params:  # ddp, zero1: gradients all-reduced; zero1 broadcasts updated params
         acc.add("all_reduce", ring("all_reduce", c.dp, grad_bytes), dp_inter)
         acc.issue("all_reduce", c.dp, grad_bytes)
-    elif c.strategy == "zero1":
-        acc.add("all_reduce", ring("all_reduce", c.dp, grad_bytes), dp_inter)
-        acc.add("broadcast", ring("broadcast", c.dp, 4 * local), dp_inter)  # updated fp32 params
-        acc.issue("all_reduce", c.dp, grad_bytes)
-        acc.issue("broadcast", c.dp, 4 * local)
+        if "broadcast" in s.collectives:
+            acc.add("broadcast", ring("broadcast", c.dp, 4 * local), dp_inter)  # updated fp32 params
+            acc.issue("broadcast", c.dp, 4 * local)
     else:
         n = c.shard_size
         shard_inter = n * c.tp > gpus_per_node
         gathered = micro_steps * param_bytes  # forward
-        if c.strategy != "zero2":  # backward again, but for the norm + head unit kept gathered
+        if s.reshard_after_forward:  # backward again, but for the norm + head unit kept gathered
             kept = per_param * shape.head_params / c.tp if shape.known else 0.0
             gathered += micro_steps * (param_bytes - kept)
         acc.add("all_gather", ring("all_gather", n, gathered), shard_inter)
         acc.add("reduce_scatter", ring("reduce_scatter", n, grad_bytes), shard_inter)
-        if c.strategy == "hsdp":
+        if s.dp_mesh == "hybrid":  # the shards' gradients all-reduced across the replica groups
             acc.add("all_reduce", ring("all_reduce", c.replicate_size, grad_bytes / n), dp_inter)
         # One collective per FSDP unit: the blocks, the embedding, norm + head (tied: the root
         # holds all three). The last-gathered unit stays gathered into backward. A pipeline
         # stage's units differ by stage: counts unknown there.
         units = (shape.n_layers + (1 if shape.tie_embeddings else 2)) if shape.known and c.pp == 1 else None
-        backward = 0 if c.strategy == "zero2" else 1
+        backward = 1 if s.reshard_after_forward else 0
         gathers = micro_steps * (units + backward * (units - 1)) if units else None
         acc.issue("all_gather", n, gathered, gathers)
         acc.issue("reduce_scatter", n, grad_bytes, units)
-        if c.strategy == "hsdp":
+        if s.dp_mesh == "hybrid":
             acc.issue("all_reduce", c.replicate_size, grad_bytes / n, units)
     groups["dp"] = acc.total
 

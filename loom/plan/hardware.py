@@ -71,7 +71,8 @@ def lookup(name: str) -> GPU:
             return gpu
     close = difflib.get_close_matches(name, list(CATALOG) + list(ALIASES), n=1)
     hint = f"did you mean {close[0]}? " if close else ""
-    raise ConfigError(f"unknown GPU {name!r}; {hint}known: {', '.join(CATALOG)} (or override fields with --hw)")
+    raise ConfigError(f"unknown GPU {name!r}; {hint}known: {', '.join(CATALOG)} "
+                      f"(or override fields with --hw)")
 
 
 def with_overrides(cluster: Cluster, overrides: list[str]) -> Cluster:
@@ -103,8 +104,9 @@ def detect(device_name: str, memory_bytes: int) -> GPU | None:
     """The catalog entry for a CUDA device name (torch.cuda.get_device_name), or None."""
     name = device_name.upper().replace(" ", "")
     gb = memory_bytes / 1e9
-    checks = [("B200", "B200"), ("H200", "H200"), ("MI300X", "MI300X"), ("L40S", "L40S"), ("4090", "RTX-4090"),
-              ("H100PCIE", "H100-PCIe"), ("H100", "H100-SXM"), ("A100", "A100-80GB" if gb > 50 else "A100-40GB")]
+    checks = [("B200", "B200"), ("H200", "H200"), ("MI300X", "MI300X"), ("L40S", "L40S"),
+              ("4090", "RTX-4090"), ("H100PCIE", "H100-PCIe"), ("H100", "H100-SXM"),
+              ("A100", "A100-80GB" if gb > 50 else "A100-40GB")]
     for needle, entry in checks:
         if needle in name:
             return CATALOG[entry]

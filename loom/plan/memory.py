@@ -8,6 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loom import strategies
+from loom.plan.shapes import (
+    activation_bytes_per_layer,
+    checkpointed_layers,
+    head_saved_bytes,
+    head_transient_bytes,
+    layers_of_stage,
+)
+
 # bytes per parameter: (params, grads, optimizer states)
 RECIPES = {
     "torch": (4, 4, 8),  # fp32 params + fp32 grads + Adam m, v
@@ -27,19 +36,6 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-# (sharded params?, sharded grads?, sharded optimizer?) for each ZeRO stage
-_SHARDED = {
-    "ddp": (False, False, False),
-    "zero1": (False, False, True),
-    "zero2": (True, True, True),  # FSDP2 SHARD_GRAD_OP: params are sharded at rest too
-    "zero3": (True, True, True),
-    "hsdp": (True, True, True),
-}
-
-# What the ZeRO paper's stage 2 keeps whole: its parameters (it has no resharding of params).
-_ZERO_PAPER_SHARDED = dict(_SHARDED, zero2=(False, True, True))
-
-
 def model_state_bytes(strategy: str, num_params: int, shard_size: int, recipe: str = "torch",
                       paper_stages: bool = False, tp: int = 1, tp_replicated: int = 0) -> ModelStateBytes:
     """Bytes of params, grads and optimizer state held by one rank at rest.
@@ -52,19 +48,16 @@ def model_state_bytes(strategy: str, num_params: int, shard_size: int, recipe: s
     # With tensor parallelism each TP rank holds 1/tp of every split parameter and all of the
     # `tp_replicated` ones (the norms' gains).
     num_params = (num_params - tp_replicated) / tp + tp_replicated
-    sp, sg, so = (_ZERO_PAPER_SHARDED if paper_stages else _SHARDED)[strategy]
+    s = strategies.lookup(strategy)
+    sp, sg, so = (kind in s.sharded for kind in (strategies.PARAMS, strategies.GRADS, strategies.OPTIMIZER))
+    if paper_stages and s.zero_stage == 2:
+        sp = False  # the ZeRO paper's stage 2 keeps its (fp16) parameters whole
     n = float(shard_size)
     return ModelStateBytes(
         params=p * num_params / (n if sp else 1),
         grads=g * num_params / (n if sg else 1),
         optimizer=o * num_params / (n if so else 1),
     )
-
-
-def formula_text(strategy: str) -> str:
-    """The per-rank model-state formula in Ψ, as the README's strategy table writes it."""
-    return {"ddp": "16Ψ", "zero1": "8Ψ + 8Ψ/N", "zero2": "16Ψ/N", "zero3": "16Ψ/N",
-            "hsdp": "16Ψ/N_shard"}[strategy]
 
 
 # Bytes per parameter of the gradient collectives (FSDP2 reduces in fp32 under the torch recipe;
@@ -108,14 +101,6 @@ def gpu_memory(w, c, fragmentation: float = 0.10) -> MemoryAccount:
 
 def stage_memory(w, c, stage: int, fragmentation: float = 0.10) -> MemoryAccount:
     """Per-GPU memory of a rank holding pipeline stage `stage` (0 without a pipeline)."""
-    from loom.plan.shapes import (
-        activation_bytes_per_layer,
-        checkpointed_layers,
-        head_saved_bytes,
-        head_transient_bytes,
-        layers_of_stage,
-    )
-
     shape, last = w.shape, stage == c.pp - 1
     stage_params = shape.stage_params(stage, c.pp)
     layers = layers_of_stage(shape.n_layers, stage, c.pp) if shape.known else 0
@@ -135,8 +120,8 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10) -> MemoryAccount
     if shape.known:
         local_layer = (shape.layer_params - shape.layer_norm_params) / c.tp + shape.layer_norm_params
         gathered = w.act_bytes * local_layer  # one layer's parameters, unsharded in the compute dtype
-        fsdp = c.strategy in ("zero2", "zero3", "hsdp") and w.recipe == "torch"
-        if fsdp and c.strategy == "zero2":
+        fsdp = c.strategy_info.engine == "fsdp2" and w.recipe == "torch"
+        if fsdp and not c.strategy_info.reshard_after_forward:
             buffers += layers * gathered  # SHARD_GRAD_OP: every layer unsharded from forward to backward
         elif fsdp:
             buffers += gathered  # at the peak (backward's start) the next layer is being prefetched

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.memory import gpu_memory
-from loom.plan.search import GB, STRATEGIES, Plan
+from loom.plan.search import GB, Plan
+from loom.strategies import STRATEGIES
 
 
 def model_state_account(w: Workload, cluster) -> list[dict]:
@@ -13,8 +14,8 @@ def model_state_account(w: Workload, cluster) -> list[dict]:
     the seeds' walk from DDP's full replica to ZeRO-3 with offload."""
     world = cluster.world_size
     rows = []
-    for strategy, offload in [(s, "none") for s in STRATEGIES if s != "hsdp"] + [("zero3", "optimizer"),
-                                                                                ("zero3", "optimizer+params")]:
+    unsharded_dp = [(name, "none") for name, s in STRATEGIES.items() if s.dp_mesh != "hybrid"]
+    for strategy, offload in unsharded_dp + [("zero3", "optimizer"), ("zero3", "optimizer+params")]:
         c = Candidate(strategy, world, offload=offload)
         m = gpu_memory(w, c, 0.0)
         rows.append({"label": c.label(), "gpu_bytes": m.model_states, "host_bytes_per_gpu": m.host,
@@ -28,7 +29,8 @@ def render_table(plan: Plan, top: int = 5) -> str:
     w, cluster, records = plan.workload, plan.cluster, plan.candidates
     shape = w.shape
     out = [(f"loom plan: {shape.name} ({shape.num_params / 1e9:.2f}B params) on {cluster.describe()} "
-            f"({cluster.gpu.memory_gb:g} GB, {cluster.gpu.bf16_tflops:g} bf16 TFLOPs each), recipe {w.recipe}, "
+            f"({cluster.gpu.memory_gb:g} GB, {cluster.gpu.bf16_tflops:g} bf16 TFLOPs each), "
+            f"recipe {w.recipe}, "
             f"global batch {w.global_batch} × {w.seq_len} tokens, {len(records)} candidates")]
     if not shape.known:
         out.append("  (parameter count only: activations, TP/PP and attention FLOPs are not modeled; "
@@ -37,11 +39,13 @@ def render_table(plan: Plan, top: int = 5) -> str:
     out.append(f"model states per GPU on {cluster.world_size} GPUs (GPU | host), GB:")
     for row in model_state_account(w, cluster):
         mark = "fits" if row["fits"] else "does not fit"
-        out.append(f"  {row['label']:<28} GPU {row['gpu_bytes'] / GB:9.1f}   host {row['host_bytes_per_gpu'] / GB:8.1f}"
+        out.append(f"  {row['label']:<28} GPU {row['gpu_bytes'] / GB:9.1f}   "
+                   f"host {row['host_bytes_per_gpu'] / GB:8.1f}"
                    f"   (params {row['params'] / GB:.1f} + grads {row['grads'] / GB:.1f} + optimizer "
                    f"{row['optimizer'] / GB:.1f})  {mark}")
     out.append("")
-    fitting = sorted((i for i, r in enumerate(records) if r["fits"]), key=lambda i: -records[i]["tokens_per_s"])
+    fitting = sorted((i for i, r in enumerate(records) if r["fits"]),
+                     key=lambda i: -records[i]["tokens_per_s"])
     shown = fitting[:top]
     for strategy in STRATEGIES:  # each strategy's best, fitting or (if none fits) the smallest
         mine = [i for i, r in enumerate(records) if r["strategy"] == strategy]
@@ -62,8 +66,9 @@ def render_table(plan: Plan, top: int = 5) -> str:
         inter = r["comm_bytes_by_link"]["inter_node"] / comm if comm else 0.0
         fits = "yes" if r["fits"] else f"no: {r['why_not']}"
         star = "*" if i == plan.recommended else " "
-        out.append(f"{star}{i:>4} {r['label']:<44} {r['micro_batch']:>3}×{r['grad_accum']:<3} {m['total'] / GB:7.1f} "
-                   f"{m['activations'] / GB:7.1f} {r['host_memory_bytes'] / GB:12.0f} {comm / GB:8.2f} {inter:6.0%} "
+        out.append(f"{star}{i:>4} {r['label']:<44} {r['micro_batch']:>3}×{r['grad_accum']:<3} "
+                   f"{m['total'] / GB:7.1f} {m['activations'] / GB:7.1f} {r['host_memory_bytes'] / GB:12.0f} "
+                   f"{comm / GB:8.2f} {inter:6.0%} "
                    f"{r['step_time_s']:8.3f} {r['tokens_per_s']:11,.0f} {r['mfu']:5.0%}  {fits}")
     best = records[plan.recommended]
     t = best["step_time_breakdown_s"]

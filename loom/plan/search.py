@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from loom import strategies
 from loom.errors import ConfigError
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.comm import comm_per_step
@@ -18,7 +19,6 @@ from loom.plan.memory import gpu_memory
 from loom.plan.step import bubble_fraction, step_time
 
 GB = 1e9
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
@@ -29,7 +29,8 @@ def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
     record = {
         "label": c.label(), "strategy": c.strategy, "engine": c.engine, "runs_in_loom": c.runs_in_loom,
         "nodes": cluster.nodes, "gpus": c.world, "dp": c.dp, "dp_shard": c.shard_size, "tp": c.tp, "pp": c.pp,
-        "pp_schedule": c.schedule, "pp_virtual_stages": c.virtual_stages, "sequence_parallel": c.sequence_parallel,
+        "pp_schedule": c.schedule, "pp_virtual_stages": c.virtual_stages,
+        "sequence_parallel": c.sequence_parallel,
         "offload": c.offload, "recipe": w.recipe, "precision": w.precision,
         "activation_checkpointing": c.activation_checkpointing, "ac_every": c.ac_every,
         "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
@@ -62,7 +63,8 @@ def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
     return record
 
 
-def enumerate_candidates(w: Workload, cluster: Cluster, strategies=STRATEGIES):
+def enumerate_candidates(w: Workload, cluster: Cluster,
+                         names: tuple[str, ...] = tuple(strategies.STRATEGIES)):
     shape, world, per_node = w.shape, cluster.world_size, cluster.gpus_per_node
     tps = [t for t in (1, 2, 4, 8, 16) if t <= per_node and world % t == 0 and _tp_divides(shape, t)]
     for tp in tps:
@@ -71,7 +73,7 @@ def enumerate_candidates(w: Workload, cluster: Cluster, strategies=STRATEGIES):
             if w.global_batch % dp:
                 continue
             local_batch = w.global_batch // dp
-            for strategy in strategies:
+            for strategy in names:
                 for shard in _shards(strategy, dp, tp, per_node, cluster.nodes):
                     for offload in _offloads(strategy):
                         for schedule, virtual in _schedules(shape, pp):
@@ -81,9 +83,10 @@ def enumerate_candidates(w: Workload, cluster: Cluster, strategies=STRATEGIES):
                                         continue
                                     m = local_batch // mb
                                     if pp > 1 and m < pp:
-                                        continue  # 1F1B-style schedules need m ≥ p (GPipe too, to keep p busy)
-                                    yield Candidate(strategy, dp, tp, pp, shard, offload, schedule, virtual, ac,
-                                                    2, mb, m, sequence_parallel=tp > 1)
+                                        # 1F1B-style schedules need m ≥ p (GPipe too, to keep p busy)
+                                        continue
+                                    yield Candidate(strategy, dp, tp, pp, shard, offload, schedule, virtual,
+                                                    ac, 2, mb, m, sequence_parallel=tp > 1)
 
 
 def _tp_divides(shape, tp: int) -> bool:
@@ -101,7 +104,7 @@ def _pipeline_degrees(shape, ranks: int) -> list[int]:
 
 
 def _shards(strategy: str, dp: int, tp: int, per_node: int, nodes: int) -> list[int]:
-    if strategy != "hsdp":
+    if strategies.lookup(strategy).dp_mesh != "hybrid":
         return [0]
     shard = per_node // tp  # shard inside a node, replicate across nodes
     if nodes == 1 or shard < 2 or dp % shard or dp == shard:
@@ -109,14 +112,17 @@ def _shards(strategy: str, dp: int, tp: int, per_node: int, nodes: int) -> list[
     return [shard]
 
 
-# What each strategy can offload: ZeRO-Offload takes stages 1-3; parameters and NVMe need stage 3
-# (hsdp: FSDP2's CPUOffloadPolicy only).
-_OFFLOADS = {"ddp": ("none",), "zero1": ("none", "optimizer"), "zero2": ("none", "optimizer"),
-             "zero3": ("none", "optimizer", "optimizer+params", "nvme"), "hsdp": ("none", "optimizer+params")}
-
-
 def _offloads(strategy: str) -> tuple[str, ...]:
-    return _OFFLOADS[strategy]
+    """What a strategy can offload: ZeRO-Offload takes stages 1-3 (the optimizer states); the
+    parameters and NVMe need stage 3; hybrid sharding has FSDP2's CPUOffloadPolicy only."""
+    s = strategies.lookup(strategy)
+    if s.zero_stage == 0:
+        return ("none",)
+    if s.dp_mesh == "hybrid":
+        return ("none", "optimizer+params")
+    if s.zero_stage < 3:
+        return ("none", "optimizer")
+    return ("none", "optimizer", "optimizer+params", "nvme")
 
 
 def _schedules(shape, pp: int) -> list[tuple[str, int]]:
@@ -150,7 +156,8 @@ class Plan:
 
 def assumptions(cluster: Cluster) -> list[str]:
     return [
-        f"compute at {cluster.achievable_fraction:.0%} of the bf16 dense peak (override: --hw achievable_fraction=)",
+        (f"compute at {cluster.achievable_fraction:.0%} of the bf16 dense peak "
+         f"(override: --hw achievable_fraction=)"),
         f"links at {cluster.comm_efficiency:.0%} of their bandwidth; ring collectives",
         ("data-parallel collectives overlap with compute (only the excess is exposed); "
          "TP, PP and ZeRO-1's broadcast are exposed"),
@@ -171,8 +178,9 @@ def search(w: Workload, cluster: Cluster) -> Plan:
     fitting = [i for i, r in enumerate(records) if r["fits"]]
     if not fitting:
         closest = min(records, key=lambda r: r["memory_bytes"]["total"])
-        raise ConfigError(f"nothing fits on {cluster.describe()} ({w.shape.name}; the leanest, {closest['label']}, "
-                          f"{closest['why_not']}); " + smallest_fitting_cluster(w, cluster))
+        raise ConfigError(f"nothing fits on {cluster.describe()} ({w.shape.name}; the leanest, "
+                          f"{closest['label']}, {closest['why_not']}); "
+                          + smallest_fitting_cluster(w, cluster))
     runnable = [i for i in fitting if records[i]["runs_in_loom"]]
     pool = runnable or fitting
     best = max(pool, key=lambda i: (records[i]["tokens_per_s"], -records[i]["memory_bytes"]["total"]))
@@ -199,15 +207,17 @@ def _reason(records: list[dict], best: int, cluster: Cluster, runnable: bool) ->
     mem = r["memory_bytes"]["total"] / GB
     why = (f"{r['label']}: the highest predicted throughput that fits ({r['tokens_per_s']:,.0f} tokens/s, "
            f"MFU {r['mfu']:.0%}, {mem:.1f} of {cluster.gpu.memory_gb:g} GB per GPU; "
-           f"compute {share['compute']:.0%} of the step, then {largest.replace('_', ' ')} {share[largest]:.0%})")
+           f"compute {share['compute']:.0%} of the step, then {largest.replace('_', ' ')} "
+           f"{share[largest]:.0%})")
     if not runnable:
-        why += "; only DeepSpeed-engine candidates (optimizer-only or NVMe offload) fit, which loom does not run"
+        why += ("; only DeepSpeed-engine candidates (optimizer-only or NVMe offload) fit, which loom does "
+                "not run")
     big = cluster.nodes > 1 and cluster.world_size >= 512
     if r["engine"] == "deepspeed":
         engine = "engine: DeepSpeed, needed for optimizer-only or NVMe offload"
     elif big:
-        engine = (f"engine: {r['engine']} (loom runs it); at {cluster.world_size} GPUs across nodes the seeds' "
-                  "rule also points to DeepSpeed for its mature large-scale and offload configs")
+        engine = (f"engine: {r['engine']} (loom runs it); at {cluster.world_size} GPUs across nodes the "
+                  "seeds' rule also points to DeepSpeed for its mature large-scale and offload configs")
     elif cluster.nodes == 1:
         engine = f"engine: {r['engine']}: single node, minimal code (FSDP over DeepSpeed by the seeds' rule)"
     else:
@@ -218,15 +228,16 @@ def _reason(records: list[dict], best: int, cluster: Cluster, runnable: bool) ->
 def emit_config(base, record: dict):
     """The loom Config that runs a candidate, from the user's config (model, data, batch kept)."""
     if not record["runs_in_loom"]:
-        raise ConfigError(f"{record['label']} needs the DeepSpeed engine (offload '{record['offload']}'), which "
-                          f"loom does not run; pick a candidate with offload none or optimizer+params")
-    cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel), train=dataclasses.replace(base.train))
+        raise ConfigError(f"{record['label']} needs the DeepSpeed engine (offload '{record['offload']}'), "
+                          f"which loom does not run; pick a candidate with offload none or optimizer+params")
+    cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel),
+                              train=dataclasses.replace(base.train))
     p, t = cfg.parallel, cfg.train
     p.strategy, p.tp, p.pp = record["strategy"], record["tp"], record["pp"]
     p.sequence_parallel = record["sequence_parallel"]
     p.offload = "cpu" if record["offload"] == "optimizer+params" else "none"
     p.activation_checkpointing, p.ac_every = record["activation_checkpointing"], record["ac_every"]
-    if record["strategy"] == "hsdp":
+    if strategies.lookup(record["strategy"]).dp_mesh == "hybrid":
         p.dp_shard, p.dp_replicate = record["dp_shard"], record["dp"] // record["dp_shard"]
     if record["pp"] > 1:
         p.pp_schedule, p.pp_virtual_stages = record["pp_schedule"], record["pp_virtual_stages"]
@@ -247,7 +258,8 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int) ->
     pipelined = pp > 1
     micro = (p.microbatches or pp) if pipelined else t.grad_accum
     per_micro = t.batch_size // (dp * (t.grad_accum * micro if pipelined else micro))
-    return Candidate(p.strategy, dp, tp, pp, dp_shard if p.strategy == "hsdp" else 0,
+    hybrid = strategies.lookup(p.strategy).dp_mesh == "hybrid"
+    return Candidate(p.strategy, dp, tp, pp, dp_shard if hybrid else 0,
                      "optimizer+params" if p.offload == "cpu" else "none",
                      p.pp_schedule if pipelined else "none", p.pp_virtual_stages if pipelined else 1,
                      p.activation_checkpointing, p.ac_every, per_micro, micro,

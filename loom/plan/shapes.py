@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom.errors import ConfigError
+from loom.models.gpt.config import GPTConfig, preset
 
 
 @dataclass(frozen=True)
@@ -143,12 +144,10 @@ def checkpointed_layers(layers: int, mode: str, every: int) -> int:
 
 
 def from_preset(name: str, **overrides: object) -> ModelShape:
-    from loom.models.presets import preset
-
     return from_gpt_config(preset(name, **overrides), name)
 
 
-def from_gpt_config(cfg, name: str) -> ModelShape:
+def from_gpt_config(cfg: GPTConfig, name: str) -> ModelShape:
     return ModelShape(name=name, vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
                       n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_hidden=cfg.ffn_hidden,
                       tie_embeddings=cfg.tie_embeddings)
@@ -168,16 +167,18 @@ def from_hf_config(path: str | Path) -> ModelShape:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON ({e}); pass a Hugging Face config.json") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object; pass a Hugging Face config.json")
-    missing = [k for k in _HF_KEYS if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool) or raw[k] <= 0]
+        raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object; "
+                          f"pass a Hugging Face config.json")
+    missing = [k for k in _HF_KEYS
+               if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool) or raw[k] <= 0]
     if missing:
-        raise ConfigError(f"{path} lacks positive integer field(s) {', '.join(missing)} of a decoder config.json "
-                          f"(Llama/Mistral/Qwen2 style)")
+        raise ConfigError(f"{path} lacks positive integer field(s) {', '.join(missing)} of a decoder "
+                          f"config.json (Llama/Mistral/Qwen2 style)")
     fields = {ours: raw[theirs] for theirs, ours in _HF_KEYS.items()}
     kv = raw.get("num_key_value_heads") or fields["n_heads"]
     if fields["d_model"] % fields["n_heads"] or fields["n_heads"] % kv:
-        raise ConfigError(f"{path}: hidden_size {fields['d_model']}, num_attention_heads {fields['n_heads']} and "
-                          f"num_key_value_heads {kv} do not divide; check the file")
+        raise ConfigError(f"{path}: hidden_size {fields['d_model']}, num_attention_heads {fields['n_heads']} "
+                          f"and num_key_value_heads {kv} do not divide; check the file")
     return ModelShape(name=str(raw.get("model_type", path.stem)), n_kv_heads=kv,
                       tie_embeddings=bool(raw.get("tie_word_embeddings", False)), **fields)
 

@@ -68,7 +68,7 @@ def step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]) -> Ste
     shard_inter = c.shard_size * c.tp > cluster.gpus_per_node
     broadcast = comm.by_kind.get("broadcast", 0.0) if w.recipe == "torch" else 0.0
     dp_bytes = groups["dp"] - broadcast
-    hidden_dp = seconds(dp_bytes, shard_inter if c.strategy in ("zero2", "zero3", "hsdp") else dp_inter)
+    hidden_dp = seconds(dp_bytes, shard_inter if c.strategy_info.shards_params else dp_inter)
     exposed = max(0.0, hidden_dp - busy) + seconds(broadcast, dp_inter)
     exposed += seconds(groups["tp"], False)
     exposed += seconds(groups["pp"], c.world > cluster.gpus_per_node and c.dp * c.tp >= cluster.gpus_per_node)

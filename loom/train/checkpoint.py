@@ -24,7 +24,7 @@ import shutil
 import time
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +40,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from loom.config import Config, load_config_text, to_toml
 from loom.errors import LoomError
 from loom.files import atomic_write, fsync_dir
+from loom.models.gpt.config import preset
+from loom.parallel.zero1 import is_zero1, local_optimizer, owned_states
 from loom.train import faults, safe_load
 
 CHECKPOINTS = "checkpoints"
@@ -96,8 +97,8 @@ def resolve_resume(resume: str | None, run_dir: Path | None) -> Path | None:
         return latest_checkpoint(run_dir)
     path = Path(resume)
     if not path.exists():
-        raise LoomError(f"--resume {resume}: no such checkpoint or run directory; pass RUN_DIR/checkpoints/step_N, "
-                        f"a run directory, or auto")
+        raise LoomError(f"--resume {resume}: no such checkpoint or run directory; pass "
+                        f"RUN_DIR/checkpoints/step_N, a run directory, or auto")
     if (path / CHECKPOINTS).is_dir() or path.name == CHECKPOINTS:
         found = latest_checkpoint(path if path.name != CHECKPOINTS else path.parent)
         if found is None:
@@ -127,8 +128,8 @@ def read_meta(path: Path) -> dict:
     kinds = {"step": int, "world_size": int, "config": str, "scheduler": dict}
     wrong = [k for k, kind in kinds.items() if not isinstance(meta, dict) or type(meta.get(k)) is not kind]
     if wrong or meta["step"] < 0 or meta["world_size"] < 1:
-        raise LoomError(f"{path / META} is damaged (no valid {', '.join(wrong) or 'step or world_size'}); resume "
-                        f"from an earlier checkpoint")
+        raise LoomError(f"{path / META} is damaged (no valid {', '.join(wrong) or 'step or world_size'}); "
+                        f"resume from an earlier checkpoint")
     return meta
 
 
@@ -156,70 +157,15 @@ class _Names:
         return {(self.to_ckpt(k) if to_ckpt else back[k]): v for k, v in d.items()}
 
 
-def _is_zero1(optimizer) -> bool:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _zero1_state(optimizer, model_sd: dict[str, torch.Tensor], d) -> dict[str, dict[str, torch.Tensor]]:
-    """ZeRO-1: the states of the parameters this rank owns (the others are on their owners).
-
-    Under TP the owners of one parameter's shards are one rank per TP slice (the same dp index:
-    ZeRO partitions equal shard sizes the same way), so its state is a DTensor on the TP mesh."""
-    by_storage = {}
-    for name, value in model_sd.items():
-        by_storage.setdefault(_local(value).data_ptr(), (name, value))
-    links = {id(alias): p for p, alias in getattr(optimizer, "_links", [])}
-    local = optimizer.optim
-    _init_states(local)
-    out = {}
-    for group in local.param_groups:
-        for p in group["params"]:
-            name, value = by_storage[p.data_ptr()]
-            param = links.get(id(p), value)
-            states = {}
-            for key, t in local.state[p].items():
-                names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
-                if "tp" in names and t.shape == p.shape and t.ndim > 0:
-                    tp_dim = param.device_mesh.mesh_dim_names.index("tp")
-                    t = DTensor.from_local(t, d.mesh["tp"], [param.placements[tp_dim]], run_check=False,
-                                           shape=param.shape, stride=param.stride())
-                states[key] = t
-            out[name] = states
-    return out
-
-
-def _init_states(optimizer: torch.optim.Optimizer) -> None:
-    """Create Adam's states (a step at lr 0 changes nothing) so a load has tensors to fill."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p not in optimizer.state]
-    if not params:
-        return
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-    for p in params:
-        p.grad = None
-
-
 def _state(model: nn.Module, optimizer, d) -> tuple[dict[str, torch.Tensor], dict, _Names]:
     """(flat tensors for DCP, the optimizer's torch state dict to write back into, names)."""
     names = _Names(model, isinstance(model, nn.ModuleList))
     model_sd = get_model_state_dict(model)
     known = list(model_sd)
     flat = {f"model.{k}": v for k, v in names.rename(model_sd, True, known).items()}
-    if _is_zero1(optimizer):
+    if is_zero1(optimizer):
         osd = None
-        opt_state = _zero1_state(optimizer, names.rename(model_sd, True, known), d)
+        opt_state = owned_states(optimizer, names.rename(model_sd, True, known), d)
     else:
         osd = get_optimizer_state_dict(model, optimizer)  # creates states when there are none yet
         opt_state = names.rename(osd["state"], True, known)
@@ -231,6 +177,17 @@ def _state(model: nn.Module, optimizer, d) -> tuple[dict[str, torch.Tensor], dic
 
 # ---------------------------------------------------------------------------------------------
 # Saving
+
+
+def checkpoint_meta(cfg: Config, step: int, d, task) -> dict:
+    """What a checkpoint records besides tensors: the layout that wrote it and the data position
+    (global batch `step` is next; the sampler gives the same one under any layout)."""
+    layout = {"strategy": cfg.parallel.strategy, "world_size": d.world_size,
+              "mesh": dict(zip(d.mesh.mesh_dim_names, d.mesh.shape))}
+    return {"layout": layout, "model": task.description,
+            "data": {"next_global_batch": step, "samples_seen": step * cfg.train.batch_size,
+                     "tokens_seen": step * cfg.train.batch_size * task.tokens_per_sample,
+                     "seed": cfg.train.seed}}
 
 
 def _rng_state() -> dict:
@@ -288,8 +245,8 @@ class Checkpointer:
         flat, _, _ = _state(model, optimizer, self.d)
         (tmp / f"rng_rank{self.d.rank}.json").write_text(json.dumps(_rng_state()))
         if self.d.is_main:
-            meta = {**meta, "step": step, "scheduler": scheduler.state_dict(), "world_size": self.d.world_size,
-                    "config": to_toml(self.cfg), "saved_at": time.time()}
+            meta = {**meta, "step": step, "scheduler": scheduler.state_dict(),
+                    "world_size": self.d.world_size, "config": to_toml(self.cfg), "saved_at": time.time()}
             (tmp / META).write_text(json.dumps(meta, indent=1))
         if self.async_save:
             future = dcp.async_save(flat, checkpoint_id=tmp, process_group=self.group)
@@ -350,11 +307,9 @@ def _damaged(path: Path, e: BaseException) -> LoomError:
         e = e[0] if isinstance(e, tuple) else e
     if isinstance(e, LoomError):  # refused by the safe reader: its own message says why
         return e
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     earlier = [p for s, p in checkpoint_steps(path.parent) if p != path]
-    hint = f"resume from an earlier one ({earlier[-1]})" if earlier else "start without --resume"
-    return LoomError(f"checkpoint {path} could not be read ({type(e).__name__}: {first[:200]}); it is damaged or "
-                     f"from another model: {hint}")
+    return safe_load.unreadable(path, e, f"resume from an earlier one ({earlier[-1]})" if earlier else
+                                "start without --resume")
 
 
 def check_resumable(meta: dict, cfg: Config, path: Path) -> None:
@@ -372,16 +327,13 @@ def check_resumable(meta: dict, cfg: Config, path: Path) -> None:
         raise LoomError(f"cannot resume from {path}: {'; '.join(conflicts)}; keep the checkpoint's values "
                         f"(its config is in {path / META}) or start a new run without --resume")
     if meta["step"] >= cfg.train.steps:
-        raise LoomError(f"{path} is at step {meta['step']} and train.steps = {cfg.train.steps}: nothing left to "
-                        f"train; raise train.steps (e.g. --set train.steps={meta['step'] + cfg.train.steps})")
+        raise LoomError(f"{path} is at step {meta['step']} and train.steps = {cfg.train.steps}: nothing left "
+                        f"to train; raise train.steps "
+                        f"(e.g. --set train.steps={meta['step'] + cfg.train.steps})")
 
 
 def _model_fields(cfg: Config) -> dict:
     """The model's resolved shape settings (the preset with the config's overrides)."""
-    from dataclasses import asdict
-
-    from loom.models.presets import preset
-
     m = cfg.model
     overrides = {k: v for k, v in vars(m).items() if k != "preset" and v is not None}
     try:
@@ -421,8 +373,8 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
     scheduler.load_state_dict(_scheduler_state(path, meta["scheduler"], scheduler))
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
-    if _is_zero1(optimizer):
-        for group, lr in zip(optimizer.optim.param_groups, scheduler.get_last_lr()):
+    if is_zero1(optimizer):
+        for group, lr in zip(local_optimizer(optimizer).param_groups, scheduler.get_last_lr()):
             group["lr"] = lr
     rng = path / f"rng_rank{d.rank}.json"
     if meta["world_size"] != d.world_size:
@@ -445,8 +397,8 @@ def _scheduler_state(path: Path, saved: Any, scheduler) -> dict:
     kinds = {"base_lrs": numbers, "_last_lr": numbers, "last_epoch": lambda v: type(v) is int,
              "_step_count": lambda v: type(v) is int}
     if not isinstance(saved, dict) or any(k not in saved or not ok(saved[k]) for k, ok in kinds.items()):
-        raise LoomError(f"{path / META} is damaged (its LR schedule is not {sorted(kinds)} for {groups} parameter "
-                        f"groups); resume from an earlier checkpoint")
+        raise LoomError(f"{path / META} is damaged (its LR schedule is not {sorted(kinds)} for {groups} "
+                        f"parameter groups); resume from an earlier checkpoint")
     return {**state, **{k: saved[k] for k in kinds}}
 
 
@@ -463,8 +415,8 @@ def read_tensors(path: Path, prefix: str = "model.", expected: safe_load.Expecte
     try:
         with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(out, storage_reader=safe_load.SafeReader(path, metadata), planner=safe_load.SafePlanner(),
-                     no_dist=True)
+            dcp.load(out, storage_reader=safe_load.SafeReader(path, metadata),
+                     planner=safe_load.SafePlanner(), no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001
         raise _damaged(path, e) from None
     return {k[len(prefix):]: v for k, v in out.items()}

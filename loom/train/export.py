@@ -18,13 +18,17 @@ import dataclasses
 import json
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
+from loom.config import load_config_text
 from loom.errors import ConfigError, LoomError
 from loom.files import atomic_write
-from loom.models.gpt import build_model
-from loom.models.presets import GPTConfig
+from loom.models.gpt.config import GPTConfig, preset
+from loom.models.gpt.model import build_model
+from loom.train import checkpoint as ckpt
 from loom.train import safe_load
+from loom.train.checkpoint import CHECKPOINTS, latest_checkpoint, resolve_resume
 
 LAYOUTS = ("loom", "hf")
 HF_CONFIG = "config.json"
@@ -46,10 +50,6 @@ _HF_LAYER = {
 def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> list[Path]:
     """Write the model of `checkpoint` (a step_N folder, or a run directory: its latest) to
     `output` as one safetensors file (+ config.json for layout "hf"). Returns the paths written."""
-    from safetensors.torch import save_file
-
-    from loom.train import checkpoint as ckpt
-
     if layout not in LAYOUTS:
         raise LoomError(f"unknown export layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
     output = Path(output)
@@ -72,7 +72,11 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> 
         tensors = hf_state_dict(tensors, gpt)
         config = hf_config(gpt, tensors["model.embed_tokens.weight"].dtype)
     metadata = {"format": "pt", "loom_step": str(meta.get("step", "")), "loom_layout": layout}
-    atomic_write(output, lambda tmp: save_file(_standalone(tensors), str(tmp), metadata=metadata), durable=True)
+
+    def write(tmp: Path) -> None:
+        safetensors.torch.save_file(_standalone(tensors), str(tmp), metadata=metadata)
+
+    atomic_write(output, write, durable=True)
     written.append(output)
     if layout == "hf":
         beside = output.parent / HF_CONFIG
@@ -91,21 +95,20 @@ def _check_output(output: Path) -> None:
         raise LoomError(f"cannot write {output}: its folder {parent} does not exist; create it "
                         f"(mkdir -p {parent}) or choose an output path in an existing folder")
     if output.is_dir():
-        raise LoomError(f"output {output} is a folder; pass a file path such as {output / 'model.safetensors'}")
+        raise LoomError(f"output {output} is a folder; pass a file path such as "
+                        f"{output / 'model.safetensors'}")
 
 
 def _resolve(given: Path) -> Path:
     """The step_N folder to read: `given` itself, or a run directory's latest complete checkpoint."""
-    from loom.train.checkpoint import CHECKPOINTS, latest_checkpoint, resolve_resume
-
     if not given.exists():
-        raise LoomError(f"checkpoint {given} does not exist; pass RUN_DIR/checkpoints/step_N or a run directory "
-                        f"(its latest checkpoint)")
+        raise LoomError(f"checkpoint {given} does not exist; pass RUN_DIR/checkpoints/step_N or a run "
+                        f"directory (its latest checkpoint)")
     path = given.absolute()  # never the literal "auto", which resolve_resume reads as a keyword
     run_dir = path if (path / CHECKPOINTS).is_dir() else path.parent if path.name == CHECKPOINTS else None
     if run_dir is not None and latest_checkpoint(run_dir) is None:
-        raise LoomError(f"run directory {run_dir} has no complete checkpoint yet (a run writes one at its end "
-                        f"and every train.ckpt_every steps); export a run that has one")
+        raise LoomError(f"run directory {run_dir} has no complete checkpoint yet (a run writes one at its "
+                        f"end and every train.ckpt_every steps); export a run that has one")
     return resolve_resume(str(path), None)
 
 
@@ -134,19 +137,18 @@ def gpt_config(meta: dict, stored: dict[str, tuple[int, ...]], path: Path) -> GP
     """The GPT shape the checkpoint was trained with: its saved config's preset and model fields,
     the vocabulary from the embedding (a BPE tokenizer sets it). `stored`: name -> shape, from the
     checkpoint's index; the caller checks every entry against the model this config builds."""
-    from loom.config import load_config_text
-    from loom.models.presets import preset
-
     if not is_gpt(stored):
-        raise LoomError(f"{path} holds a model other than loom's GPT (no {' or '.join(GPT_KEYS)}); --layout hf "
-                        f"maps only loom's GPT: export it with --layout loom (its own parameter names)")
+        raise LoomError(f"{path} holds a model other than loom's GPT (no {' or '.join(GPT_KEYS)}); "
+                        f"--layout hf maps only loom's GPT: export it with --layout loom "
+                        f"(its own parameter names)")
     cfg = load_config_text(meta["config"], f"{path / 'meta.json'} config")
     overrides = {k: v for k, v in vars(cfg.model).items() if k != "preset" and v is not None}
     overrides["vocab_size"] = int(stored["tok_embeddings.weight"][0])
     try:
         return preset(cfg.model.preset, **overrides)
     except ConfigError as e:
-        raise LoomError(f"{path}: its model config is not valid here ({e}); export with --layout loom") from None
+        raise LoomError(f"{path}: its model config is not valid here ({e}); "
+                        f"export with --layout loom") from None
 
 
 def untie_if_trained_apart(gpt: GPTConfig, tensors: dict[str, torch.Tensor]) -> GPTConfig:
@@ -161,7 +163,8 @@ def _rope_halves(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
     """Reorder each head's output rows from loom's interleaved RoPE pairs (2i, 2i+1) to Llama's
     halves (i, i + head_dim/2): the row for rotation pair i's first element goes to i, the second to
     i + head_dim/2. (Meta's Llama → Hugging Face permutation.)"""
-    return w.reshape(n_heads, head_dim // 2, 2, w.shape[1]).transpose(1, 2).reshape(n_heads * head_dim, w.shape[1])
+    return (w.reshape(n_heads, head_dim // 2, 2, w.shape[1]).transpose(1, 2)
+            .reshape(n_heads * head_dim, w.shape[1]))
 
 
 def hf_state_dict(tensors: dict[str, torch.Tensor], gpt: GPTConfig) -> dict[str, torch.Tensor]:

@@ -130,5 +130,6 @@ def phase_share(times: dict[str, float]) -> str:
     total = sum(times.values())
     if total <= 0:
         return ""
-    short = {"data_s": "data", "forward_s": "fwd", "backward_s": "bwd", "pipeline_s": "fwd+bwd", "optimizer_s": "opt"}
+    short = {"data_s": "data", "forward_s": "fwd", "backward_s": "bwd", "pipeline_s": "fwd+bwd",
+             "optimizer_s": "opt"}
     return " | " + " ".join(f"{short[k]} {v / total:.0%}" for k, v in times.items() if k in short and v > 0)

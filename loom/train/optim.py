@@ -1,4 +1,5 @@
-"""AdamW (foreach or fused), ZeRO-1's sharded wrapper, the LR schedule and gradient clipping."""
+"""AdamW (foreach or fused; ZeRO-1's sharded one comes from loom/parallel/zero1.py), the LR
+schedule and gradient clipping."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from loom import strategies
 from loom.config import TrainConfig
 from loom.parallel.mesh import Dist
+from loom.parallel.zero1 import build_zero1_optimizer
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -23,64 +26,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig, strategy: str, d: Dist) -> torch.optim.Optimizer:
+    """AdamW, fused on GPUs and foreach on CPU unless `train.optimizer_impl` says; sharded over the
+    dp group when the strategy shards only the optimizer (zero1)."""
     impl = t.optimizer_impl
     if impl == "auto":
         impl = "fused" if d.device.type == "cuda" else "foreach"
-    kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **{impl: True})
+    adamw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **{impl: True})
     groups = param_groups(model, t.weight_decay)
-    if strategy == "zero1":
-        # Each rank keeps Adam state for its partition only and broadcasts its updated params.
-        sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
-        zero = _ZeroOverLocalShards if sharded else _zero_class()
-        return zero(groups, optimizer_class=torch.optim.AdamW, process_group=d.dp_mesh.get_group(), **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
-
-
-def _zero_class():
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer
-
-
-class _ZeroOverLocalShards(_zero_class()):  # type: ignore[misc]
-    """ZeRO-1 for tensor-parallel (DTensor) parameters.
-
-    ZeroRedundancyOptimizer broadcasts plain tensors only, so it runs over plain aliases of this
-    rank's local TP shards (same storage). The dp ranks it partitions over hold the same TP shard,
-    so its partitions and broadcasts are exactly ZeRO-1 within each TP slice. Gradients are linked
-    to the aliases for the step only, so no extra reference keeps them alive afterwards.
-    """
-
-    def __init__(self, groups: list[dict], **kwargs):
-        self._links: list[tuple[torch.Tensor, torch.Tensor]] = []  # (DTensor param, plain alias)
-        local_groups = []
-        for group in groups:
-            aliases = []
-            for p in group["params"]:
-                alias = nn.Parameter(p.to_local().detach()) if isinstance(p, DTensor) else p
-                self._links.append((p, alias))
-                aliases.append(alias)
-            local_groups.append({**group, "params": aliases})
-        super().__init__(local_groups, **kwargs)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        # The gradients live on the DTensor params, which this optimizer's groups do not list.
-        for p, _ in self._links:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
-
-    def step(self, closure=None, **kwargs):
-        linked = [(p, a) for p, a in self._links if a is not p]
-        for p, alias in linked:
-            alias.grad = None if p.grad is None else p.grad.to_local()
-        try:
-            return super().step(closure, **kwargs)
-        finally:
-            for _, alias in linked:
-                alias.grad = None
+    if strategies.lookup(strategy).shards_optimizer_only:
+        return build_zero1_optimizer(groups, d, **adamw)
+    return torch.optim.AdamW(groups, **adamw)
 
 
 def lr_lambda(t: TrainConfig):
@@ -102,7 +57,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.o
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None, foreach: bool = True) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group=None,
+                   foreach: bool = True) -> torch.Tensor:
     """The global gradient norm (across shards), clipping in place when max_norm > 0.
 
     Stays on the device: no host sync here; the caller reads the value a step later.

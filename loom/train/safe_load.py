@@ -69,10 +69,11 @@ def refused(path: Path, what: str) -> LoomError:
                      f"optimizer's tensors: this file was altered or is not a loom checkpoint)")
 
 
-def _unreadable(path: Path, e: BaseException) -> LoomError:
+def unreadable(path: Path, e: BaseException,
+               hint: str = "resume from an earlier checkpoint or start without --resume") -> LoomError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return LoomError(f"checkpoint {path} could not be read ({type(e).__name__}: {first[:200]}); it is damaged "
-                     f"or from another model: resume from an earlier checkpoint or start without --resume")
+    return LoomError(f"checkpoint {path} could not be read ({type(e).__name__}: {first[:200]}); "
+                     f"it is damaged or from another model: {hint}")
 
 
 def read_metadata(path: Path) -> Metadata:
@@ -85,7 +86,7 @@ def read_metadata(path: Path) -> Metadata:
                             f"checkpoint's metadata") from None
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError,
             IndexError) as e:
-        raise _unreadable(path, e) from None
+        raise unreadable(path, e) from None
     _check_index(path, metadata)
     return metadata
 
@@ -112,19 +113,23 @@ def _check_index(path: Path, metadata: Any) -> None:
         for chunk in entry.chunks:
             if not (_is_shape(chunk.offsets, len(entry.size)) and _is_shape(chunk.sizes, len(entry.size))
                     and all(o + s <= n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size))):
-                raise refused(path, f"describes a chunk of entry {name!r} outside its size {list(entry.size)}")
+                raise refused(path, f"describes a chunk of entry {name!r} outside its size "
+                                    f"{list(entry.size)}")
     for index, info in metadata.storage_data.items():
         if not isinstance(index, MetadataIndex) or index.fqn not in metadata.state_dict_metadata:
-            raise refused(path, f"stores a payload for {getattr(index, 'fqn', index)!r}, which is no tensor entry")
-        if not isinstance(info, _StorageInfo) or type(info.offset) is not int or type(info.length) is not int \
-                or info.offset < 0 or info.length < 0:
+            raise refused(path, f"stores a payload for {getattr(index, 'fqn', index)!r}, which is no "
+                                f"tensor entry")
+        if not isinstance(info, _StorageInfo) or type(info.offset) is not int \
+                or type(info.length) is not int or info.offset < 0 or info.length < 0:
             raise refused(path, f"stores entry {index.fqn!r} at an invalid place")
         rel = info.relative_path
         if not isinstance(rel, str) or not _PAYLOAD_FILE.match(rel) or (path / rel).is_symlink() \
                 or not (path / rel).is_file():
-            raise refused(path, f"stores entry {index.fqn!r} in {rel!r}, which is not a file in the checkpoint")
+            raise refused(path, f"stores entry {index.fqn!r} in {rel!r}, which is not a file in the "
+                                f"checkpoint")
         if info.transform_descriptors:
-            raise refused(path, f"stores entry {index.fqn!r} through transforms {list(info.transform_descriptors)}")
+            raise refused(path, f"stores entry {index.fqn!r} through transforms "
+                                f"{list(info.transform_descriptors)}")
 
 
 def check_entries(path: Path, metadata: Metadata, expected: Expected, prefix: str = "") -> None:
@@ -133,11 +138,11 @@ def check_entries(path: Path, metadata: Metadata, expected: Expected, prefix: st
     for name, (dtype, shape) in expected.items():
         entry = stored.get(name)
         if entry is None:
-            raise LoomError(f"cannot load {path}: it lacks {name!r} of this model (it holds a different model); "
-                            f"use the checkpoint's model settings")
+            raise LoomError(f"cannot load {path}: it lacks {name!r} of this model (it holds a different "
+                            f"model); use the checkpoint's model settings")
         if entry.properties.dtype != dtype or tuple(entry.size) != tuple(shape):
-            raise refused(path, f"holds {name!r} as {_describe(entry.properties.dtype, entry.size)} where this "
-                                f"model has {_describe(dtype, shape)}")
+            raise refused(path, f"holds {name!r} as {_describe(entry.properties.dtype, entry.size)} "
+                                f"where this model has {_describe(dtype, shape)}")
     extra = sorted(k for k in stored if k.startswith(prefix) and k not in expected)
     if extra:
         raise refused(path, f"holds an entry this model does not have ({extra[0]!r}"
@@ -182,17 +187,19 @@ class SafeReader(dcp.FileSystemReader):
         try:
             return super().read_data(plan, planner)
         except pickle.UnpicklingError as e:  # torch.load(weights_only=True) met something other than a tensor
-            raise refused(Path(self.path), f"holds a payload that is not a plain tensor (torch's weights-only "
-                                           f"loader: {_weights_only_reason(e)})") from None
+            raise refused(Path(self.path), f"holds a payload that is not a plain tensor (torch's "
+                                           f"weights-only loader: {_weights_only_reason(e)})") from None
 
 
 def _weights_only_reason(e: Exception) -> str:
     """The reason inside torch's long weights-only error (its first paragraph is generic advice)."""
-    lines = [x.strip() for x in str(e).splitlines()[1:] if x.strip() and not x.startswith("Check the documentation")]
+    lines = [x.strip() for x in str(e).splitlines()[1:]
+             if x.strip() and not x.startswith("Check the documentation")]
     reason = " ".join(lines).rpartition("WeightsUnpickler error:")[2].strip()
     return reason[:160] or "not a tensor"
 
 
 class SafePlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value) -> None:
-        raise LoomError(f"refusing to unpickle checkpoint entry {read_item.dest_index.fqn!r}: loom loads tensors only")
+        raise LoomError(f"refusing to unpickle checkpoint entry {read_item.dest_index.fqn!r}: "
+                        f"loom loads tensors only")

@@ -1,0 +1,212 @@
+"""Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention, optional tied embeddings.
+
+The model is built on any device (usually "meta"), parallelized, materialized, and only then
+initialized with `GPT.init_weights(seed)`, which gives the same weights for the same seed whatever
+the parameter layout (plain tensors or sharded DTensors on any mesh).
+
+A pipeline stage is the same class with parts removed (see loom/models/gpt/pipeline.py): `layers`
+becomes an nn.ModuleDict keyed by the original layer index, and `tok_embeddings` (not the first
+stage) or `norm` and `output` (not the last stage) become None. Parameter names stay those of
+the full model, so a stage initializes to the same values and its checkpoints map 1:1.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.errors import ConfigError
+from loom.models.gpt.config import GPTConfig, validate
+
+# Wrappers that insert a segment into parameter names (torch.compile, activation checkpointing).
+# They are stripped so that wrapping a layer never changes its initial weights.
+_WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """cos and sin of the RoPE angles, stacked: shape [2, max_seq_len, head_dim // 2], fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return torch.stack([angles.cos(), angles.sin()])
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate (even, odd) pairs of x [B, T, H, D] by the angles in rope [2, T, D//2]."""
+    # fp32 for the rotation (angles of far positions lose precision in bf16), then back.
+    xf = x.float().unflatten(-1, (-1, 2))
+    x_even, x_odd = xf[..., 0], xf[..., 1]
+    cos = rope[0].float()[None, :, None, :]
+    sin = rope[1].float()[None, :, None, :]
+    rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 for stability under bf16 compute.
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.n_rep = cfg.n_heads // cfg.n_kv_heads  # query heads per kv head
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds only its share of the heads.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        validate(cfg)
+        self.cfg = cfg
+        # Pipeline stages set the parts they don't hold to None and `layers` to a ModuleDict.
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers: nn.ModuleList | nn.ModuleDict = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: derived from the config, so never saved; init_weights recomputes it
+        # after `to_empty` has left it uninitialized.
+        self.register_buffer("rope", self._rope_tables(None), persistent=False)
+
+    def _rope_tables(self, device: torch.device | None) -> torch.Tensor:
+        return rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] (int64) -> logits [B, T, vocab].
+
+        A pipeline stage without the embedding takes hidden states [B, T, d_model] instead of
+        tokens; one without the norm and head returns hidden states.
+        """
+        seq = tokens.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ConfigError(
+                f"sequence length {seq} exceeds model.max_seq_len {self.cfg.max_seq_len}; "
+                "shorten the sequences or raise max_seq_len"
+            )
+        rope = self.rope[:, :seq]
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        for layer in self.blocks():
+            h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    def blocks(self) -> list[nn.Module]:
+        """The decoder blocks this module holds, in order (all of them, or one pipeline stage's)."""
+        if isinstance(self.layers, nn.ModuleDict):
+            return list(self.layers.values())  # insertion order = layer order
+        return list(self.layers)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialize every parameter from (seed, its name) alone, so any sharding gives the same values."""
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        dtensor_cls = _dtensor_class()
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight  # `to_empty` gives each module its own copy
+        for raw_name, param in self.named_parameters():  # dedups tied weights: initialized once
+            name = _plain_name(raw_name)
+            full = torch.empty(param.shape, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                full.fill_(1.0)
+            else:
+                # Residual-branch outputs are scaled down so the residual stream's variance stays O(1).
+                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                full.normal_(0.0, std, generator=_generator(seed, name))
+            if dtensor_cls is not None and isinstance(param, dtensor_cls):
+                from torch.distributed.tensor import distribute_tensor
+
+                # src_data_rank=None: every rank slices its own piece of the identical full tensor.
+                local = distribute_tensor(full, param.device_mesh, param.placements,
+                                          src_data_rank=None).to_local()
+                param.to_local().copy_(local)
+            else:
+                param.copy_(full)
+        self.rope = self._rope_tables(self.rope.device)
+
+
+def build_model(cfg: GPTConfig, device: torch.device | str = "meta") -> GPT:
+    """Construct the model with its tensors on `device` (meta by default: no memory, no init)."""
+    with torch.device(device):
+        return GPT(cfg)
+
+
+def _plain_name(name: str) -> str:
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    # zlib.crc32 is stable across processes, unlike Python's salted hash(). The CPU generator
+    # (mt19937) keeps only 32 bits of its seed, so seed and name are hashed together into 32 bits.
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    return generator
+
+
+def _dtensor_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor

@@ -1,0 +1,64 @@
+"""Megatron-style tensor parallelism for loom's GPT through DTensor `parallelize_module` plans.
+
+Per block: q/k/v and the MLP gate/up projections split by columns (output features), the
+attention output and MLP down projections by rows (input features), so each block needs one
+all-reduce in forward for attention and one for the MLP. The embedding is split over the
+vocabulary and the head over its output (vocab) dim: logits stay sharded and the loss is
+computed vocab-parallel (loom.parallel.tensor_parallel.loss_context), so full logits never exist
+on one rank.
+
+With sequence parallelism the norms and residual stream are sharded along the sequence, turning
+each all-reduce into a reduce-scatter + all-gather pair and dividing those activations by tp.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Parallelize loom's GPT in place over `tp_mesh`."""
+    seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
+    root_plan: dict[str, object] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        # Logits sharded over the vocabulary, left as DTensor for the vocab-parallel loss.
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        "norm": SequenceParallel(),
+    }
+    if not sequence_parallel:
+        del root_plan["norm"]
+    # A pipeline stage may lack the embedding or the head.
+    root_plan = {name: style for name, style in root_plan.items() if getattr(model, name, None) is not None}
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+    for block in model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers:
+        plan: dict[str, object] = {
+            # Gather the sequence (SP) once per sub-layer; rope (2nd input) is a plain replicated buffer.
+            # The input stays a DTensor into the column-split linears, so their partial input
+            # gradients add up first and backward reduces once per sub-layer (not once per linear).
+            "attention": PrepareModuleInput(input_layouts=(seq, None),
+                                            desired_input_layouts=(Replicate(), None),
+                                            use_local_output=False),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                               use_local_output=False),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)

@@ -1,0 +1,116 @@
+"""Measured memory per rank: model-state bytes held and the peak during a training step.
+
+Bytes are counted per storage, each once: FSDP2 shards (with their padding), DDP's gradient
+buckets, tied weights, ZeRO-1's local optimizer partition are all what this rank really holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from loom.parallel.mesh import local_view
+from loom.parallel.zero1 import local_optimizer
+
+
+@dataclass
+class RankMemory:
+    num_params: int  # the whole model's parameter count (not this rank's share)
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    peak_bytes: int | None = None  # live tensor bytes at the peak of one training step
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "model_state_bytes": self.model_state_bytes}
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int] | None = None) -> int:
+    """Total bytes of the distinct storages behind `tensors` (views share one storage)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = local_view(t).untyped_storage()
+        key = storage._cdata  # the StorageImpl: shared by views, and defined for fake tensors too
+        if key not in seen and storage.nbytes() > 0:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_states(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    local = local_optimizer(optimizer)  # ZeRO-1 keeps this rank's states in its local optimizer
+    for state in local.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def count_params(model: nn.Module) -> int:
+    """The whole model's parameter count, whatever the sharding (tied weights once)."""
+    return sum(p.numel() for p in model.parameters())  # DTensor.numel() is the global size
+
+
+def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> RankMemory:
+    params = list(model.parameters())
+    return RankMemory(
+        num_params=count_params(model),
+        params_bytes=storage_bytes(params),
+        grads_bytes=storage_bytes(p.grad for p in params),
+        optimizer_bytes=storage_bytes(optimizer_states(optimizer)),
+    )
+
+
+class PeakMemory:
+    """Peak bytes of live tensors over a region: CUDA allocator stats on GPU, MemTracker on CPU."""
+
+    def __init__(self, device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.device, self.model, self.optimizer = device, model, optimizer
+        self.peak_bytes: int | None = None
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            return
+        tracker = global_peak_tracker()
+        tracker.track_external(self.model, self.optimizer)  # states that already exist
+        with tracker:
+            yield
+        peaks = tracker.get_tracker_snapshot("peak")
+        self.peak_bytes = int(sum(v.get("Total", 0) for v in peaks.values()))
+
+
+def global_peak_tracker():
+    """A MemTracker that keeps only the global live-bytes peak.
+
+    Its per-module statistics refuse a module whose forward runs more than once in the tracked
+    region (grad-accumulation micro-steps, pipeline micro-batches); the peak does not need them:
+    every storage is still counted through the dispatch mode, the optimizer hooks and resize_.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class GlobalPeakTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs): pass
+
+        def _post_fw_hook(self, module, inputs, outputs): pass
+
+        def _pre_bw_hook(self, module, args): pass
+
+        def _post_bw_hook(self, module, args): pass
+
+    return GlobalPeakTracker()

@@ -1,0 +1,26 @@
+"""DistributedDataParallel: ddp (ZeRO-0, a full replica per rank, one all-reduce per gradient
+bucket) and the model side of zero1, whose optimizer states loom/parallel/zero1.py shards."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from loom.config import ParallelConfig
+from loom.parallel.mesh import Dist
+
+
+def apply_ddp(model: nn.Module, p: ParallelConfig, d: Dist) -> nn.Module:
+    return DDP(
+        model,
+        device_ids=[d.device.index] if d.device.type == "cuda" else None,
+        process_group=d.dp_mesh.get_group(),
+        bucket_cap_mb=p.ddp_bucket_mb,
+        gradient_as_bucket_view=True,  # grads live in the buckets: no second 4Ψ copy
+        forward_sync_buffers=False,  # loom's buffers (RoPE tables) are computed, never trained
+        static_graph=p.ddp_static_graph,
+        # A pipeline stage runs one backward per micro-batch (no_sync on all but the last). DDP's
+        # bucket rebuild after step 1 would record every one of them and fail; with
+        # find_unused_parameters it keeps its first buckets and reduces correctly.
+        find_unused_parameters=p.pp > 1,
+    )

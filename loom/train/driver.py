@@ -1,0 +1,346 @@
+"""`loom train` on one rank, in order: join the group, build what trains (model, optimizer, data),
+resume, run the steps (metrics, checkpoints, eval, profiler), then finish (final eval, records).
+
+Every rank runs this. A step's values are read back to the host one step late (StepLog), so on
+a GPU the host never waits for the step it has just queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom import strategies
+from loom.config import Config, pipeline_microbatches, validate
+from loom.data.loader import build_loaders
+from loom.errors import LoomError
+from loom.models.registry import adapter_for
+from loom.observe import flight
+from loom.observe.collectives import CollectiveCounter
+from loom.observe.profiler import StepProfiler
+from loom.observe.rank_memory import PeakMemory, RankMemory, count_params, measure_model_states
+from loom.parallel import precision
+from loom.parallel.apply import parallelize, uses_fsdp
+from loom.parallel.mesh import Dist, init_distributed
+from loom.plan.memory import model_state_bytes
+from loom.plan.step import bubble_fraction
+from loom.train import checkpoint, faults, record
+from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
+from loom.train.optim import build_optimizer, build_scheduler
+from loom.train.step import Pipeline, build_pipeline, evaluate, train_step
+from loom.train.task import Task, gpt_task
+
+# The root module returns logits from a Linear (a view); the loss never edits them in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+@dataclass
+class RunResult:
+    losses: list[float]  # mean loss over each step's whole global batch
+    grad_norms: list[float]
+    eval_loss: float | None
+    memory: list[dict]  # one entry per rank (RankMemory.to_dict)
+    tokens_per_s: float
+    elapsed_s: float
+    state_dict: dict[str, torch.Tensor] | None = None  # full (gathered) weights, if asked for
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Built:
+    """One rank's share of the model and what trains it."""
+
+    parts: list[nn.Module]  # the whole model, or this rank's pipeline stage(s)
+    model: nn.Module  # parts[0], or an nn.ModuleList of several stages
+    pipe: Pipeline | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: Any
+    params: list[torch.Tensor]  # trainable parameters of this rank
+    num_params: int  # of the whole model, tied weights once
+
+
+def build_training(cfg: Config, d: Dist, task: Task) -> Built:
+    """The parallelized model, pipeline schedule, optimizer and LR schedule for this rank."""
+    t, p = cfg.train, cfg.parallel
+    # The same seed on every rank gives every rank the same model (loom's GPT: on meta, initialized
+    # per parameter after sharding).
+    with torch.random.fork_rng():
+        torch.manual_seed(t.seed)
+        user_model = task.model_fn()
+    num_params = count_params(user_model)
+    parts = parallelize(user_model, cfg, d, adapter_for(user_model))
+    del user_model  # a pipeline stage keeps only its layers
+    model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)  # interleaved: several stages
+    pipe = build_pipeline(parts, cfg, d) if p.pp > 1 else None
+    optimizer = build_optimizer(model, t, p.strategy, d)
+    scheduler = build_scheduler(optimizer, t)
+    params = [q for q in model.parameters() if q.requires_grad]
+    scaler = precision.grad_scaler(t.precision, uses_fsdp(p), d.device)
+    return Built(parts, model, pipe, optimizer, scheduler, scaler, params, num_params)
+
+
+def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, quiet: bool = False,
+          task: Task | None = None, resume: str | Path | None = None) -> RunResult:
+    """Run `cfg` on this rank (joining the torchrun group, or as a world of one).
+
+    `task` brings your own model, loss and data; the default is loom's GPT on the config's corpus.
+    `resume` is "auto" (the run directory's latest checkpoint, if any) or a checkpoint path; a
+    group that torchrun restarted after a failure resumes "auto" by itself.
+    """
+    t = cfg.train
+    if resume is None and run_dir is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"
+    flight.enable(run_dir)
+    d = init_distributed(lambda world: validate(cfg, world), t.device, timeout_s=t.collective_timeout_s)
+    watcher = flight.Watcher(run_dir, d) if run_dir is not None and d.world_size > 1 else None
+    try:
+        return _train(cfg, d, run_dir, return_state, quiet, task or gpt_task(cfg), resume)
+    except (RuntimeError, dist.DistError) as e:
+        if flight.is_timeout(e) and run_dir is not None:
+            raise flight.timeout_error(e, run_dir, d, t.collective_timeout_s) from None
+        raise
+    finally:
+        if watcher is not None:
+            watcher.stop()
+
+
+def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet: bool, task: Task,
+           resume: str | Path | None) -> RunResult:
+    t = cfg.train
+    main, say = d.is_main, d.is_main and not quiet
+    torch.manual_seed(t.seed)
+
+    # Setup: the model and what trains it, the resumed state, the data from the resumed step on.
+    built = build_training(cfg, d, task)
+    start_step = _resume(resume, run_dir, built, cfg, d, say)
+    loaders = build_loaders(cfg, task.train_data, task.eval_data, d.dp_mesh.get_local_rank(),
+                            d.dp_mesh.size(), cfg.data.pin_memory and d.device.type == "cuda", start_step)
+    ckpt = (checkpoint.Checkpointer(run_dir, cfg, d, t.keep_last, t.ckpt_async) if run_dir is not None
+            else None)
+    plan = record.plan_run(cfg, task.shape, d) if task.shape is not None else None
+    if run_dir is not None and main:
+        record.write_start(run_dir, cfg, plan)
+    log = StepLog(cfg, run_dir, start_step, t.batch_size * task.tokens_per_sample, main, say)
+    if say:
+        _print_layout(cfg, d, task, built, loaders.micro_batch)
+
+    # The steps.
+    b = built
+    memory: RankMemory | None = None
+    peak = PeakMemory(d.device, b.model, b.optimizer)
+    comm_seen: dict | None = None  # the collectives of the second step (CollectiveCounter.summary)
+    timer = PhaseTimer(d.device)
+    profiler = _start_profiler(cfg, run_dir, d)
+    batches = iter(loaders.train)
+    start = time.perf_counter()
+    for step in range(start_step + 1, t.steps + 1):
+        step_start = time.perf_counter()
+        faults.at_step_start(step, d.rank)
+        # The first step creates the gradients and optimizer states; the second is the steady-state peak.
+        steady = step == start_step + 2
+        with peak.track() if steady else contextlib.nullcontext(), \
+                CollectiveCounter() if steady else contextlib.nullcontext() as comm:
+            out = train_step(b.model, b.optimizer, b.scheduler, b.scaler, batches, b.params, cfg, d, b.pipe,
+                             task.loss_fn, timer, step)
+        phases = timer.end_step()
+        if comm is not None:
+            comm_seen = comm.summary()
+        if step == start_step + 1:
+            memory = measure_model_states(b.model, b.optimizer)
+            memory.num_params = b.num_params
+        log.queued(step, out, phases, step_start)
+        if profiler is not None:
+            profiler.step()
+        if t.eval_every and step % t.eval_every == 0 and step < t.steps:  # the last step: the final eval
+            log.eval(step, evaluate(b.model, loaders.eval, d, cfg, task.loss_fn, b.pipe))
+        if ckpt is not None:
+            ckpt.poll()
+            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
+                log.flush()  # the metrics reach step k before checkpoint k exists (saving syncs anyway)
+                ckpt.save(step, b.model, b.optimizer, b.scheduler,
+                          checkpoint.checkpoint_meta(cfg, step, d, task))
+    log.flush()
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+    elapsed = time.perf_counter() - start
+    if ckpt is not None:
+        ckpt.close()
+
+    # Finish: the final eval, every rank's measurements, the records.
+    eval_loss = evaluate(b.model, loaders.eval, d, cfg, task.loss_fn, b.pipe)
+    log.close()
+    memory.peak_bytes = peak.peak_bytes
+    rank_memory: list[dict] = [None] * d.world_size  # type: ignore[list-item]
+    # Observed: count and payload of the collectives of step 2; wire bytes only as the ring model.
+    measured = {**memory.to_dict(), "pp_stage": d.mesh["pp"].get_local_rank(),
+                **{f"comm_{k}": comm_seen[k] if comm_seen else None
+                   for k in ("count", "payload_bytes", "modelled_wire_bytes", "by_kind")}}
+    dist.all_gather_object(rank_memory, measured)
+    # The first step pays for warm-up and the second for memory tracking: time the steady state after them.
+    timed = log.step_times[2:] or log.step_times
+    tokens_per_s = log.tokens_per_step * len(timed) / sum(timed)
+    state = _full_state_dict(b.parts) if return_state else None
+    result = RunResult(log.losses, log.grad_norms, eval_loss, rank_memory, tokens_per_s, elapsed, state,
+                       extra={"start_step": start_step, "skipped_steps": log.skipped_steps,
+                              "evals": log.evals,
+                              "checkpoint_stall_s": ckpt.stall_s if ckpt is not None else []})
+    if main:
+        _finish_records(cfg, d, b, result, plan, run_dir, quiet)
+    return result
+
+
+def _resume(resume: str | Path | None, run_dir: Path | None, b: Built, cfg: Config, d: Dist,
+            say: bool) -> int:
+    """Load the checkpoint `resume` names into the built model and optimizer; the step it reached."""
+    path = checkpoint.resolve_resume(str(resume), run_dir) if resume is not None else None
+    if path is None:
+        if resume is not None and say:
+            print(f"no checkpoint in {run_dir} yet: starting from step 1", flush=True)
+        return 0
+    meta = checkpoint.load(path, b.model, b.optimizer, b.scheduler, cfg, d)
+    if say:
+        print(f"resumed from {path} (step {meta['step']}, saved by "
+              f"{meta.get('layout', {}).get('strategy', '?')} on {meta['world_size']} rank(s)); "
+              f"training steps {meta['step'] + 1}..{cfg.train.steps}", flush=True)
+    return meta["step"]
+
+
+def _print_layout(cfg: Config, d: Dist, task: Task, b: Built, micro_batch: int) -> None:
+    t, p = cfg.train, cfg.parallel
+    dp = d.dp_mesh.size()
+    print(f"loom: {p.strategy} on {d.world_size} rank(s) ({d.device.type}), dp={dp} "
+          f"[replicate {d.mesh['dp_replicate'].size()} × shard {d.mesh['dp_shard'].size()}], "
+          f"{task.description} = {b.num_params / 1e6:.2f}M params, "
+          f"global batch {t.batch_size} = micro-batch {micro_batch} × grad_accum {t.grad_accum} "
+          f"× dp {dp}, {task.tokens_per_sample} tokens each, precision {t.precision}", flush=True)
+    if b.pipe is not None:
+        m = pipeline_microbatches(p)
+        print(f"pipeline: {p.pp} stages × {p.pp_virtual_stages} virtual, {p.pp_schedule}, {m} micro-batches "
+              f"per step: bubble (p−1)/({'v·' if p.pp_virtual_stages > 1 else ''}m+p−1) = "
+              f"{bubble_fraction(p.pp, m, p.pp_virtual_stages):.3f}", flush=True)
+
+
+def _start_profiler(cfg: Config, run_dir: Path | None, d: Dist):
+    if not (cfg.profile.enabled and run_dir is not None):
+        return None
+    profiler = StepProfiler(cfg.profile, run_dir, d.rank, d.device)
+    profiler.__enter__()
+    return profiler
+
+
+class StepLog:
+    """Each step's values, read back one step late: metrics.jsonl, the progress bar, the losses
+    kept for the result, and the non-finite policy (every rank sees the same global values, so
+    every rank takes the same decision)."""
+
+    def __init__(self, cfg: Config, run_dir: Path | None, start_step: int, tokens_per_step: int, main: bool,
+                 say: bool):
+        self.cfg, self.run_dir, self.say = cfg, run_dir, say
+        self.tokens_per_step = tokens_per_step
+        self.metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir is not None and main else None,
+                                   keep_through_step=start_step)
+        self.progress = Progress(cfg.train.steps, cfg.train.log_every, enabled=say)
+        self.pending: dict | None = None  # the last step's device values
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.step_times: list[float] = []
+        self.skipped_steps: list[int] = []
+        self.evals: dict[int, float] = {}  # step -> held-out loss, every train.eval_every steps
+
+    def queued(self, step: int, out, phases: dict, step_start: float) -> None:
+        """Step `step` is queued: read back the step before it, keep this one's values pending.
+        The step's time includes that read-back (on a GPU, the wait for the step before)."""
+        values = torch.stack([out.loss, out.grad_norm.float().reshape(()), out.skipped])
+        self.flush()
+        step_time = time.perf_counter() - step_start
+        self.step_times.append(step_time)
+        self.pending = {"step": step, "lr": out.lr, "step_time_s": step_time, "data_wait_s": out.data_wait_s,
+                        "values": values, "phases": phases}
+
+    def eval(self, step: int, held_out: float | None) -> None:
+        if held_out is None:
+            return
+        self.evals[step] = self.pending["eval_loss"] = held_out  # written with the step's metrics
+        if self.say:
+            print(f"\neval loss at step {step}: {held_out:.4f}", flush=True)
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        entry, self.pending = self.pending, None
+        loss, gnorm, skipped = entry.pop("values").tolist()
+        self.losses.append(loss)
+        self.grad_norms.append(gnorm)
+        phases = PhaseTimer.resolve(entry.pop("phases"))
+        if skipped:
+            self.skipped_steps.append(entry["step"])
+        entry.update(loss=loss, grad_norm=gnorm, tokens_per_s=self.tokens_per_step / entry["step_time_s"],
+                     skipped=bool(skipped), nonfinite_steps=len(self.skipped_steps), **phases)
+        self.metrics.write(entry)
+        if skipped:
+            self._on_nonfinite(entry["step"], loss, gnorm)
+        self.progress.update(entry["step"], loss, entry["tokens_per_s"], phase_share(phases))
+
+    def close(self) -> None:
+        self.metrics.close()
+
+    def _on_nonfinite(self, step: int, loss: float, gnorm: float) -> None:
+        what = f"step {step}: loss {loss} and gradient norm {gnorm}"
+        if self.cfg.train.on_nonfinite == "stop":
+            last = checkpoint.latest_checkpoint(self.run_dir) if self.run_dir is not None else None
+            resume = f"; the last checkpoint is {last}" if last else ""
+            raise LoomError(f"{what} are not finite; stopped (train.on_nonfinite = stop){resume}; "
+                            f"lower train.lr or raise train.warmup_steps, or set train.on_nonfinite=skip to "
+                            f"skip such steps")
+        if self.say:
+            print(f"\n{what}: not finite, update skipped ({len(self.skipped_steps)} so far; "
+                  f"train.on_nonfinite = skip)", flush=True)
+
+
+def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dict | None,
+                    run_dir: Path | None, quiet: bool) -> None:
+    """Rank 0: memory.json and summary.json, and the report printed at the end."""
+    p = cfg.parallel
+    dp = d.dp_mesh.size()
+    shard = strategies.lookup(p.strategy).shard_size(d.mesh["dp_replicate"].size(), d.mesh["dp_shard"].size())
+    local_params = sum(q.numel() for q in b.params)  # this rank's stage(s), before TP/FSDP splits
+    # TP splits every matrix; only the norms' gains stay whole on each TP rank.
+    tp_replicated = sum(q.numel() for q in b.params if q.ndim == 1) if p.tp > 1 else 0
+    expected = model_state_bytes(p.strategy, local_params, shard, tp=p.tp, tp_replicated=tp_replicated).total
+    summary = record.build_summary(cfg, result, expected, dp, shard)
+    last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
+    summary.update(start_step=result.extra["start_step"], skipped_steps=result.extra["skipped_steps"],
+                   checkpoint=str(last) if last else None)
+    if plan is not None:
+        summary["measured_vs_planned"] = record.measured_vs_planned(result.memory, plan)
+    if run_dir is not None:
+        record.write_end(run_dir, p.strategy, shard, expected, result.memory, summary)
+    if quiet:
+        return
+    record.print_summary(summary, result.memory, p.strategy, expected, run_dir)
+    if plan is not None:
+        record.print_measured_vs_planned(summary["measured_vs_planned"])
+    if last is not None:
+        print(f"checkpoint: {last}  (continue: loom train --resume auto --out {run_dir} "
+              f"--set train.steps=N; weights: loom export {last} model.safetensors)")
+
+
+def _full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Unsharded weights of this rank's part(s), by the full model's parameter names."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    out = {}
+    for part in parts:
+        sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        out.update({k: v.detach().cpu().clone() for k, v in sd.items()})
+    return out

@@ -1,0 +1,150 @@
+"""The run's record: what a run writes to its directory besides checkpoints and per-step metrics,
+and the report printed at its end.
+
+  config.toml   the resolved config, at the start
+  plan.json     the planner's prediction for this very run (bytes; time on GPUs), at the start
+  memory.json   per rank: the model states it holds, its peak, its collectives, at the end
+  summary.json  losses, tokens/s, eval, the last checkpoint, measured vs planned, at the end
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from loom import strategies
+from loom.config import Config, to_toml
+from loom.parallel.mesh import Dist
+from loom.plan.comm import comm_per_step
+from loom.plan.hardware import Cluster, detect
+from loom.plan.memory import stage_memory
+from loom.plan.search import config_candidate, config_workload, estimate
+from loom.plan.shapes import ModelShape
+from loom.train.meters import format_duration
+
+
+def write_start(run_dir: Path, cfg: Config, plan: dict | None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    if plan is not None:
+        (run_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+
+
+def write_end(run_dir: Path, strategy: str, shard: int, expected: float, ranks: list[dict],
+              summary: dict) -> None:
+    (run_dir / "memory.json").write_text(json.dumps(
+        {"strategy": strategy, "formula": strategies.lookup(strategy).formula, "shard_size": shard,
+         "expected_model_state_bytes": expected,
+         "ranks": {str(r): m for r, m in enumerate(ranks)}}, indent=2))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def plan_run(cfg: Config, shape: ModelShape, d: Dist) -> dict:
+    """The planner's prediction for this very run (written as plan.json, printed beside the
+    measurements). On CPU there is no GPU to price time on: bytes only."""
+    gpu = None
+    if d.device.type == "cuda":
+        props = torch.cuda.get_device_properties(d.device)
+        gpu = detect(props.name, props.total_memory)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size))
+    cluster = Cluster(gpu, per_node, max(d.world_size // per_node, 1))
+    m = d.mesh
+    c = config_candidate(cfg, m["dp_replicate"].size(), m["dp_shard"].size(), m["tp"].size(), m["pp"].size())
+    w = config_workload(cfg, shape)
+    record = estimate(w, c, cluster)
+    record["memory_bytes_by_stage"] = {s: stage_memory(w, c, s, cluster.fragmentation).to_dict()
+                                       for s in range(c.pp)}
+    # What a rank can observe (payload bytes and counts per collective kind), for comparison with
+    # the run's CollectiveCounter; comm_bytes_per_step stays the ring model's wire bytes.
+    payload = comm_per_step(w, c, cluster.gpus_per_node)[0].payload_dict()
+    record.update(comm_payload_bytes_per_step=payload["payload_bytes"],
+                  comm_payload_bytes_by_kind=payload["payload_bytes_by_kind"],
+                  comm_count_per_step=payload["count"], comm_count_by_kind=payload["count_by_kind"])
+    record["gpu"] = gpu.name if gpu else None
+    return record
+
+
+def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:
+    """Per rank, [measured, planned] pairs: model-state bytes, the step's activation peak (peak
+    minus model states) and the collectives of a step: payload bytes and counts (observed, in all
+    and per kind; a planned count is None where the plan does not know it). Wire bytes are not
+    observable: `comm_modelled_wire_bytes` is the ring model on the observed payloads beside the
+    plan's (modelled) comm_bytes_per_step."""
+    rows = []
+    plan_payload = plan.get("comm_payload_bytes_by_kind") or {}
+    plan_count = plan.get("comm_count_by_kind") or {}
+    for rank, m in enumerate(ranks):
+        planned = plan["memory_bytes_by_stage"][m["pp_stage"]]
+        activation = m["peak_bytes"] - m["model_state_bytes"] if m["peak_bytes"] is not None else None
+        seen = m["comm_by_kind"]  # None: no step was counted (a run of one step)
+        absent = {"payload_bytes": 0, "count": 0} if seen is not None else {}
+        by_kind = {}
+        for k in sorted({*(seen or {}), *plan_payload}):
+            got = (seen or {}).get(k, absent)
+            by_kind[k] = {"payload_bytes": [got.get("payload_bytes"), plan_payload.get(k, 0)],
+                          "count": [got.get("count"), plan_count.get(k, 0)]}
+        rows.append({
+            "rank": rank,
+            "model_state_bytes": [m["model_state_bytes"], planned["model_states"]],
+            "activation_peak_bytes": [activation, planned["activations"] + planned["buffers"]],
+            "comm_payload_bytes": [m["comm_payload_bytes"], plan.get("comm_payload_bytes_per_step")],
+            "comm_count": [m["comm_count"], plan.get("comm_count_per_step")],
+            "comm_by_kind": by_kind,
+            "comm_modelled_wire_bytes": [m["comm_modelled_wire_bytes"], plan["comm_bytes_per_step"]],
+        })
+    return rows
+
+
+def print_measured_vs_planned(rows: list[dict]) -> None:
+    mib = 2**20
+
+    def cell(got, want) -> str:
+        ratio = f"{got / want:5.2f}" if got is not None and want else "  n/a"
+        got_text = f"{got / mib:8.2f}" if got is not None else "     n/a"
+        want_text = f"{want / mib:8.2f}" if want is not None else "     n/a"
+        return f"{got_text} / {want_text} {ratio}"
+
+    print("measured / planned (MiB)  model states           activation peak        "
+          "collective payload per step (observed)")
+    for row in rows:
+        keys = ("model_state_bytes", "activation_peak_bytes", "comm_payload_bytes")
+        print(f"  rank {row['rank']:<18}" + "   ".join(cell(*row[k]) for k in keys))
+        for kind, pair in (row.get("comm_by_kind") or {}).items():
+            got_n, want_n = pair["count"]
+            counts = f"×{'n/a' if got_n is None else got_n} / {'?' if want_n is None else want_n}"
+            print(f"    {kind:<15} {counts:>13}{'':48}{cell(*pair['payload_bytes'])}")
+    # Wire bytes depend on the backend's algorithm and are not observed: say so beside the figure.
+    wire = ", ".join(f"rank {r['rank']} {r['comm_modelled_wire_bytes'][0] / mib:.2f}"
+                     for r in rows if r["comm_modelled_wire_bytes"][0] is not None)
+    if rows:
+        print(f"  wire bytes per step, modelled (ring model on the observed payloads, not measured): "
+              f"{wire or 'n/a'} MiB; plan {rows[0]['comm_modelled_wire_bytes'][1] / mib:.2f} MiB")
+
+
+def build_summary(cfg: Config, r, expected: float, dp: int, shard: int) -> dict:
+    return {
+        "strategy": cfg.parallel.strategy, "steps": len(r.losses), "dp": dp, "shard_size": shard,
+        "first_loss": r.losses[0], "final_loss": r.losses[-1], "eval_loss": r.eval_loss,
+        "tokens_per_s": r.tokens_per_s, "elapsed_s": r.elapsed_s,
+        "expected_model_state_bytes": expected,
+    }
+
+
+def print_summary(s: dict, ranks: list[dict], strategy: str, expected: float, run_dir: Path | None) -> None:
+    mib = 2**20
+    eval_text = f", eval {s['eval_loss']:.4f}" if s["eval_loss"] is not None else ""
+    print(f"\ndone: {s['steps']} steps in {format_duration(s['elapsed_s'])}, loss {s['first_loss']:.4f} → "
+          f"{s['final_loss']:.4f}{eval_text}, {s['tokens_per_s']:,.0f} tokens/s")
+    print(f"memory per rank (MiB)   params    grads   optim   model states   formula "
+          f"{strategies.lookup(strategy).formula} = {expected / mib:.2f}   peak in step")
+    for rank, m in enumerate(ranks):
+        peak = f"{m['peak_bytes'] / mib:8.2f}" if m["peak_bytes"] is not None else "     n/a"
+        ratio = m["model_state_bytes"] / expected
+        print(f"  rank {rank:<17} {m['params_bytes'] / mib:8.2f} {m['grads_bytes'] / mib:8.2f} "
+              f"{m['optimizer_bytes'] / mib:7.2f} {m['model_state_bytes'] / mib:14.2f}   "
+              f"measured/formula {ratio:.3f}        {peak}")
+    if run_dir is not None:
+        print(f"run directory: {run_dir}")

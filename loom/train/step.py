@@ -1,0 +1,175 @@
+"""One optimizer step, the same for every layout, and evaluation.
+
+A step runs grad_accum micro-batches (forward, backward; gradients sync on the last one only)
+or, under a pipeline, the schedule's micro-batches through the stages; then the loss is averaged
+over the whole global batch, gradients are clipped and the optimizer steps (or skips a
+non-finite step on every rank alike). Values stay on the device: the caller reads them a step
+late, so on a GPU the host never waits for the step it has just queued.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.config import Config, pipeline_microbatches
+from loom.parallel import precision
+from loom.parallel.apply import gradient_sync, uses_fsdp
+from loom.parallel.mesh import Dist, local_view
+from loom.parallel.pipeline import build_schedule, pipeline_step, rank_stages
+from loom.parallel.tensor_parallel import loss_context
+from loom.parallel.zero1 import local_optimizer
+from loom.train import faults
+from loom.train.meters import PhaseTimer
+from loom.train.optim import clip_grad_norm
+from loom.train.task import cross_entropy
+
+
+@dataclass
+class Pipeline:
+    schedule: Any  # torch.distributed.pipelining schedule over this rank's stage(s)
+    first: bool  # holds the embedding: feeds the tokens
+    last: bool  # holds the head: computes the loss
+    group: dist.ProcessGroup
+
+
+def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
+    p = cfg.parallel
+    num_stages = p.pp * p.pp_virtual_stages
+    stage_ids = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages)
+    accum = cfg.train.grad_accum
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # The schedule sums micro-batch gradients; over grad_accum steps they must average too.
+        return cross_entropy(logits, targets) / accum
+
+    schedule = build_schedule(parts, stage_ids, num_stages, d.mesh["pp"].get_group(), d.device,
+                              p.pp_schedule, pipeline_microbatches(p), loss_fn)
+    return Pipeline(schedule, 0 in stage_ids, num_stages - 1 in stage_ids, d.mesh["pp"].get_group())
+
+
+def autocast(cfg: Config, device: torch.device):
+    return precision.autocast(cfg.train.precision, uses_fsdp(cfg.parallel), device)
+
+
+def global_mean(t: torch.Tensor, contributors: int) -> torch.Tensor:
+    """The mean of `t` over the ranks that hold a value (the others add 0)."""
+    dist.all_reduce(t)  # SUM: gloo has no AVG
+    return t / contributors
+
+
+@dataclass
+class StepValues:
+    loss: torch.Tensor  # global mean loss (device)
+    grad_norm: torch.Tensor  # global gradient norm (device)
+    skipped: torch.Tensor  # 1.0 when the update was skipped as non-finite (device)
+    lr: float
+    data_wait_s: float
+
+
+def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: list[torch.Tensor],
+               cfg: Config, d: Dist, pipe: Pipeline | None, loss_fn, timer: PhaseTimer | None = None,
+               step: int = 0) -> StepValues:
+    """One optimizer step over grad_accum micro-batches; gradients sync on the last one only."""
+    t = cfg.train
+    timer = timer or PhaseTimer(d.device)
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=d.device)
+    data_wait = 0.0
+    for micro in range(t.grad_accum):
+        wait_start = time.perf_counter()
+        with timer.phase("data"):
+            batch = next(batches).to(d.device, non_blocking=True)
+        data_wait += time.perf_counter() - wait_start
+        if pipe is not None:
+            # The stages sync gradients themselves (no_sync on all but each step's last backward).
+            with timer.phase("pipeline"), autocast(cfg, d.device), loss_context(cfg.parallel.tp):
+                loss = pipeline_step(pipe.schedule, batch[:, :-1] if pipe.first else None,
+                                     batch[:, 1:] if pipe.last else None, pipe.first, pipe.last)
+            if loss is not None:
+                # undo 1/accum
+                loss_sum += local_view(faults.after_forward(step, d.rank, loss)) * t.grad_accum
+            continue
+        with (gradient_sync(model, enabled=micro == t.grad_accum - 1), autocast(cfg, d.device),
+              loss_context(cfg.parallel.tp)):
+            with timer.phase("forward"):
+                loss = faults.after_forward(step, d.rank, loss_fn(model, batch))
+                scaled = loss / t.grad_accum
+            with timer.phase("backward"):
+                (scaler.scale(scaled) if scaler else scaled).backward()
+        loss_sum += local_view(loss.detach())
+    # Mean loss over the global batch: each rank's micro-steps, then all ranks (with a pipeline
+    # only the last stage's dp × tp ranks hold a loss; the others add 0). Every rank gets the
+    # same value, so every rank takes the same decision on a non-finite step.
+    global_loss = global_mean(loss_sum / t.grad_accum, d.world_size // cfg.parallel.pp)
+    with timer.phase("optimizer"):
+        grad_norm, skipped, lr = _optimizer_step(optimizer, scheduler, scaler, params, t, pipe, global_loss)
+    return StepValues(global_loss, grad_norm, skipped, lr, data_wait)
+
+
+def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t, pipe: Pipeline | None,
+                    loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Unscale, clip, step (unless the loss or grad norm is NaN/Inf) and advance the schedule.
+
+    Returns (grad norm, skipped flag, lr used). A fused AdamW skips on the device (its
+    `found_inf` input, as under a GradScaler): no host sync. Other optimizers read the flag on
+    the host before stepping (free on CPU). Under fp16 the scaler already skips overflowed
+    gradients (that is its normal operation), so only the loss decides there.
+    """
+    if scaler:
+        scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm(params, t.grad_clip, pipe.group if pipe is not None else None)
+    lr = scheduler.get_last_lr()[0]
+    finite = torch.isfinite(loss) if scaler else torch.isfinite(loss) & torch.isfinite(grad_norm)
+    skipped = (~finite).float()
+    if scaler:
+        if finite.item():
+            scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
+        scaler.update()
+    elif (fused := _fused_adamw(optimizer)) is not None:
+        fused.found_inf = skipped
+        try:
+            optimizer.step()
+        finally:
+            del fused.found_inf
+    elif finite.item():
+        optimizer.step()
+    scheduler.step()
+    return grad_norm, skipped, lr
+
+
+def _fused_adamw(optimizer) -> torch.optim.AdamW | None:
+    """The fused AdamW that takes the step (ZeRO-1 steps its local one), if the step is one."""
+    inner = local_optimizer(optimizer)
+    return inner if isinstance(inner, torch.optim.AdamW) and inner.defaults.get("fused") else None
+
+
+def evaluate(model: nn.Module, loader, d: Dist, cfg: Config, loss_fn,
+             pipe: Pipeline | None = None) -> float | None:
+    """Mean loss over the held-out batches (under a pipeline: forward-only through the stages)."""
+    if loader is None:
+        return None
+    model.eval()
+    total = torch.zeros((), device=d.device)
+    count = 0
+    with torch.no_grad(), autocast(cfg, d.device), loss_context(cfg.parallel.tp):
+        for batch in loader:
+            batch = batch.to(d.device, non_blocking=True)
+            if pipe is None:
+                total += local_view(loss_fn(model, batch))
+            else:
+                losses: list[torch.Tensor] | None = [] if pipe.last else None
+                pipe.schedule.eval(*((batch[:, :-1],) if pipe.first else ()),
+                                   target=batch[:, 1:] if pipe.last else None, losses=losses)
+                if losses:  # each was divided by micro-batches × grad_accum (see build_pipeline)
+                    total += (local_view(torch.stack([x.detach() for x in losses]).sum())
+                              * cfg.train.grad_accum)
+            count += 1
+    model.train()
+    contributors = d.world_size // cfg.parallel.pp  # with a pipeline only the last stage has a loss
+    return global_mean(total / max(count, 1), contributors).item()

@@ -1,0 +1,794 @@
+"""The bad-input catalogue (docs/bad-input.md), one test per row.
+
+Every row of the catalogue's tables names a case defined here by its id; each test produces
+that bad input for real (through `loom.cli.main` or `load_config` + `validate`) and checks that
+loom answers with one line containing the row's message. The doc and the tests cannot drift:
+an id in one and not the other fails `test_catalogue_lists_exactly_the_tested_cases`, and a
+changed message fails its case.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import loom.cli
+import loom.launch
+from loom.config import load_config, validate
+from loom.errors import ConfigError
+
+# Imported now, not inside a case: loom.train.meters binds `sys.stderr` as a default argument when
+# first imported, and a case's capsys stream is closed once that case ends.
+from loom.train import driver as _driver  # noqa: F401
+from loom.train import faults
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "bad-input.md"
+
+# Every `loom train` case starts from a small valid run and adds the bad input after it (later
+# --set values win): the tiny model on a small text corpus, so loading data takes milliseconds.
+TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "train.batch_size=4",
+        "--set", "data.num_workers=0", "--set", "train.device=cpu", "--set", "parallel.strategy=ddp"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalogue: every row of every `| id | input | message |` table in docs/bad-input.md
+
+
+@dataclass
+class Row:
+    id: str
+    input: str
+    message: str
+
+
+def _cells(line: str) -> list[str]:
+    """A Markdown table line's cells (a `\\|` inside a cell is a literal bar)."""
+    inner = line.strip().removeprefix("|").removesuffix("|")
+    return [c.replace("\\|", "|").strip() for c in re.split(r"(?<!\\)\|", inner)]
+
+
+def catalogue_rows(text: str) -> list[Row]:
+    rows, columns = [], None
+    for line in text.splitlines():
+        if not line.lstrip().startswith("|"):
+            columns = None
+            continue
+        cells = _cells(line)
+        if columns is None:
+            columns = [c.lower() for c in cells]
+            continue
+        if columns != ["id", "input", "message"] or all(set(c) <= set("-: ") for c in cells):
+            continue
+        assert len(cells) == 3, f"a catalogue row must have 3 cells: {line!r}"
+        rows.append(Row(*(c.strip("`") if i == 0 else c for i, c in enumerate(cells))))
+    return rows
+
+
+def expected_pieces(message_cell: str) -> list[str]:
+    """The message cell without backticks, split on `…` (a part that varies from run to run)."""
+    text = message_cell.replace("`", "")
+    return [piece.strip() for piece in text.split("…") if piece.strip()]
+
+
+def assert_message(message: str, message_cell: str) -> None:
+    assert "\n" not in message.strip(), f"the message is more than one line:\n{message}"
+    at = 0
+    for piece in expected_pieces(message_cell):
+        found = message.find(piece, at)
+        assert found >= 0, f"{piece!r} is not in the message (after position {at}):\n{message}"
+        at = found + len(piece)
+
+
+ROWS = catalogue_rows(DOC.read_text(encoding="utf-8")) if DOC.is_file() else []
+BY_ID = {row.id: row for row in ROWS}
+
+
+# ---------------------------------------------------------------------------------------------
+# How a case runs
+
+
+@dataclass
+class Ctx:
+    tmp: Path
+    corpus: Path
+    capsys: pytest.CaptureFixture
+    request: pytest.FixtureRequest
+
+    @property
+    def ckpt_run(self) -> Path:
+        """A real run directory with checkpoints/step_2 (made once per module, read-only to cases)."""
+        return self.request.getfixturevalue("checkpoint_run")
+
+    @property
+    def step_2(self) -> Path:
+        return self.ckpt_run / "checkpoints" / "step_2"
+
+    def base(self) -> list[str]:
+        return [*TINY, "--set", f'data.source="{self.corpus}"']
+
+    def train(self, *args: str, nproc: int = 1, out: Path | None = None) -> str:
+        """`loom train --nproc N --out OUT <tiny base> ARGS`: the one-line error it prints."""
+        out = out or self.tmp / "run"
+        return cli("train", "--nproc", str(nproc), "--out", str(out), *self.base(), *args, capsys=self.capsys)
+
+    def config(self, *overrides: str, world: int = 1) -> str:
+        """`validate(load_config(None, overrides), world)`: the ConfigError's message."""
+        with pytest.raises(ConfigError) as e:
+            validate(load_config(None, overrides), world)
+        return str(e.value)
+
+
+def cli(*argv: str, capsys: pytest.CaptureFixture) -> str:
+    capsys.readouterr()
+    try:
+        rc = loom.cli.main(list(argv))
+    except SystemExit as e:  # argparse
+        pytest.fail(f"argparse exit {e.code}: {capsys.readouterr().err}")
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - anything but a LoomError is a traceback for the user
+        pytest.fail(f"a traceback instead of one line: {type(e).__name__}: {str(e).splitlines()[:1]}")
+    err = capsys.readouterr().err
+    assert rc == 2, f"loom {' '.join(argv)} returned {rc}, stderr:\n{err}"
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("loom: error: "), f"not one error line:\n{err}"
+    return lines[0].removeprefix("loom: error: ")
+
+
+CASES: dict[str, Callable[[Ctx], str]] = {}
+XFAIL: dict[str, str] = {}
+
+
+def case(case_id: str, xfail: str | None = None):
+    def register(fn: Callable[[Ctx], str]) -> Callable[[Ctx], str]:
+        assert case_id not in CASES, f"duplicate case id {case_id}"
+        CASES[case_id] = fn
+        if xfail:
+            XFAIL[case_id] = xfail
+        return fn
+    return register
+
+
+# ---------------------------------------------------------------------------------------------
+# config: the file, --set, types, choices, ranges
+
+
+@case("config-file-missing")
+def _(c: Ctx) -> str:
+    return c.train(str(c.tmp / "nope.toml"))
+
+
+@case("config-invalid-toml")
+def _(c: Ctx) -> str:
+    path = c.tmp / "bad.toml"
+    path.write_text("[train\nsteps = 3\n")
+    return c.train(str(path))
+
+
+@case("config-unknown-section")
+def _(c: Ctx) -> str:
+    return c.config("trian.steps=3")
+
+
+@case("config-unknown-key")
+def _(c: Ctx) -> str:
+    return c.config("train.stepz=3")
+
+
+@case("config-key-in-other-section")
+def _(c: Ctx) -> str:
+    return c.config("train.strategy=ddp")
+
+
+@case("config-key-outside-section")
+def _(c: Ctx) -> str:
+    path = c.tmp / "flat.toml"
+    path.write_text("steps = 3\n")
+    return c.train(str(path))
+
+
+@case("config-unknown-key-in-file")
+def _(c: Ctx) -> str:
+    path = c.tmp / "run.toml"
+    path.write_text("[parallel]\nstrategi = 'ddp'\n")
+    return c.train(str(path))
+
+
+@case("config-set-syntax")
+def _(c: Ctx) -> str:
+    return c.train("--set", "train.steps")
+
+
+@case("config-wrong-type")
+def _(c: Ctx) -> str:
+    return c.train("--set", "train.steps=abc")
+
+
+@case("config-wrong-type-float")
+def _(c: Ctx) -> str:
+    return c.config("train.batch_size=1.5")
+
+
+@case("config-bad-choice")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.strategy=zero4")
+
+
+@case("config-bad-choice-precision")
+def _(c: Ctx) -> str:
+    return c.config("train.precision=bf61")
+
+
+@case("config-zero-steps")
+def _(c: Ctx) -> str:
+    return c.train("--set", "train.steps=0")
+
+
+@case("config-negative-batch")
+def _(c: Ctx) -> str:
+    return c.config("train.batch_size=-8")
+
+
+@case("config-zero-grad-accum")
+def _(c: Ctx) -> str:
+    return c.config("train.grad_accum=0")
+
+
+@case("config-nonpositive-lr")
+def _(c: Ctx) -> str:
+    return c.config("train.lr=0")
+
+
+@case("config-adam-beta")
+def _(c: Ctx) -> str:
+    return c.train("--set", "train.beta1=2")
+
+
+@case("config-negative-weight-decay")
+def _(c: Ctx) -> str:
+    return c.config("train.weight_decay=-0.1")
+
+
+@case("config-negative-warmup")
+def _(c: Ctx) -> str:
+    return c.config("train.warmup_steps=-3")
+
+
+@case("config-negative-grad-clip")
+def _(c: Ctx) -> str:
+    return c.config("train.grad_clip=-1")
+
+
+@case("config-min-lr-ratio")
+def _(c: Ctx) -> str:
+    return c.config("train.min_lr_ratio=2")
+
+
+@case("config-negative-workers")
+def _(c: Ctx) -> str:
+    return c.config("data.num_workers=-1")
+
+
+@case("config-negative-ckpt-every")
+def _(c: Ctx) -> str:
+    return c.config("train.ckpt_every=-5")
+
+
+@case("config-eval-fraction")
+def _(c: Ctx) -> str:
+    return c.config("data.eval_fraction=1.5")
+
+
+@case("config-profile-too-long")
+def _(c: Ctx) -> str:
+    return c.config("profile.enabled=true", "train.steps=3")
+
+
+@case("config-batch-not-divisible")
+def _(c: Ctx) -> str:
+    return c.train("--set", "train.batch_size=5", nproc=2)
+
+
+@case("config-seq-len-over-max")
+def _(c: Ctx) -> str:
+    return c.train("--set", "data.seq_len=256")
+
+
+@case("config-unknown-preset")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.preset=huge")
+
+
+@case("config-d-model-heads")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.d_model=66")
+
+
+@case("config-kv-heads")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.n_kv_heads=3")
+
+
+@case("config-vocab-below-tokenizer")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.vocab_size=100")
+
+
+# ---------------------------------------------------------------------------------------------
+# parallel degrees
+
+
+@case("parallel-tp-heads")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.tp=3", nproc=3)
+
+
+@case("parallel-tp-kv-heads")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.n_kv_heads=1", "--set", "parallel.tp=2", nproc=2)
+
+
+@case("parallel-tp-ffn")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.ffn_hidden=129", "--set", "parallel.tp=2", nproc=2)
+
+
+@case("parallel-tp-vocab")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.vocab_size=257", "--set", "parallel.tp=2", nproc=2)
+
+
+@case("parallel-pp-over-layers")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.pp=4", nproc=4)
+
+
+@case("parallel-1f1b-microbatches")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.pp=2", "--set", "parallel.microbatches=1", nproc=2)
+
+
+@case("parallel-interleaved-layers")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.n_layers=3", "--set", "parallel.pp=2",
+                   "--set", "parallel.pp_schedule=interleaved",
+                   "--set", "parallel.pp_virtual_stages=2", nproc=2)
+
+
+@case("parallel-interleaved-one-virtual")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.pp=2", "--set", "parallel.pp_schedule=interleaved", nproc=2)
+
+
+@case("parallel-virtual-without-interleaved")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.pp=2", "--set", "parallel.pp_virtual_stages=2", nproc=2)
+
+
+@case("parallel-pp-schedule")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.pp=2", "--set", "parallel.pp_schedule=zigzag", nproc=2)
+
+
+@case("parallel-pp-tied-embeddings")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.tie_embeddings=true", "--set", "parallel.pp=2", nproc=2)
+
+
+@case("parallel-pp-fp16")
+def _(c: Ctx) -> str:
+    return c.config("parallel.pp=2", "train.precision=fp16", world=2)
+
+
+@case("parallel-pp-batch")
+def _(c: Ctx) -> str:
+    return c.config("parallel.pp=2", "parallel.microbatches=4", "train.batch_size=6", world=2)
+
+
+@case("parallel-degrees-world")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.pp=2", "--set", "parallel.tp=3", nproc=4)
+
+
+@case("parallel-tp-zero")
+def _(c: Ctx) -> str:
+    return c.config("parallel.tp=0")
+
+
+@case("parallel-hsdp-dims")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.strategy=hsdp", "--set", "parallel.dp_replicate=3",
+                   "--set", "parallel.dp_shard=2", nproc=4)
+
+
+@case("parallel-offload-cpu")
+def _(c: Ctx) -> str:
+    return c.config("parallel.strategy=zero3", "parallel.offload=cpu", "train.device=cpu")
+
+
+@case("parallel-offload-ddp")
+def _(c: Ctx) -> str:
+    return c.config("parallel.strategy=ddp", "parallel.offload=cpu")
+
+
+@case("parallel-sp-seq-len")
+def _(c: Ctx) -> str:
+    return c.train("--set", "data.seq_len=33", "--set", "parallel.tp=2",
+                   "--set", "parallel.sequence_parallel=true", nproc=2)
+
+
+@case("parallel-zero1-tp-fp16")
+def _(c: Ctx) -> str:
+    return c.config("parallel.strategy=zero1", "parallel.tp=2", "train.precision=fp16", world=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+@case("data-missing-source")
+def _(c: Ctx) -> str:
+    return c.train("--set", f'data.source="{c.tmp / "no" / "corpus.txt"}"')
+
+
+@case("data-empty-file")
+def _(c: Ctx) -> str:
+    (c.tmp / "empty.txt").write_text("")
+    return c.train("--set", f'data.source="{c.tmp / "empty.txt"}"')
+
+
+@case("data-empty-dir")
+def _(c: Ctx) -> str:
+    (c.tmp / "corpus").mkdir()
+    return c.train("--set", f'data.source="{c.tmp / "corpus"}"')
+
+
+@case("data-glob-no-match")
+def _(c: Ctx) -> str:
+    return c.train("--set", f'data.source="{c.tmp / "*.txt"}"')
+
+
+@case("data-bin-in-dir")
+def _(c: Ctx) -> str:
+    (c.tmp / "mixed").mkdir()
+    (c.tmp / "mixed" / "a.txt").write_text("some text\n")
+    np.arange(10, dtype=np.uint16).tofile(c.tmp / "mixed" / "tokens.bin")
+    return c.train("--set", f'data.source="{c.tmp / "mixed"}"')
+
+
+@case("data-corpus-too-small-for-batch")
+def _(c: Ctx) -> str:
+    (c.tmp / "small.txt").write_text("tiny corpus " * 20)  # 240 tokens: 7 windows of 33
+    return c.train("--set", f'data.source="{c.tmp / "small.txt"}"', "--set", "train.batch_size=16")
+
+
+@case("data-corpus-too-small-for-window")
+def _(c: Ctx) -> str:
+    (c.tmp / "short.txt").write_text("hello")
+    return c.train("--set", f'data.source="{c.tmp / "short.txt"}"')
+
+
+@case("data-bin-dtype-choice")
+def _(c: Ctx) -> str:
+    return c.config("data.bin_dtype=int8")
+
+
+@case("data-bin-dtype-size")
+def _(c: Ctx) -> str:
+    (c.tmp / "odd.bin").write_bytes(b"\x01\x02\x03")
+    return c.train("--set", f'data.source="{c.tmp / "odd.bin"}"')
+
+
+@case("data-bin-empty")
+def _(c: Ctx) -> str:
+    (c.tmp / "empty.bin").write_bytes(b"")
+    return c.train("--set", f'data.source="{c.tmp / "empty.bin"}"')
+
+
+@case("data-bin-token-over-vocab")
+def _(c: Ctx) -> str:
+    np.full(4096, 300, dtype=np.uint16).tofile(c.tmp / "tokens.bin")
+    return c.train("--set", f'data.source="{c.tmp / "tokens.bin"}"')
+
+
+@case("data-bpe-vocab-too-small")
+def _(c: Ctx) -> str:
+    return c.train("--set", "data.tokenizer=bpe", "--set", "data.bpe_vocab_size=100",
+                   "--set", f'data.cache_dir="{c.tmp / "cache"}"')
+
+
+# ---------------------------------------------------------------------------------------------
+# launch
+
+
+@case("launch-nproc-zero")
+def _(c: Ctx) -> str:
+    return c.train(nproc=0)
+
+
+@case("launch-nproc-too-many")
+def _(c: Ctx) -> str:
+    return c.train(nproc=1000)
+
+
+@case("launch-nnodes-without-endpoint")
+def _(c: Ctx) -> str:
+    return c.train("--nnodes", "2")
+
+
+@case("launch-endpoint-malformed")
+def _(c: Ctx) -> str:
+    return c.train("--nnodes", "2", "--rdzv-endpoint", "node0")
+
+
+@case("launch-endpoint-port-range")
+def _(c: Ctx) -> str:
+    return c.train("--nnodes", "2", "--rdzv-endpoint", "node0:70000")
+
+
+@case("launch-node-rank-range")
+def _(c: Ctx) -> str:
+    return c.train("--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "node0:29500")
+
+
+@case("launch-max-restarts")
+def _(c: Ctx) -> str:
+    return c.train("--max-restarts", "-1")
+
+
+@case("launch-port-in-use")
+def _(c: Ctx) -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        return c.train("--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}")
+
+
+# ---------------------------------------------------------------------------------------------
+# run directory
+
+
+@case("run-dir-exists")
+def _(c: Ctx) -> str:
+    (c.tmp / "run").mkdir()
+    (c.tmp / "run" / "metrics.jsonl").write_text("{}\n")
+    return c.train()
+
+
+@case("run-dir-overwrite-with-resume-auto")
+def _(c: Ctx) -> str:
+    return c.train("--overwrite", "--resume", "auto")
+
+
+@case("run-dir-overwrite-own-checkpoint")
+def _(c: Ctx) -> str:
+    run = c.tmp / "run"
+    shutil.copytree(c.step_2, run / "checkpoints" / "step_2")
+    return c.train("--overwrite", "--resume", str(run / "checkpoints" / "step_2"), "--set", "train.steps=4")
+
+
+@case("run-dir-is-a-file")
+def _(c: Ctx) -> str:
+    (c.tmp / "run").write_text("not a directory")
+    return c.train("--overwrite")
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints and resume
+
+
+@case("ckpt-resume-missing")
+def _(c: Ctx) -> str:
+    return c.train("--resume", str(c.tmp / "old" / "checkpoints" / "step_9"), "--set", "train.steps=4")
+
+
+@case("ckpt-unfinished-tmp")
+def _(c: Ctx) -> str:
+    tmp = c.tmp / "old" / "checkpoints" / ".tmp-step_3"
+    shutil.copytree(c.step_2, tmp)
+    return c.train("--resume", str(tmp), "--set", "train.steps=4")
+
+
+@case("ckpt-not-a-checkpoint")
+def _(c: Ctx) -> str:
+    (c.tmp / "notes").mkdir()
+    (c.tmp / "notes" / "readme.txt").write_text("hello")
+    return c.train("--resume", str(c.tmp / "notes"), "--set", "train.steps=4")
+
+
+@case("ckpt-run-dir-without-checkpoint")
+def _(c: Ctx) -> str:
+    (c.tmp / "old" / "checkpoints").mkdir(parents=True)
+    return c.train("--resume", str(c.tmp / "old"), "--set", "train.steps=4")
+
+
+@case("ckpt-meta-damaged")
+def _(c: Ctx) -> str:
+    copy = c.tmp / "old" / "checkpoints" / "step_2"
+    shutil.copytree(c.step_2, copy)
+    (copy / "meta.json").write_text('{"step": 2, "conf')
+    return c.train("--resume", str(copy), "--set", "train.steps=4")
+
+
+@case("ckpt-truncated-data")
+def _(c: Ctx) -> str:
+    copy = c.tmp / "old" / "checkpoints" / "step_2"
+    shutil.copytree(c.step_2, copy)
+    data = copy / "__0_0.distcp"
+    os.truncate(data, data.stat().st_size // 2)
+    return c.train("--resume", str(copy), "--set", "train.steps=4")
+
+
+@case("ckpt-model-shape")
+def _(c: Ctx) -> str:
+    return c.train("--resume", str(c.step_2), "--set", "train.steps=4", "--set", "model.d_model=128")
+
+
+@case("ckpt-model-preset")
+def _(c: Ctx) -> str:
+    return c.train("--resume", str(c.step_2), "--set", "train.steps=4", "--set", "model.preset=small")
+
+
+@case("ckpt-batch-size-changed")
+def _(c: Ctx) -> str:
+    return c.train("--resume", str(c.step_2), "--set", "train.steps=4", "--set", "train.batch_size=8")
+
+
+@case("ckpt-seq-len-changed")
+def _(c: Ctx) -> str:
+    return c.train("--resume", str(c.step_2), "--set", "train.steps=4", "--set", "data.seq_len=64")
+
+
+@case("ckpt-seed-changed")
+def _(c: Ctx) -> str:
+    return c.train("--resume", str(c.step_2), "--set", "train.steps=4", "--set", "train.seed=7")
+
+
+@case("ckpt-nothing-left")
+def _(c: Ctx) -> str:
+    return c.train("--resume", str(c.step_2), "--set", "train.steps=2")
+
+
+def _crafted(c: Ctx, kind: str) -> str:
+    from crafted import craft
+
+    marker = c.tmp / "MARKER"
+    path = craft(kind, c.step_2, c.tmp / "old" / "checkpoints" / "step_2", marker)
+    message = c.train("--resume", str(path), "--set", "train.steps=4")
+    assert not marker.exists()
+    return message
+
+
+@case("ckpt-non-tensor-entry")
+def _(c: Ctx) -> str:
+    return _crafted(c, "byte-entry")
+
+
+@case("ckpt-entry-dtype")
+def _(c: Ctx) -> str:
+    return _crafted(c, "wrong-dtype")
+
+
+@case("ckpt-extra-entry")
+def _(c: Ctx) -> str:
+    return _crafted(c, "extra-entry")
+
+
+@case("ckpt-metadata-global")
+def _(c: Ctx) -> str:
+    return _crafted(c, "metadata-global")
+
+
+# ---------------------------------------------------------------------------------------------
+# faults
+
+
+@case("faults-malformed")
+def _(c: Ctx) -> str:
+    os.environ["LOOM_FAULTS"] = "explode@3"
+    return c.train("--set", "train.steps=2")
+
+
+@case("faults-bad-step")
+def _(c: Ctx) -> str:
+    os.environ["LOOM_FAULTS"] = "kill@three:1"
+    return c.train("--set", "train.steps=2")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures and the tests
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """Each case in its own folder, with the environment restored (a world-of-one run sets RANK,
+    MASTER_PORT, ...; left set, the next `loom train` would think it is a torchrun rank), and no
+    ranks ever launched: every case must fail before that."""
+    saved = dict(os.environ)
+    os.environ.pop("LOOM_FAULTS", None)
+    faults.planted.cache_clear()
+    monkeypatch.chdir(tmp_path)
+
+    def no_launch(spec, args):
+        raise AssertionError(f"loom would have launched {spec.world_size} rank(s) for: {args}")
+
+    monkeypatch.setattr(loom.launch, "relaunch", no_launch)
+    try:
+        yield
+    finally:
+        from loom.parallel.mesh import shutdown
+
+        shutdown()
+        faults.planted.cache_clear()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_run(tmp_path_factory, corpus) -> Path:
+    """A real 2-step world-of-one run of the tiny model: RUN/checkpoints/step_2."""
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    saved = dict(os.environ)
+    os.environ.pop("LOOM_FAULTS", None)
+    faults.planted.cache_clear()
+    try:
+        rc = loom.cli.main(["train", "--nproc", "1", "--out", str(run), *TINY,
+                            "--set", f'data.source="{corpus}"', "--set", "train.steps=2"])
+    finally:
+        from loom.parallel.mesh import shutdown
+
+        shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
+    assert rc == 0 and (run / "checkpoints" / "step_2" / "meta.json").is_file()
+    return run
+
+
+def test_catalogue_lists_exactly_the_tested_cases():
+    assert DOC.is_file(), f"{DOC} is missing"
+    ids = [row.id for row in ROWS]
+    assert len(ids) >= 30
+    assert len(ids) == len(set(ids)), (f"duplicate ids in {DOC.name}: "
+                                       f"{sorted({i for i in ids if ids.count(i) > 1})}")
+    assert set(ids) == set(CASES), (f"in the doc only: {sorted(set(ids) - set(CASES))}; "
+                                    f"tested only: {sorted(set(CASES) - set(ids))}")
+    for row in ROWS:
+        assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", row.id), f"id {row.id!r} is not a short slug"
+        assert row.input and expected_pieces(row.message), f"row {row.id} has an empty input or message"
+
+
+def test_message_pieces_are_matched_in_order():
+    assert_message("cannot resume from /x/step_2: a = 1", "`cannot resume from …: a = 1`")
+    with pytest.raises(AssertionError):
+        assert_message("b then a", "a … b")
+    with pytest.raises(AssertionError):
+        assert_message("two\nlines", "two")
+
+
+@pytest.mark.parametrize("case_id", [
+    pytest.param(i, marks=pytest.mark.xfail(reason=XFAIL[i], strict=True)) if i in XFAIL else i
+    for i in CASES])
+def test_bad_input(case_id, tmp_path, corpus, capsys, request):
+    row = BY_ID.get(case_id)
+    assert row is not None, f"case {case_id} has no row in {DOC.name}"
+    message = CASES[case_id](Ctx(tmp_path, corpus, capsys, request))
+    assert isinstance(message, str) and message
+    assert_message(message, row.message)
+
+
+def test_readme_counts_the_catalogue():
+    """The README's figure is the catalogue's row count, not a number written once."""
+    said = re.findall(r"every bad input tried \((\d+) cases\)",
+                      (ROOT / "README.md").read_text(encoding="utf-8"))
+    assert said == [str(len(ROWS))], f"README says {said}, docs/bad-input.md has {len(ROWS)} rows"

@@ -1,0 +1,226 @@
+"""loom plan: the seeds' worked numbers, the ZeRO paper's, the bubble, the search and its errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from loom.cli import main
+from loom.config import load_config, validate
+from loom.plan.candidate import Candidate, Workload
+from loom.plan.hardware import CATALOG, Cluster, lookup
+from loom.plan.memory import gpu_memory
+from loom.plan.search import config_candidate, emit_config, enumerate_candidates, search
+from loom.plan.shapes import from_params, from_preset
+from loom.plan.step import bubble_fraction
+
+GB = 1e9
+
+
+def plan_json(capsys, *argv: str) -> dict:
+    assert main(["plan", "--format", "json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def states(plan: dict, strategy: str, offload: str = "none") -> dict:
+    """The model-state account of a strategy's plain (tp=pp=1) candidate."""
+    for c in plan["candidates"]:
+        if c["strategy"] == strategy and c["offload"] == offload and c["tp"] == c["pp"] == 1:
+            return c
+    raise AssertionError(f"no {strategy}/{offload} candidate")
+
+
+def test_seeds_70b_on_8x80gb(capsys):
+    """DDP 1120 GB (no), ZeRO-3 on 8: 140 GB (no), on 16: 70 GB, with optimizer offload 17.5 GB on the GPU."""
+    plan = plan_json(capsys, "--params", "70e9", "--recipe", "zero", "--gpu", "H100-80GB")
+    ddp, zero3 = states(plan, "ddp"), states(plan, "zero3")
+    assert ddp["memory_bytes"]["model_states"] == pytest.approx(1120 * GB) and not ddp["fits"]
+    assert "1232.0 GB per GPU > 80 GB" in ddp["why_not"]  # + the 10% fragmentation margin
+    assert zero3["memory_bytes"]["model_states"] == pytest.approx(140 * GB) and not zero3["fits"]
+    offload = states(plan, "zero3", "optimizer")
+    assert offload["memory_bytes"]["model_states"] == pytest.approx(17.5 * GB) and offload["fits"]
+    # the second level of the account: fp32 master + Adam + fp16 grads (14Ψ/N) on the host
+    assert offload["host_memory_bytes_per_gpu"] == pytest.approx(122.5 * GB)
+    assert offload["host_memory_bytes"] == pytest.approx(8 * 122.5 * GB)
+    assert offload["engine"] == "deepspeed"
+    sixteen = plan_json(capsys, "--params", "70e9", "--recipe", "zero", "--nodes", "2")
+    assert states(sixteen, "zero3")["memory_bytes"]["model_states"] == pytest.approx(70 * GB)
+
+
+def test_seeds_table_shows_both_levels(capsys):
+    assert main(["plan", "--params", "70e9", "--recipe", "zero"]) == 0
+    out = capsys.readouterr().out
+    assert "zero3 offload optimizer" in out and "GPU      17.5   host    122.5" in out
+    assert "ddp                          GPU    1120.0" in out and "does not fit" in out
+    assert "recommended (*):" in out and "engine:" in out
+
+
+def test_zero_paper_figure_1():
+    """Ψ = 7.5B, N = 64: 120, 31.4, 16.6, 1.9 GB of model states per GPU."""
+    w = Workload(from_params(7.5e9), 1024, 64, "bf16", "zero")
+    got = {s: gpu_memory(w, Candidate(s, 64), 0.0).model_states / GB
+           for s in ("ddp", "zero1", "zero2", "zero3")}
+    assert got == pytest.approx({"ddp": 120, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}, abs=0.06)
+
+
+def test_recipes_bytes_per_param():
+    for recipe, per_param in (("torch", 16), ("zero", 16), ("megatron", 18)):
+        w = Workload(from_params(1e9), 1024, 8, "bf16", recipe)
+        assert gpu_memory(w, Candidate("ddp", 8), 0.0).model_states == pytest.approx(per_param * 1e9)
+
+
+def test_pipeline_bubble():
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, virtual=2) == pytest.approx(3 / 19)
+    w = Workload(from_preset("8b"), 2048, 64)
+    records = search(w, Cluster(lookup("H100-SXM"), 8, 1)).candidates
+    piped = [r for r in records if r["pp"] == 4 and r["grad_accum"] == 8 and r["pp_schedule"] == "1f1b"]
+    assert piped and all(r["pipeline_bubble"] == pytest.approx(3 / 11) for r in piped)
+
+
+def test_activation_forms_order():
+    """Full recompute < selective < none; sequence parallel < TP alone < no TP; 1F1B < GPipe."""
+    w = Workload(from_preset("8b"), 4096, 64)
+
+    def act(**kw) -> float:
+        return gpu_memory(w, Candidate("zero3", 8, **kw)).activations
+
+    assert act(activation_checkpointing="full") < act(activation_checkpointing="selective") < act()
+    assert act(tp=2, sequence_parallel=True) < act(tp=2) < act()
+    w1 = {"pp": 4, "micro_batch": 1, "grad_accum": 16}
+    assert act(schedule="1f1b", **w1) < act(schedule="gpipe", **w1)
+
+
+def test_search_prefers_fitting_and_emits_runnable_config(tmp_path, capsys):
+    out = tmp_path / "run.toml"
+    assert main(["plan", "--model", "8b", "--set", "train.batch_size=64", "--set", "data.seq_len=2048",
+                 "--emit", str(out), "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    best = plan["candidates"][plan["recommended"]]
+    assert best["fits"] and best["runs_in_loom"]
+    fitting = [c["tokens_per_s"] for c in plan["candidates"] if c["fits"] and c["runs_in_loom"]]
+    assert best["tokens_per_s"] == max(fitting)
+    required = {"strategy", "engine", "nodes", "gpus", "dp", "tp", "pp", "offload", "recipe",
+                "activation_checkpointing", "micro_batch", "grad_accum", "fits", "why_not", "memory_bytes",
+                "host_memory_bytes", "comm_bytes_per_step", "step_time_s", "tokens_per_s", "mfu"}
+    assert required <= best.keys()
+    assert {"params", "grads", "optimizer", "activations", "buffers", "total"} <= best["memory_bytes"].keys()
+    breakdown = best["step_time_breakdown_s"]
+    assert breakdown["total"] == pytest.approx(sum(v for k, v in breakdown.items() if k != "total"))
+    # the emitted config runs exactly that candidate on 8 ranks
+    cfg = load_config(out)
+    dims = validate(cfg, 8, cuda_available=True)
+    assert cfg.model.preset == "8b"
+    again = config_candidate(cfg, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp)
+    for key in ("strategy", "dp", "tp", "pp", "micro_batch", "grad_accum", "activation_checkpointing"):
+        assert getattr(again, key) == best[key], key
+
+
+def test_emit_refuses_deepspeed_only_candidate():
+    cfg = load_config(None)
+    record = {"runs_in_loom": False, "label": "zero3 offload nvme", "offload": "nvme"}
+    with pytest.raises(Exception, match="needs the DeepSpeed engine"):
+        emit_config(cfg, record)
+
+
+def test_every_dimension_is_searched():
+    w = Workload(from_preset("70b"), 4096, 512)
+    cands = list(enumerate_candidates(w, Cluster(lookup("H100-SXM"), 8, 8)))
+    seen = {key: {getattr(c, key) for c in cands} for key in
+            ("strategy", "offload", "tp", "pp", "schedule", "activation_checkpointing", "micro_batch")}
+    assert seen["strategy"] == {"ddp", "zero1", "zero2", "zero3", "hsdp"}
+    assert seen["offload"] == {"none", "optimizer", "optimizer+params", "nvme"}
+    assert {1, 2, 4, 8} <= seen["tp"] and {1, 2, 4, 8} <= seen["pp"]
+    assert seen["schedule"] == {"none", "gpipe", "1f1b", "interleaved"}
+    assert seen["activation_checkpointing"] == {"none", "selective", "full"}
+    assert len(seen["micro_batch"]) > 1
+
+
+def test_hf_config_json(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+                                  "num_attention_heads": 32, "num_key_value_heads": 8,
+                                  "intermediate_size": 14336, "vocab_size": 128256,
+                                  "tie_word_embeddings": False}))
+    plan = plan_json(capsys, str(config), "--set", "train.batch_size=64")
+    assert plan["model"]["num_params"] == from_preset("8b").num_params  # the Llama-3-8B shape
+
+
+def test_plan_does_not_import_torch_and_is_fast():
+    code = ("import sys, time; t = time.perf_counter(); from loom.cli import main; "
+            "rc = main(['plan', '--model', '8b', '--set', 'train.batch_size=64', '--format', 'json']); "
+            "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'; "
+            "print('ELAPSED', time.perf_counter() - t, file=sys.stderr)")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    elapsed = float(proc.stderr.split("ELAPSED")[1])
+    assert elapsed < 2.0, elapsed  # loose: a shared 2-core CI machine; bench/plan_speed.py has the figures
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpu", "H900"], "unknown GPU 'H900'"),
+    (["--gpu", "H100-SMX"], "did you mean"),
+    (["--model", "70b", "--gpu", "RTX-4090", "--gpus-per-node", "8", "--hw", "host_memory_gb=64"],
+     "the smallest cluster that fits is"),
+    (["--set", "parallel.tp=3", "--gpus-per-node", "8"], "does not divide the world size 8"),
+    (["--recipe", "fp8"], "--recipe 'fp8' is not one of torch, zero, megatron"),
+    (["--hw", "bf16_tflops=fast"], "must be a number"),
+    (["--hw", "warp_speed=2"], "must be key=value with key one of"),
+    (["--nodes", "0"], "--nodes 0 must be ≥ 1"),
+    (["--params", "-5"], "must be a positive parameter count"),
+])
+def test_bad_input_one_line(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_bad_hf_config(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    assert main(["plan", str(bad)]) == 2
+    assert "is not valid JSON" in capsys.readouterr().err
+    bad.write_text(json.dumps({"hidden_size": 64}))
+    assert main(["plan", str(bad)]) == 2
+    assert "lacks positive integer field(s)" in capsys.readouterr().err
+
+
+def test_catalog_covers_required_gpus():
+    for name in ("A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "MI300X", "L40S",
+                 "RTX-4090"):
+        gpu = CATALOG[name]
+        assert (gpu.bf16_tflops > 0 and gpu.memory_gb > 0 and gpu.intra_node_gbps > 0
+                and gpu.inter_node_gbps > 0)
+
+
+def test_hw_override_changes_the_price(capsys):
+    base = plan_json(capsys, "--model", "1b", "--set", "train.batch_size=64")
+    slow = plan_json(capsys, "--model", "1b", "--set", "train.batch_size=64", "--hw", "bf16_tflops=100")
+    assert slow["candidates"][0]["step_time_s"] > base["candidates"][0]["step_time_s"]
+    assert slow["cluster"]["gpu"]["bf16_tflops"] == 100
+
+
+def test_trace_flag_prints_traced_beside_analytic(capsys):
+    """--trace runs loom's GPT and zero3 under FakeTensorMode on a fake group of 64 ranks."""
+    assert main(["plan", "--model", "tiny", "--nodes", "8", "--set", "train.batch_size=64", "--trace"]) == 0
+    out = capsys.readouterr().out
+    assert "fake process group of 64 ranks" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
+    for part in ("params", "grads", "optimizer"):
+        traced, analytic = float(rows[part][1]), float(rows[part][2])
+        assert traced > 0 and abs(traced - analytic) <= 0.1 * analytic  # FSDP pads tiny shards
+
+
+def test_config_candidate_reads_the_run_layout():
+    cfg = load_config(None, ["parallel.strategy=ddp", "train.grad_accum=2", "parallel.microbatches=4"])
+    c = config_candidate(cfg, 2, 1, 1, 1)  # no pipeline: microbatches does not apply
+    assert (c.grad_accum, c.micro_batch) == (2, 4)  # 16 sequences = 4 × 2 × dp 2
+    piped = config_candidate(load_config(None, ["parallel.pp=2", "parallel.microbatches=4"]), 1, 1, 1, 2)
+    assert (piped.grad_accum, piped.micro_batch, piped.schedule) == (4, 4, "1f1b")
