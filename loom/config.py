@@ -6,9 +6,12 @@ line of error instead of a traceback from rank 3.
 
 from __future__ import annotations
 
+import ctypes.util
 import dataclasses
 import difflib
+import importlib.util
 import json
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +24,8 @@ from loom.errors import ConfigError
 PRECISIONS = ("fp32", "bf16", "fp16")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 OFFLOADS = ("none", "cpu")
+ENGINES = ("torch", "deepspeed")
+DEEPSPEED_OFFLOADS = ("none", "cpu", "nvme")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
 DEVICES = ("auto", "cpu", "cuda")
 TOKENIZERS = ("byte", "bpe")
@@ -60,7 +65,12 @@ class ParallelConfig:
     strategy: str = "zero3"
     dp_replicate: int = 1  # hsdp: replica groups (across nodes)
     dp_shard: int = -1  # hsdp: ranks sharing one shard group; -1 = world / dp_replicate
-    offload: str = "none"  # none | cpu (FSDP2 CPUOffloadPolicy, needs an accelerator)
+    engine: str = "torch"  # torch (DDP, ZeroRedundancyOptimizer, FSDP2) | deepspeed (ZeRO 0-3, offload)
+    offload: str = "none"  # torch engine: none | cpu (FSDP2 CPUOffloadPolicy, needs an accelerator)
+    offload_optimizer: str = "none"  # deepspeed engine, ZeRO 1-3: none | cpu | nvme
+    offload_params: str = "none"  # deepspeed engine, ZeRO-3: none | cpu | nvme
+    nvme_path: str = ""  # deepspeed NVMe offload: a directory on a local NVMe disk
+    deepspeed_config: str = ""  # a DeepSpeed JSON merged over the config loom derives
     ddp_bucket_mb: float = 25.0
     ddp_static_graph: bool = False
     reshard_after_forward: bool | None = None  # None = by strategy: zero2 False, zero3/hsdp True
@@ -307,6 +317,9 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     p, t, d = cfg.parallel, cfg.train, cfg.data
     _choice("parallel.strategy", p.strategy, (*strategies.STRATEGIES, *strategies.ALIASES))
     _choice("parallel.offload", p.offload, OFFLOADS)
+    _choice("parallel.engine", p.engine, ENGINES)
+    _choice("parallel.offload_optimizer", p.offload_optimizer, DEEPSPEED_OFFLOADS)
+    _choice("parallel.offload_params", p.offload_params, DEEPSPEED_OFFLOADS)
     _choice("parallel.activation_checkpointing", p.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _choice("train.precision", t.precision, PRECISIONS)
     _choice("train.optimizer_impl", t.optimizer_impl, OPTIMIZER_IMPLS)
@@ -369,6 +382,7 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
             raise ConfigError(
                 "parallel.offload = 'cpu' uses FSDP2's CPUOffloadPolicy, which needs an accelerator, "
                 "and this run is on CPU only; set parallel.offload=none")
+    _check_engine(p)
     if t.device == "cuda" and cuda_available is False:
         raise ConfigError("train.device = 'cuda' but no CUDA device is visible; set train.device=cpu or auto")
     dims = resolve_dims(p, world_size)
@@ -390,6 +404,78 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
             f"train.batch_size = {t.batch_size} is not divisible by grad_accum ({t.grad_accum}) × "
             f"data-parallel size ({dims.dp}){pipeline} = {per}; use a multiple of {per} such as {multiples}")
     return dims
+
+
+def _check_engine(p: ParallelConfig) -> None:
+    """What each engine runs: offload to the host or NVMe of optimizer or parameters alone is
+    DeepSpeed's; DeepSpeed here runs data parallelism (ZeRO 0-3), not TP, PP or hybrid sharding."""
+    s = strategies.lookup(p.strategy)
+    if p.engine == "torch":
+        for key in ("offload_optimizer", "offload_params"):
+            if getattr(p, key) != "none":
+                raise ConfigError(f"parallel.{key} = '{getattr(p, key)}' is DeepSpeed's offload; set "
+                                  f"parallel.engine=deepspeed (the torch engine offloads with parallel.offload)")
+        return
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError('parallel.engine = \'deepspeed\' needs DeepSpeed, which is not installed; run '
+                          '`pip install -e ".[deepspeed]"` or set parallel.engine=torch')
+    if s.deepspeed_stage is None:
+        raise ConfigError(f"parallel.strategy = '{p.strategy}' has no DeepSpeed equivalent here; use zero3 "
+                          f"with parallel.engine=deepspeed, or parallel.engine=torch")
+    if p.tp > 1 or p.pp > 1:
+        raise ConfigError(f"parallel.engine = 'deepspeed' runs data parallelism (ZeRO 0-3) only, not tp = {p.tp}, "
+                          f"pp = {p.pp}; set parallel.tp=1 and parallel.pp=1, or parallel.engine=torch")
+    if p.offload != "none":
+        raise ConfigError("parallel.offload is the torch engine's (FSDP2); with parallel.engine=deepspeed set "
+                          "parallel.offload_optimizer and/or parallel.offload_params instead")
+    if p.offload_optimizer != "none" and s.deepspeed_stage == 0:
+        raise ConfigError(f"parallel.offload_optimizer = '{p.offload_optimizer}' needs ZeRO 1-3 (DeepSpeed offloads "
+                          f"the partitioned optimizer states); set parallel.strategy=zero1, zero2 or zero3")
+    if p.offload_params != "none" and s.deepspeed_stage != 3:
+        raise ConfigError(f"parallel.offload_params = '{p.offload_params}' needs zero3 (only ZeRO-3 partitions "
+                          f"the parameters); set parallel.strategy=zero3 or parallel.offload_params=none")
+    nvme = "nvme" in (p.offload_optimizer, p.offload_params)
+    if nvme and not p.nvme_path:
+        raise ConfigError("NVMe offload needs parallel.nvme_path, a directory on a local NVMe disk, e.g. "
+                          "--set parallel.nvme_path=/local_nvme/loom")
+    if nvme and ctypes.util.find_library("aio") is None:
+        raise ConfigError("NVMe offload reads and writes through libaio, which is not installed; run "
+                          "`apt-get install libaio-dev` (Debian/Ubuntu) or offload to cpu")
+    if nvme:
+        path = Path(p.nvme_path).expanduser()
+        if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"parallel.nvme_path = '{p.nvme_path}' is not a writable directory; create it "
+                              f"(mkdir -p {p.nvme_path}) or point at one on a local NVMe disk")
+    if p.deepspeed_config:
+        path = Path(p.deepspeed_config).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"parallel.deepspeed_config = '{p.deepspeed_config}' does not exist; pass a "
+                              f"DeepSpeed JSON file")
+        try:
+            user = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"parallel.deepspeed_config {path} is not valid JSON ({e}); fix it") from None
+        if not isinstance(user, dict):
+            raise ConfigError(f"parallel.deepspeed_config {path} must hold a JSON object of DeepSpeed settings")
+        _check_zero_section(path, user.get("zero_optimization"))
+
+
+def _check_zero_section(path: Path, zero: object) -> None:
+    """DeepSpeed validates its zero_optimization section strictly (an unknown key is an error): ask
+    it now, before any rank starts, and say which key."""
+    if not isinstance(zero, dict):
+        return
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # only with a user's JSON
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(str(x) for x in ("zero_optimization", *error["loc"]))
+        what = "is not a DeepSpeed setting" if error["type"] == "extra_forbidden" else f"is invalid: {error['msg']}"
+        raise ConfigError(f"parallel.deepspeed_config {path}: {where} {what}; see DeepSpeed's config "
+                          f"documentation for the section's keys") from None
 
 
 def pipeline_microbatches(p: ParallelConfig) -> int:

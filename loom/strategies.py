@@ -36,6 +36,11 @@ class Strategy:
     def shards_params(self) -> bool:
         return PARAMS in self.sharded
 
+    @property
+    def deepspeed_stage(self) -> int | None:
+        """The ZeRO stage the deepspeed engine runs it with (None: hybrid sharding, which it does not)."""
+        return None if self.dp_mesh == "hybrid" else self.zero_stage
+
     def uses_fsdp(self, tp: int = 1) -> bool:
         """Under TP, ddp and zero1 replicate through FSDP2 on a (dp, 1) mesh: DDP takes no DTensor
         parameters, and FSDP2 with nothing to shard over holds the same 16Ψ as DDP."""

@@ -7,8 +7,10 @@ buckets, tied weights, ZeRO-1's local optimizer partition are all what this rank
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,6 +26,8 @@ class RankMemory:
     grads_bytes: int
     optimizer_bytes: int
     peak_bytes: int | None = None  # live tensor bytes at the peak of one training step
+    resident_bytes: int | None = None  # the process's resident memory (RSS) after that step
+    nvme_bytes: int | None = None  # this rank's offload files on NVMe then (deepspeed engine)
 
     @property
     def model_state_bytes(self) -> int:
@@ -31,6 +35,20 @@ class RankMemory:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "model_state_bytes": self.model_state_bytes}
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set size now (Linux /proc; None elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def files_bytes(folder: Path) -> int:
+    """Bytes of the regular files below `folder` (0 if it does not exist)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int] | None = None) -> int:
@@ -58,16 +76,21 @@ def optimizer_states(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
 
 def count_params(model: nn.Module) -> int:
     """The whole model's parameter count, whatever the sharding (tied weights once)."""
-    return sum(p.numel() for p in model.parameters())  # DTensor.numel() is the global size
+    # DTensor.numel() is the global size; DeepSpeed's ZeRO-3 keeps a partitioned one's in ds_numel.
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> RankMemory:
+def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer,
+                         master_copies: bool = False) -> RankMemory:
+    """`master_copies`: the optimizer steps copies of the parameters (DeepSpeed's fp32 partitions),
+    which count as optimizer state. A ZeRO-3 partitioned parameter holds its partition in ds_tensor."""
     params = list(model.parameters())
+    masters = [p for g in optimizer.param_groups for p in g["params"]] if master_copies else []
     return RankMemory(
         num_params=count_params(model),
-        params_bytes=storage_bytes(params),
+        params_bytes=storage_bytes(getattr(p, "ds_tensor", p) for p in params),
         grads_bytes=storage_bytes(p.grad for p in params),
-        optimizer_bytes=storage_bytes(optimizer_states(optimizer)),
+        optimizer_bytes=storage_bytes([*optimizer_states(optimizer), *masters]),
     )
 
 

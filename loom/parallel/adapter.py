@@ -37,6 +37,11 @@ class ModelAdapter:
     def init_weights(self, model: nn.Module, seed: int) -> None:
         raise NotImplementedError  # only adapters with meta_init
 
+    def initial_value(self, model: nn.Module, seed: int, name: str, shape: tuple[int, ...]):
+        """One parameter's whole initial value (meta_init adapters): what init_weights writes, for an
+        engine that holds the parameter partitioned and writes it one at a time."""
+        raise NotImplementedError
+
     def apply_tensor_parallel(self, model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         raise ConfigError(f"no tensor-parallel plan for {type(model).__name__}; set parallel.tp=1, or give a "
                           f"ModelAdapter whose apply_tensor_parallel() parallelizes it")

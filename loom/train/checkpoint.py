@@ -45,6 +45,7 @@ from loom.config import Config, load_config_text, to_toml
 from loom.errors import LoomError
 from loom.files import atomic_write, fsync_dir
 from loom.models.gpt.config import preset
+from loom.parallel import deepspeed_engine
 from loom.parallel.zero1 import is_zero1, local_optimizer, owned_states
 from loom.train import faults, safe_load
 
@@ -242,7 +243,10 @@ class Checkpointer:
         self.wait()  # one write in flight at a time
         tmp = self.root / f"{TMP_PREFIX}{step_name(step)}"
         tmp.mkdir(parents=True, exist_ok=True)
-        flat, _, _ = _state(model, optimizer, self.d)
+        if deepspeed_engine.is_engine(model):
+            flat = deepspeed_engine.full_states(model, optimizer, self.d.rank, self.d.world_size)
+        else:
+            flat, _, _ = _state(model, optimizer, self.d)
         (tmp / f"rng_rank{self.d.rank}.json").write_text(json.dumps(_rng_state()))
         if self.d.is_main:
             meta = {**meta, "step": step, "scheduler": scheduler.state_dict(),
@@ -350,6 +354,9 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
     saves (every rank's, gathered), each a tensor of the same dtype and global shape."""
     meta = read_meta(path)
     check_resumable(meta, cfg, path)
+    if deepspeed_engine.is_engine(model):
+        _load_deepspeed(path, model, optimizer, d)
+        return _restore_schedule_and_rng(path, meta, optimizer, scheduler, d)
     flat, held, names = _state(model, optimizer, d)
     mine = {k: (v.dtype, tuple(v.shape)) for k, v in flat.items()}
     everyone: list[dict] = [{} for _ in range(d.world_size)]
@@ -370,6 +377,24 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
             for key in states:
                 states[key] = flat[f"optim.{names.to_ckpt(name)}.{key}"]
         set_optimizer_state_dict(model, optimizer, osd)
+    return _restore_schedule_and_rng(path, meta, optimizer, scheduler, d)
+
+
+def _load_deepspeed(path: Path, engine, optimizer, d) -> None:
+    """The deepspeed engine reads whole tensors (every rank all of them: its fragments come from
+    them) and writes them into its partitions."""
+    expected = deepspeed_engine.checkpoint_entries(engine)
+    metadata = safe_load.read_metadata(path)
+    safe_load.check_entries(path, metadata, expected)
+    tensors = {k: torch.empty(shape, dtype=dtype) for k, (dtype, shape) in expected.items()}
+    try:
+        dcp.load(tensors, storage_reader=safe_load.SafeReader(path, metadata), planner=safe_load.SafePlanner())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is the same advice
+        raise _damaged(path, e) from None
+    deepspeed_engine.load_full_states(engine, optimizer, tensors)
+
+
+def _restore_schedule_and_rng(path: Path, meta: dict, optimizer, scheduler, d) -> dict:
     scheduler.load_state_dict(_scheduler_state(path, meta["scheduler"], scheduler))
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -27,8 +28,14 @@ from loom.models.registry import adapter_for
 from loom.observe import flight
 from loom.observe.collectives import CollectiveCounter
 from loom.observe.profiler import StepProfiler
-from loom.observe.rank_memory import PeakMemory, RankMemory, count_params, measure_model_states
-from loom.parallel import precision
+from loom.observe.rank_memory import (
+    PeakMemory,
+    RankMemory,
+    count_params,
+    measure_model_states,
+    resident_bytes,
+)
+from loom.parallel import deepspeed_engine, precision
 from loom.parallel.apply import parallelize, uses_fsdp
 from loom.parallel.mesh import Dist, init_distributed
 from loom.plan.memory import model_state_bytes
@@ -36,7 +43,7 @@ from loom.plan.step import bubble_fraction
 from loom.train import checkpoint, faults, record
 from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
 from loom.train.optim import build_optimizer, build_scheduler
-from loom.train.step import Pipeline, build_pipeline, evaluate, train_step
+from loom.train.step import Pipeline, build_pipeline, deepspeed_train_step, evaluate, train_step
 from loom.train.task import Task, gpt_task
 
 # The root module returns logits from a Linear (a view); the loss never edits them in place.
@@ -67,11 +74,16 @@ class Built:
     scaler: Any
     params: list[torch.Tensor]  # trainable parameters of this rank
     num_params: int  # of the whole model, tied weights once
+    engine_config: dict | None = None  # the deepspeed engine's final config (written to the run directory)
+    engine: str = "torch"  # "deepspeed": model is a DeepSpeedEngine, optimizer the AdamW it wraps
 
 
-def build_training(cfg: Config, d: Dist, task: Task) -> Built:
-    """The parallelized model, pipeline schedule, optimizer and LR schedule for this rank."""
+def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = None) -> Built:
+    """The parallelized model, pipeline schedule, optimizer and LR schedule for this rank.
+    `swap_dir`: where the deepspeed engine's NVMe offload swaps (a folder of this run's own)."""
     t, p = cfg.train, cfg.parallel
+    if p.engine == "deepspeed":
+        return _build_deepspeed(cfg, d, task, swap_dir)
     # The same seed on every rank gives every rank the same model (loom's GPT: on meta, initialized
     # per parameter after sharding).
     with torch.random.fork_rng():
@@ -87,6 +99,29 @@ def build_training(cfg: Config, d: Dist, task: Task) -> Built:
     params = [q for q in model.parameters() if q.requires_grad]
     scaler = precision.grad_scaler(t.precision, uses_fsdp(p), d.device)
     return Built(parts, model, pipe, optimizer, scheduler, scaler, params, num_params)
+
+
+def _build_deepspeed(cfg: Config, d: Dist, task: Task, swap_dir: Path | None) -> Built:
+    """The same model, optimizer and schedule, run by DeepSpeed's engine
+    (loom/parallel/deepspeed_engine.py)."""
+    t, p = cfg.train, cfg.parallel
+    ds = deepspeed_engine.deepspeed_config(cfg, t.batch_size // (d.dp_mesh.size() * t.grad_accum), swap_dir)
+    with torch.random.fork_rng():
+        torch.manual_seed(t.seed)
+        with deepspeed_engine.model_context(ds):
+            try:
+                model = task.model_fn(device="cpu")  # loom's GPT: built where asked, partitioned as it is built
+            except TypeError:  # a factory without a device builds on CPU itself
+                model = task.model_fn()
+    stage = ds["zero_optimization"]["stage"]
+    deepspeed_engine.initialize_weights(model, adapter_for(model), t.seed, partitioned=stage == 3)
+    optimizer = build_optimizer(model, t, p.strategy, d, engine="deepspeed",
+                                offloaded=ds["zero_optimization"].get("offload_optimizer") is not None)
+    scheduler = build_scheduler(optimizer, t)  # DeepSpeed's optimizer steps these param groups' lr
+    engine = deepspeed_engine.initialize(model, optimizer, ds, d)
+    params = [q for q in engine.module.parameters() if q.requires_grad]
+    return Built([engine], engine, None, optimizer, scheduler, None, params, count_params(model), ds,
+                 engine="deepspeed")
 
 
 def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, quiet: bool = False,
@@ -121,7 +156,8 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     torch.manual_seed(t.seed)
 
     # Setup: the model and what trains it, the resumed state, the data from the resumed step on.
-    built = build_training(cfg, d, task)
+    swap = _swap_folder(cfg, run_dir, d)
+    built = build_training(cfg, d, task, swap)
     start_step = _resume(resume, run_dir, built, cfg, d, say)
     loaders = build_loaders(cfg, task.train_data, task.eval_data, d.dp_mesh.get_local_rank(),
                             d.dp_mesh.size(), cfg.data.pin_memory and d.device.type == "cuda", start_step)
@@ -129,7 +165,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
             else None)
     plan = record.plan_run(cfg, task.shape, d) if task.shape is not None else None
     if run_dir is not None and main:
-        record.write_start(run_dir, cfg, plan)
+        record.write_start(run_dir, cfg, plan, built.engine_config)
     log = StepLog(cfg, run_dir, start_step, t.batch_size * task.tokens_per_sample, main, say)
     if say:
         _print_layout(cfg, d, task, built, loaders.micro_batch)
@@ -150,14 +186,20 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
         steady = step == start_step + 2
         with peak.track() if steady else contextlib.nullcontext(), \
                 CollectiveCounter() if steady else contextlib.nullcontext() as comm:
-            out = train_step(b.model, b.optimizer, b.scheduler, b.scaler, batches, b.params, cfg, d, b.pipe,
-                             task.loss_fn, timer, step)
+            if b.engine == "deepspeed":
+                out = deepspeed_train_step(b.model, b.scheduler, batches, cfg, d, task.loss_fn, timer, step)
+            else:
+                out = train_step(b.model, b.optimizer, b.scheduler, b.scaler, batches, b.params, cfg, d,
+                                 b.pipe, task.loss_fn, timer, step)
         phases = timer.end_step()
         if comm is not None:
             comm_seen = comm.summary()
         if step == start_step + 1:
-            memory = measure_model_states(b.model, b.optimizer)
+            memory = measure_model_states(b.model, b.optimizer, master_copies=b.engine == "deepspeed")
             memory.num_params = b.num_params
+        if steady:  # what the process holds in the steady state: in memory, and swapped to NVMe
+            memory.resident_bytes = resident_bytes()
+            memory.nvme_bytes = deepspeed_engine.rank_swap_bytes(swap, d.rank) if swap is not None else None
         log.queued(step, out, phases, step_start)
         if profiler is not None:
             profiler.step()
@@ -189,7 +231,13 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     # The first step pays for warm-up and the second for memory tracking: time the steady state after them.
     timed = log.step_times[2:] or log.step_times
     tokens_per_s = log.tokens_per_step * len(timed) / sum(timed)
-    state = _full_state_dict(b.parts) if return_state else None
+    state = None
+    if return_state:
+        state = deepspeed_engine.full_weights(b.model) if b.engine == "deepspeed" else _full_state_dict(b.parts)
+    if swap is not None:
+        dist.barrier()  # every rank is done with its swap files
+        if main:
+            shutil.rmtree(swap, ignore_errors=True)
     result = RunResult(log.losses, log.grad_norms, eval_loss, rank_memory, tokens_per_s, elapsed, state,
                        extra={"start_step": start_step, "skipped_steps": log.skipped_steps,
                               "evals": log.evals,
@@ -197,6 +245,20 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     if main:
         _finish_records(cfg, d, b, result, plan, run_dir, quiet)
     return result
+
+
+def _swap_folder(cfg: Config, run_dir: Path | None, d: Dist) -> Path | None:
+    """The deepspeed engine's NVMe offload folder for this run, empty at the start (a killed run's
+    leftovers removed)."""
+    p = cfg.parallel
+    if p.engine != "deepspeed" or "nvme" not in (p.offload_optimizer, p.offload_params):
+        return None
+    swap = deepspeed_engine.swap_folder(p.nvme_path, run_dir)
+    if d.is_main:
+        shutil.rmtree(swap, ignore_errors=True)
+        swap.mkdir(parents=True)
+    dist.barrier()
+    return swap
 
 
 def _resume(resume: str | Path | None, run_dir: Path | None, b: Built, cfg: Config, d: Dist,

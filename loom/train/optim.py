@@ -21,19 +21,26 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            # DeepSpeed's ZeRO-3 keeps a partitioned parameter's real shape in ds_shape.
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig, strategy: str, d: Dist) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, t: TrainConfig, strategy: str, d: Dist,
+                    engine: str = "torch", offloaded: bool = False) -> torch.optim.Optimizer:
     """AdamW, fused on GPUs and foreach on CPU unless `train.optimizer_impl` says; sharded over the
-    dp group when the strategy shards only the optimizer (zero1)."""
+    dp group when the strategy shards only the optimizer (zero1) on the torch engine. The deepspeed
+    engine shards it itself, and steps an offloaded optimizer with its CPU Adam (AdamW mode)."""
+    groups = param_groups(model, t.weight_decay)
+    if offloaded:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # an optional dependency: deepspeed engine only
+
+        return DeepSpeedCPUAdam(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, adamw_mode=True)
     impl = t.optimizer_impl
     if impl == "auto":
         impl = "fused" if d.device.type == "cuda" else "foreach"
     adamw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **{impl: True})
-    groups = param_groups(model, t.weight_decay)
-    if strategies.lookup(strategy).shards_optimizer_only:
+    if engine == "torch" and strategies.lookup(strategy).shards_optimizer_only:
         return build_zero1_optimizer(groups, d, **adamw)
     return torch.optim.AdamW(groups, **adamw)
 

@@ -3,6 +3,7 @@ and the report printed at its end.
 
   config.toml   the resolved config, at the start
   plan.json     the planner's prediction for this very run (bytes; time on GPUs), at the start
+  deepspeed_config.json   the deepspeed engine's config, derived and merged, at the start
   memory.json   per rank: the model states it holds, its peak, its collectives, at the end
   summary.json  losses, tokens/s, eval, the last checkpoint, measured vs planned, at the end
 """
@@ -26,11 +27,13 @@ from loom.plan.shapes import ModelShape
 from loom.train.meters import format_duration
 
 
-def write_start(run_dir: Path, cfg: Config, plan: dict | None) -> None:
+def write_start(run_dir: Path, cfg: Config, plan: dict | None, engine_config: dict | None = None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     if plan is not None:
         (run_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+    if engine_config is not None:  # the deepspeed engine's config, as it ran
+        (run_dir / "deepspeed_config.json").write_text(json.dumps(engine_config, indent=1))
 
 
 def write_end(run_dir: Path, strategy: str, shard: int, expected: float, ranks: list[dict],
@@ -146,5 +149,9 @@ def print_summary(s: dict, ranks: list[dict], strategy: str, expected: float, ru
         print(f"  rank {rank:<17} {m['params_bytes'] / mib:8.2f} {m['grads_bytes'] / mib:8.2f} "
               f"{m['optimizer_bytes'] / mib:7.2f} {m['model_state_bytes'] / mib:14.2f}   "
               f"measured/formula {ratio:.3f}        {peak}")
+    held = [(r, m["resident_bytes"], m.get("nvme_bytes")) for r, m in enumerate(ranks) if m.get("resident_bytes")]
+    if held:  # where the rest of a rank's states live: process memory, and NVMe when offloaded there
+        print("resident (RSS) after step 2 (MiB): " + ", ".join(
+            f"rank {r} {rss / mib:.1f}" + (f" + {nvme / mib:.1f} on NVMe" if nvme else "") for r, rss, nvme in held))
     if run_dir is not None:
         print(f"run directory: {run_dir}")

@@ -112,6 +112,39 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
     return StepValues(global_loss, grad_norm, skipped, lr, data_wait)
 
 
+def deepspeed_train_step(engine, scheduler, batches, cfg: Config, d: Dist, loss_fn,
+                         timer: PhaseTimer | None = None, step: int = 0) -> StepValues:
+    """The same step run by DeepSpeed's engine: it scales each micro-batch's loss by 1/grad_accum
+    in backward, reduces and partitions the gradients, and at the last micro-batch clips and
+    steps, skipping a step whose gradients are not finite (every rank alike). The LR schedule is
+    loom's, stepped here as on the torch engine."""
+    t = cfg.train
+    timer = timer or PhaseTimer(d.device)
+    loss_sum = torch.zeros((), device=d.device)
+    data_wait = 0.0
+    for micro in range(t.grad_accum):
+        wait_start = time.perf_counter()
+        with timer.phase("data"):
+            batch = next(batches).to(d.device, non_blocking=True)
+        data_wait += time.perf_counter() - wait_start
+        with timer.phase("forward"):
+            loss = faults.after_forward(step, d.rank, loss_fn(engine, batch))
+        with timer.phase("backward"):
+            engine.backward(loss)
+        loss_sum += loss.detach().float()
+        if micro < t.grad_accum - 1:
+            engine.step()  # not the boundary: DeepSpeed only counts the micro-batch
+    global_loss = global_mean(loss_sum / t.grad_accum, d.world_size)
+    lr = scheduler.get_last_lr()[0]
+    with timer.phase("optimizer"):
+        engine.step()
+        scheduler.step()
+    norm = engine.get_global_grad_norm()
+    grad_norm = torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32).to(d.device)
+    skipped = torch.tensor(0.0 if engine.was_step_applied() else 1.0, device=d.device)
+    return StepValues(global_loss, grad_norm, skipped, lr, data_wait)
+
+
 def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t, pipe: Pipeline | None,
                     loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Unscale, clip, step (unless the loss or grad norm is NaN/Inf) and advance the schedule.

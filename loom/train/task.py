@@ -30,7 +30,9 @@ class Task:
     """What `train` trains. Any nn.Module works for the data-parallel strategies; TP/PP need a
     plan (an adapter: loom/parallel/adapter.py)."""
 
-    model_fn: Callable[[], nn.Module]  # called on every rank with the same seed (meta device for loom's GPT)
+    # Called on every rank with the same seed: model_fn(), or model_fn(device="cpu") by the deepspeed
+    # engine's ZeRO-3, which partitions the model as it is built (loom's GPT: the meta device by default).
+    model_fn: Callable[..., nn.Module]
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, batch) -> mean loss
     train_data: Dataset  # items of equal shape; the default collate stacks them
     eval_data: Dataset | None = None
@@ -54,7 +56,7 @@ def gpt_task(cfg: Config) -> Task:
     tokens, vocab = load_data(cfg)
     train_set, eval_set = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
     gpt_cfg = model_config(cfg, vocab)
-    return Task(model_fn=lambda: build_model(gpt_cfg, device="meta"), loss_fn=next_token_loss,
+    return Task(model_fn=lambda device="meta": build_model(gpt_cfg, device=device), loss_fn=next_token_loss,
                 train_data=train_set, eval_data=eval_set, tokens_per_sample=cfg.data.seq_len,
                 description=f"GPT {gpt_cfg.n_layers}L d{gpt_cfg.d_model}",
                 shape=from_gpt_config(gpt_cfg, cfg.model.preset))

@@ -104,6 +104,10 @@ class Ctx:
     request: pytest.FixtureRequest
 
     @property
+    def monkeypatch(self) -> pytest.MonkeyPatch:
+        return self.request.getfixturevalue("monkeypatch")
+
+    @property
     def ckpt_run(self) -> Path:
         """A real run directory with checkpoints/step_2 (made once per module, read-only to cases)."""
         return self.request.getfixturevalue("checkpoint_run")
@@ -430,6 +434,91 @@ def _(c: Ctx) -> str:
 @case("parallel-zero1-tp-fp16")
 def _(c: Ctx) -> str:
     return c.config("parallel.strategy=zero1", "parallel.tp=2", "train.precision=fp16", world=2)
+
+
+@case("engine-unknown")
+def _(c: Ctx) -> str:
+    return c.config("parallel.engine=megatron")
+
+
+@case("engine-offload-on-torch")
+def _(c: Ctx) -> str:
+    return c.config("parallel.offload_optimizer=cpu")
+
+
+DS = ("parallel.engine=deepspeed",)
+
+
+@case("engine-deepspeed-missing")
+def _(c: Ctx) -> str:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    c.monkeypatch.setattr(importlib.util, "find_spec",
+                          lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    return c.config(*DS)
+
+
+@case("engine-deepspeed-hsdp")
+def _(c: Ctx) -> str:
+    return c.config(*DS, "parallel.strategy=hsdp")
+
+
+@case("engine-deepspeed-tp")
+def _(c: Ctx) -> str:
+    return c.config(*DS, "parallel.tp=2", world=2)
+
+
+@case("engine-deepspeed-fsdp-offload")
+def _(c: Ctx) -> str:
+    return c.config(*DS, "parallel.offload=cpu")
+
+
+@case("engine-offload-optimizer-ddp")
+def _(c: Ctx) -> str:
+    return c.config(*DS, "parallel.strategy=ddp", "parallel.offload_optimizer=cpu")
+
+
+@case("engine-offload-params-zero2")
+def _(c: Ctx) -> str:
+    return c.config(*DS, "parallel.strategy=zero2", "parallel.offload_params=cpu")
+
+
+@case("engine-nvme-no-path")
+def _(c: Ctx) -> str:
+    return c.config(*DS, "parallel.offload_optimizer=nvme")
+
+
+@case("engine-nvme-not-writable")
+def _(c: Ctx) -> str:
+    return c.config(*DS, "parallel.offload_optimizer=nvme", 'parallel.nvme_path="/proc/loom"')
+
+
+@case("engine-nvme-no-libaio")
+def _(c: Ctx) -> str:
+    import ctypes.util
+
+    c.monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    return c.config(*DS, "parallel.offload_optimizer=nvme", f'parallel.nvme_path="{c.tmp}"')
+
+
+@case("engine-deepspeed-config-missing")
+def _(c: Ctx) -> str:
+    return c.config(*DS, 'parallel.deepspeed_config="nope.json"')
+
+
+@case("engine-deepspeed-config-json")
+def _(c: Ctx) -> str:
+    bad = c.tmp / "ds.json"
+    bad.write_text('{"zero_optimization": ')
+    return c.config(*DS, f'parallel.deepspeed_config="{bad}"')
+
+
+@case("engine-deepspeed-config-unknown-key")
+def _(c: Ctx) -> str:
+    bad = c.tmp / "ds.json"
+    bad.write_text('{"zero_optimization": {"stagee": 2}}')
+    return c.config(*DS, f'parallel.deepspeed_config="{bad}"')
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,9 @@ class GPTAdapter(ModelAdapter):
     def init_weights(self, model: nn.Module, seed: int) -> None:
         model.init_weights(seed)
 
+    def initial_value(self, model: nn.Module, seed: int, name: str, shape: tuple[int, ...]):
+        return model.initial_value(seed, name, shape)
+
     def apply_tensor_parallel(self, model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         apply_tensor_parallel(model, tp_mesh, sequence_parallel)
 

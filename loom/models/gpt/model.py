@@ -159,19 +159,11 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Initialize every parameter from (seed, its name) alone, so any sharding gives the same values."""
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         dtensor_cls = _dtensor_class()
         if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight  # `to_empty` gives each module its own copy
         for raw_name, param in self.named_parameters():  # dedups tied weights: initialized once
-            name = _plain_name(raw_name)
-            full = torch.empty(param.shape, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                full.fill_(1.0)
-            else:
-                # Residual-branch outputs are scaled down so the residual stream's variance stays O(1).
-                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-                full.normal_(0.0, std, generator=_generator(seed, name))
+            full = self.initial_value(seed, raw_name, tuple(param.shape))
             if dtensor_cls is not None and isinstance(param, dtensor_cls):
                 from torch.distributed.tensor import distribute_tensor
 
@@ -182,6 +174,17 @@ class GPT(nn.Module):
             else:
                 param.copy_(full)
         self.rope = self._rope_tables(self.rope.device)
+
+    def initial_value(self, seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The whole initial value of parameter `name`, from (seed, name) alone: norms' gains 1,
+        every matrix N(0, 0.02), residual-branch outputs scaled down so the residual stream's
+        variance stays O(1)."""
+        name = _plain_name(name)
+        full = torch.empty(shape, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            return full.fill_(1.0)
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+        return full.normal_(0.0, std, generator=_generator(seed, name))
 
 
 def build_model(cfg: GPTConfig, device: torch.device | str = "meta") -> GPT:
