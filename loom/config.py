@@ -312,7 +312,8 @@ def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
     return ParallelDims(dp_replicate=p.dp_replicate, dp_shard=shard, tp=tp, pp=pp)
 
 
-def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -> ParallelDims:
+def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
+             this_machine: bool = True) -> ParallelDims:
     """Check every value and their combinations for `world_size` ranks; returns the dp layout."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
     _choice("parallel.strategy", p.strategy, (*strategies.STRATEGIES, *strategies.ALIASES))
@@ -369,6 +370,7 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1] (the final LR as a "
                           f"fraction of train.lr), e.g. --set train.min_lr_ratio=0.1")
+    _check_engine(p, this_machine)
     if p.offload != "none":
         if not strategies.lookup(p.strategy).shards_params:
             raise ConfigError(
@@ -382,7 +384,6 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
             raise ConfigError(
                 "parallel.offload = 'cpu' uses FSDP2's CPUOffloadPolicy, which needs an accelerator, "
                 "and this run is on CPU only; set parallel.offload=none")
-    _check_engine(p)
     if t.device == "cuda" and cuda_available is False:
         raise ConfigError("train.device = 'cuda' but no CUDA device is visible; set train.device=cpu or auto")
     dims = resolve_dims(p, world_size)
@@ -406,41 +407,49 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None) -
     return dims
 
 
-def _check_engine(p: ParallelConfig) -> None:
+def _check_engine(p: ParallelConfig, this_machine: bool) -> None:
     """What each engine runs: offload to the host or NVMe of optimizer or parameters alone is
-    DeepSpeed's; DeepSpeed here runs data parallelism (ZeRO 0-3), not TP, PP or hybrid sharding."""
+    DeepSpeed's; DeepSpeed here runs data parallelism (ZeRO 0-3), not TP, PP or hybrid sharding.
+    `this_machine`: also check what the run needs here (DeepSpeed, libaio, the NVMe folder, the
+    JSON file); `loom plan --emit` writes configs for other machines."""
     s = strategies.lookup(p.strategy)
     if p.engine == "torch":
         for key in ("offload_optimizer", "offload_params"):
             if getattr(p, key) != "none":
                 raise ConfigError(f"parallel.{key} = '{getattr(p, key)}' is DeepSpeed's offload; set "
-                                  f"parallel.engine=deepspeed (the torch engine offloads with parallel.offload)")
+                                  f"parallel.engine=deepspeed (the torch engine offloads with "
+                                  f"parallel.offload)")
         return
-    if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError('parallel.engine = \'deepspeed\' needs DeepSpeed, which is not installed; run '
-                          '`pip install -e ".[deepspeed]"` or set parallel.engine=torch')
+    if this_machine and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError('parallel.engine = \'deepspeed\' needs DeepSpeed, which is not installed; '
+                          'install it with pip install -e ".[deepspeed]" or set parallel.engine=torch')
     if s.deepspeed_stage is None:
         raise ConfigError(f"parallel.strategy = '{p.strategy}' has no DeepSpeed equivalent here; use zero3 "
                           f"with parallel.engine=deepspeed, or parallel.engine=torch")
     if p.tp > 1 or p.pp > 1:
-        raise ConfigError(f"parallel.engine = 'deepspeed' runs data parallelism (ZeRO 0-3) only, not tp = {p.tp}, "
-                          f"pp = {p.pp}; set parallel.tp=1 and parallel.pp=1, or parallel.engine=torch")
+        raise ConfigError(f"parallel.engine = 'deepspeed' runs data parallelism (ZeRO 0-3) only, not "
+                          f"tp = {p.tp}, pp = {p.pp}; set parallel.tp=1 and parallel.pp=1, or "
+                          f"parallel.engine=torch")
     if p.offload != "none":
-        raise ConfigError("parallel.offload is the torch engine's (FSDP2); with parallel.engine=deepspeed set "
-                          "parallel.offload_optimizer and/or parallel.offload_params instead")
+        raise ConfigError("parallel.offload is the torch engine's (FSDP2); with parallel.engine=deepspeed "
+                          "set parallel.offload_optimizer and/or parallel.offload_params instead")
     if p.offload_optimizer != "none" and s.deepspeed_stage == 0:
-        raise ConfigError(f"parallel.offload_optimizer = '{p.offload_optimizer}' needs ZeRO 1-3 (DeepSpeed offloads "
-                          f"the partitioned optimizer states); set parallel.strategy=zero1, zero2 or zero3")
+        raise ConfigError(f"parallel.offload_optimizer = '{p.offload_optimizer}' needs ZeRO 1-3 (DeepSpeed "
+                          f"offloads the partitioned optimizer states); set parallel.strategy=zero1, zero2 "
+                          f"or zero3")
     if p.offload_params != "none" and s.deepspeed_stage != 3:
-        raise ConfigError(f"parallel.offload_params = '{p.offload_params}' needs zero3 (only ZeRO-3 partitions "
-                          f"the parameters); set parallel.strategy=zero3 or parallel.offload_params=none")
+        raise ConfigError(f"parallel.offload_params = '{p.offload_params}' needs zero3 (only ZeRO-3 "
+                          f"partitions the parameters); set parallel.strategy=zero3 or "
+                          f"parallel.offload_params=none")
     nvme = "nvme" in (p.offload_optimizer, p.offload_params)
     if nvme and not p.nvme_path:
         raise ConfigError("NVMe offload needs parallel.nvme_path, a directory on a local NVMe disk, e.g. "
                           "--set parallel.nvme_path=/local_nvme/loom")
+    if not this_machine:
+        return
     if nvme and ctypes.util.find_library("aio") is None:
-        raise ConfigError("NVMe offload reads and writes through libaio, which is not installed; run "
-                          "`apt-get install libaio-dev` (Debian/Ubuntu) or offload to cpu")
+        raise ConfigError("NVMe offload reads and writes through libaio, which is not installed; install it "
+                          "with apt-get install libaio-dev (Debian/Ubuntu) or offload to cpu")
     if nvme:
         path = Path(p.nvme_path).expanduser()
         if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
@@ -456,7 +465,8 @@ def _check_engine(p: ParallelConfig) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"parallel.deepspeed_config {path} is not valid JSON ({e}); fix it") from None
         if not isinstance(user, dict):
-            raise ConfigError(f"parallel.deepspeed_config {path} must hold a JSON object of DeepSpeed settings")
+            raise ConfigError(f"parallel.deepspeed_config {path} must hold a JSON object of DeepSpeed "
+                              f"settings")
         _check_zero_section(path, user.get("zero_optimization"))
 
 
@@ -473,7 +483,8 @@ def _check_zero_section(path: Path, zero: object) -> None:
     except ValidationError as e:
         error = e.errors()[0]
         where = ".".join(str(x) for x in ("zero_optimization", *error["loc"]))
-        what = "is not a DeepSpeed setting" if error["type"] == "extra_forbidden" else f"is invalid: {error['msg']}"
+        what = ("is not a DeepSpeed setting" if error["type"] == "extra_forbidden"
+                else f"is invalid: {error['msg']}")
         raise ConfigError(f"parallel.deepspeed_config {path}: {where} {what}; see DeepSpeed's config "
                           f"documentation for the section's keys") from None
 

@@ -81,11 +81,10 @@ def count_params(model: nn.Module) -> int:
 
 
 def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer,
-                         master_copies: bool = False) -> RankMemory:
-    """`master_copies`: the optimizer steps copies of the parameters (DeepSpeed's fp32 partitions),
-    which count as optimizer state. A ZeRO-3 partitioned parameter holds its partition in ds_tensor."""
+                         masters: Iterable[torch.Tensor] = ()) -> RankMemory:
+    """`masters`: copies of the parameters the optimizer steps (DeepSpeed's fp32 partitions), which
+    count as optimizer state. A ZeRO-3 partitioned parameter holds its partition in ds_tensor."""
     params = list(model.parameters())
-    masters = [p for g in optimizer.param_groups for p in g["params"]] if master_copies else []
     return RankMemory(
         num_params=count_params(model),
         params_bytes=storage_bytes(getattr(p, "ds_tensor", p) for p in params),

@@ -78,7 +78,8 @@ def swap_folder(nvme_path: str, run_dir: Path | None) -> Path:
 def _merged(base: dict, override: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in override.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        both_sections = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both_sections else value
     return out
 
 
@@ -273,7 +274,8 @@ def load_full_states(engine, optimizer: torch.optim.Optimizer, tensors: dict[str
     step = max(float(t) for k, t in tensors.items() if k.endswith(".step"))
     for state in optimizer.state.values():  # Adam's step count, the same for every parameter
         old = state.get("step")
-        state["step"] = torch.tensor(step, dtype=torch.float32) if isinstance(old, torch.Tensor) else int(step)
+        state["step"] = (torch.tensor(step, dtype=torch.float32) if isinstance(old, torch.Tensor)
+                         else int(step))
 
 
 def _link_optimizer_states(engine, optimizer: torch.optim.Optimizer) -> None:
@@ -318,4 +320,23 @@ def _adam_step(optimizer: torch.optim.Optimizer) -> torch.Tensor:
 
 def rank_swap_bytes(swap: Path, rank: int) -> int:
     """This rank's offload files under the run's swap folder (DeepSpeed keeps one folder per rank)."""
-    return sum(f.stat().st_size for folder in swap.rglob(f"rank{rank}") for f in folder.rglob("*") if f.is_file())
+    return sum(f.stat().st_size for folder in swap.rglob(f"rank{rank}") for f in folder.rglob("*")
+               if f.is_file())
+
+
+def master_weights(engine) -> list[torch.Tensor]:
+    """The fp32 partitions DeepSpeed's optimizer steps (ZeRO 1-3; ZeRO-0 steps the weights)."""
+    zero = engine.optimizer
+    return list(getattr(zero, "fp32_partitioned_groups_flat", None)
+                or getattr(zero, "single_partition_of_fp32_groups", None) or [])
+
+
+def ops_to_build(ds: dict) -> list[str]:
+    """DeepSpeed's C++ ops this config loads that are not compiled yet (they compile on first use:
+    a minute or more on a small machine, which would look like a hang)."""
+    zero = ds["zero_optimization"]
+    offloads = [zero.get(k, {}).get("device") for k in ("offload_optimizer", "offload_param")]
+    needed = ["cpu_adam"] if zero.get("offload_optimizer") else []
+    needed += ["async_io"] if "nvme" in offloads else []
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return [op for op in needed if not any(root.glob(f"*/{op}/*.so"))]

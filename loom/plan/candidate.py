@@ -47,6 +47,7 @@ class Candidate:
     micro_batch: int = 1
     grad_accum: int = 1  # micro-batches per step per dp rank (the pipeline's micro-batches when pp > 1)
     sequence_parallel: bool = False
+    framework: str = "torch"  # parallel.engine: torch, or deepspeed (which offload also needs)
 
     @property
     def world(self) -> int:
@@ -69,14 +70,17 @@ class Candidate:
 
     @property
     def engine(self) -> str:
-        if self.offload in ("optimizer", "nvme"):
+        if self.framework == "deepspeed" or self.offload in ("optimizer", "nvme"):
             return "deepspeed"  # FSDP2 offloads all sharded states or none, and never to NVMe
         s = self.strategy_info
         return "zero1" if s.shards_optimizer_only else s.engine  # zero1: DDP + ZeroRedundancyOptimizer
 
     @property
     def runs_in_loom(self) -> bool:
-        return self.engine != "deepspeed"
+        """loom's deepspeed engine runs data parallelism (ZeRO 0-3, offload), not TP, PP or hsdp."""
+        if self.engine != "deepspeed":
+            return True
+        return self.tp == 1 and self.pp == 1 and self.strategy_info.deepspeed_stage is not None
 
     def label(self) -> str:
         hybrid = self.strategy_info.dp_mesh == "hybrid"

@@ -63,7 +63,7 @@ def run(args) -> tuple[Config, Plan, str | None]:
         emitted = emit_config(cfg, best)
         if shape.known and model is not None and not model.endswith(".json"):
             emitted.model.preset = model
-        validate(emitted, cluster.world_size, cuda_available=True)
+        validate(emitted, cluster.world_size, cuda_available=True, this_machine=False)
         header = (f"# loom plan: {best['label']} on {cluster.describe()}\n# run: loom train {args.emit} "
                   f"--nproc {cluster.gpus_per_node} --nnodes {cluster.nodes}\n")
         atomic_write(Path(args.emit), (header + to_toml(emitted)).encode())

@@ -22,7 +22,35 @@ RECIPES = {
     "torch": (4, 4, 8),  # fp32 params + fp32 grads + Adam m, v
     "zero": (2, 2, 12),  # ZeRO paper: fp16 params + fp16 grads + fp32 master, m, v
     "megatron": (2, 4, 12),  # Megatron/DeepSpeed keep fp32 main grads: 18 bytes/param
+    # DeepSpeed's ZeRO over fp32 model weights (loom's CPU runs): its optimizer steps an fp32 master
+    # copy of them, so the optimizer states are master + m + v.
+    "deepspeed_fp32": (4, 4, 12),
 }
+# DeepSpeed's reduce and all-gather buckets, as loom sizes them (parallel.ddp_bucket_mb, 25 MB).
+DEEPSPEED_BUCKETS = 2 * 25 * 2**20
+
+
+def deepspeed_states(strategy: str, num_params: int, shard_size: int, act_bytes: int) -> tuple[float, str]:
+    """What a rank of loom's deepspeed engine holds at rest (after a step, whose gradients DeepSpeed
+    has freed): the model's weights and the optimizer's states — ZeRO 1-3 step an fp32 master copy
+    (master, m, v: e.g. 4Ψ + 12Ψ/N for ZeRO-2 over fp32 weights), ZeRO-0 the weights themselves
+    (m, v: 12Ψ). Bytes and formula."""
+    stage = strategies.lookup(strategy).zero_stage
+    recipe = "torch" if stage == 0 else "zero" if act_bytes == 2 else "deepspeed_fp32"
+    states = model_state_bytes(strategy, num_params, shard_size, recipe, paper_stages=True)
+    p, _, o = RECIPES[recipe]
+    params, optimizer = (f"{p}Ψ/N" if stage == 3 else f"{p}Ψ"), (f"{o}Ψ/N" if stage else f"{o}Ψ")
+    text = f"{p + o}Ψ/N" if stage == 3 else f"{p + o}Ψ" if stage == 0 else f"{params} + {optimizer}"
+    return states.params + states.optimizer, text
+
+
+def engine_recipe(w, c) -> str:
+    """The bytes per parameter a candidate's engine keeps: the workload's recipe on the torch engine;
+    DeepSpeed's ZeRO (stages 1-3) keeps 16-bit weights and grads plus fp32 master, m and v (the ZeRO
+    paper's recipe), or fp32 weights and grads plus those states when the model runs in fp32."""
+    if c.engine != "deepspeed" or c.strategy_info.zero_stage == 0:
+        return w.recipe
+    return "zero" if w.act_bytes == 2 else "deepspeed_fp32"
 
 
 @dataclass(frozen=True)
@@ -105,8 +133,10 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10) -> MemoryAccount
     stage_params = shape.stage_params(stage, c.pp)
     layers = layers_of_stage(shape.n_layers, stage, c.pp) if shape.known else 0
     replicated = shape.tp_replicated_params(layers, last) if (c.tp > 1 and shape.known) else 0
-    states = model_state_bytes(c.strategy, stage_params, c.shard_size, w.recipe,
-                               paper_stages=w.recipe == "zero", tp=c.tp, tp_replicated=replicated)
+    recipe = engine_recipe(w, c)
+    deepspeed = c.engine == "deepspeed"
+    states = model_state_bytes(c.strategy, stage_params, c.shard_size, recipe,
+                               paper_stages=recipe == "zero" or deepspeed, tp=c.tp, tp_replicated=replicated)
     params, grads, optimizer = states.params, states.grads, states.optimizer
     host = nvme = 0.0
     if c.offload == "optimizer":  # ZeRO-Offload: gradients and optimizer states on the host
@@ -131,6 +161,8 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10) -> MemoryAccount
             buffers += GRAD_COMM_BYTES[w.recipe] * (stage_params - replicated) / c.tp + replicated * 4
         if c.offload != "none":
             buffers += 2 * gathered  # parameters staged in from the host
+    if deepspeed:
+        buffers += DEEPSPEED_BUCKETS
 
     activations = 0.0
     if shape.known:

@@ -210,11 +210,11 @@ def _reason(records: list[dict], best: int, cluster: Cluster, runnable: bool) ->
            f"compute {share['compute']:.0%} of the step, then {largest.replace('_', ' ')} "
            f"{share[largest]:.0%})")
     if not runnable:
-        why += ("; only DeepSpeed-engine candidates (optimizer-only or NVMe offload) fit, which loom does "
-                "not run")
+        why += ("; only candidates loom cannot run fit (DeepSpeed offload combined with TP or PP)")
     big = cluster.nodes > 1 and cluster.world_size >= 512
     if r["engine"] == "deepspeed":
-        engine = "engine: DeepSpeed, needed for optimizer-only or NVMe offload"
+        engine = ("engine: DeepSpeed (parallel.engine=deepspeed; loom runs it), needed for optimizer-only or "
+                  "NVMe offload")
     elif big:
         engine = (f"engine: {r['engine']} (loom runs it); at {cluster.world_size} GPUs across nodes the "
                   "seeds' rule also points to DeepSpeed for its mature large-scale and offload configs")
@@ -228,14 +228,20 @@ def _reason(records: list[dict], best: int, cluster: Cluster, runnable: bool) ->
 def emit_config(base, record: dict):
     """The loom Config that runs a candidate, from the user's config (model, data, batch kept)."""
     if not record["runs_in_loom"]:
-        raise ConfigError(f"{record['label']} needs the DeepSpeed engine (offload '{record['offload']}'), "
-                          f"which loom does not run; pick a candidate with offload none or optimizer+params")
+        raise ConfigError(f"{record['label']} needs DeepSpeed's offload together with TP or PP, which loom's "
+                          f"deepspeed engine does not run; pick a candidate with tp = pp = 1")
     cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel),
                               train=dataclasses.replace(base.train))
     p, t = cfg.parallel, cfg.train
     p.strategy, p.tp, p.pp = record["strategy"], record["tp"], record["pp"]
     p.sequence_parallel = record["sequence_parallel"]
     p.offload = "cpu" if record["offload"] == "optimizer+params" else "none"
+    p.engine = "deepspeed" if record["engine"] == "deepspeed" else "torch"
+    if p.engine == "deepspeed":  # ZeRO-Offload to the host, or ZeRO-Infinity to NVMe
+        p.offload_optimizer = {"optimizer": "cpu", "nvme": "nvme"}.get(record["offload"], "none")
+        p.offload_params = "nvme" if record["offload"] == "nvme" else "none"
+        if record["offload"] == "nvme":
+            p.nvme_path = p.nvme_path or "/local_nvme/loom"  # a directory on the node's NVMe disk
     p.activation_checkpointing, p.ac_every = record["activation_checkpointing"], record["ac_every"]
     if strategies.lookup(record["strategy"]).dp_mesh == "hybrid":
         p.dp_shard, p.dp_replicate = record["dp_shard"], record["dp"] // record["dp_shard"]
@@ -259,8 +265,14 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int) ->
     micro = (p.microbatches or pp) if pipelined else t.grad_accum
     per_micro = t.batch_size // (dp * (t.grad_accum * micro if pipelined else micro))
     hybrid = strategies.lookup(p.strategy).dp_mesh == "hybrid"
-    return Candidate(p.strategy, dp, tp, pp, dp_shard if hybrid else 0,
-                     "optimizer+params" if p.offload == "cpu" else "none",
+    offload = "optimizer+params" if p.offload == "cpu" else "none"
+    if p.engine == "deepspeed" and "nvme" in (p.offload_optimizer, p.offload_params):
+        offload = "nvme"
+    elif p.engine == "deepspeed" and p.offload_params != "none":
+        offload = "optimizer+params"
+    elif p.engine == "deepspeed" and p.offload_optimizer != "none":
+        offload = "optimizer"
+    return Candidate(p.strategy, dp, tp, pp, dp_shard if hybrid else 0, offload,
                      p.pp_schedule if pipelined else "none", p.pp_virtual_stages if pipelined else 1,
                      p.activation_checkpointing, p.ac_every, per_micro, micro,
-                     sequence_parallel=p.sequence_parallel and tp > 1)
+                     sequence_parallel=p.sequence_parallel and tp > 1, framework=p.engine)

@@ -388,7 +388,8 @@ def _load_deepspeed(path: Path, engine, optimizer, d) -> None:
     safe_load.check_entries(path, metadata, expected)
     tensors = {k: torch.empty(shape, dtype=dtype) for k, (dtype, shape) in expected.items()}
     try:
-        dcp.load(tensors, storage_reader=safe_load.SafeReader(path, metadata), planner=safe_load.SafePlanner())
+        dcp.load(tensors, storage_reader=safe_load.SafeReader(path, metadata),
+                 planner=safe_load.SafePlanner())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is the same advice
         raise _damaged(path, e) from None
     deepspeed_engine.load_full_states(engine, optimizer, tensors)

@@ -38,7 +38,7 @@ from loom.observe.rank_memory import (
 from loom.parallel import deepspeed_engine, precision
 from loom.parallel.apply import parallelize, uses_fsdp
 from loom.parallel.mesh import Dist, init_distributed
-from loom.plan.memory import model_state_bytes
+from loom.plan.memory import deepspeed_states, model_state_bytes
 from loom.plan.step import bubble_fraction
 from loom.train import checkpoint, faults, record
 from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
@@ -106,11 +106,15 @@ def _build_deepspeed(cfg: Config, d: Dist, task: Task, swap_dir: Path | None) ->
     (loom/parallel/deepspeed_engine.py)."""
     t, p = cfg.train, cfg.parallel
     ds = deepspeed_engine.deepspeed_config(cfg, t.batch_size // (d.dp_mesh.size() * t.grad_accum), swap_dir)
+    building = deepspeed_engine.ops_to_build(ds)
+    if building and d.is_main:
+        print(f"deepspeed: compiling its {', '.join(building)} op(s) on first use (a minute or more; "
+              f"cached in ~/.cache/torch_extensions afterwards)", flush=True)
     with torch.random.fork_rng():
         torch.manual_seed(t.seed)
         with deepspeed_engine.model_context(ds):
             try:
-                model = task.model_fn(device="cpu")  # loom's GPT: built where asked, partitioned as it is built
+                model = task.model_fn(device="cpu")  # loom's GPT: built here, partitioned as it is built
             except TypeError:  # a factory without a device builds on CPU itself
                 model = task.model_fn()
     stage = ds["zero_optimization"]["stage"]
@@ -195,7 +199,8 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
         if comm is not None:
             comm_seen = comm.summary()
         if step == start_step + 1:
-            memory = measure_model_states(b.model, b.optimizer, master_copies=b.engine == "deepspeed")
+            masters = deepspeed_engine.master_weights(b.model) if b.engine == "deepspeed" else ()
+            memory = measure_model_states(b.model, b.optimizer, masters)
             memory.num_params = b.num_params
         if steady:  # what the process holds in the steady state: in memory, and swapped to NVMe
             memory.resident_bytes = resident_bytes()
@@ -233,7 +238,8 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     tokens_per_s = log.tokens_per_step * len(timed) / sum(timed)
     state = None
     if return_state:
-        state = deepspeed_engine.full_weights(b.model) if b.engine == "deepspeed" else _full_state_dict(b.parts)
+        deepspeed = b.engine == "deepspeed"
+        state = deepspeed_engine.full_weights(b.model) if deepspeed else _full_state_dict(b.parts)
     if swap is not None:
         dist.barrier()  # every rank is done with its swap files
         if main:
@@ -379,6 +385,10 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
     # TP splits every matrix; only the norms' gains stay whole on each TP rank.
     tp_replicated = sum(q.numel() for q in b.params if q.ndim == 1) if p.tp > 1 else 0
     expected = model_state_bytes(p.strategy, local_params, shard, tp=p.tp, tp_replicated=tp_replicated).total
+    formula = strategies.lookup(p.strategy).formula
+    if b.engine == "deepspeed":
+        act_bytes = 4 if cfg.train.precision == "fp32" else 2
+        expected, formula = deepspeed_states(p.strategy, b.num_params, shard, act_bytes)
     summary = record.build_summary(cfg, result, expected, dp, shard)
     last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
     summary.update(start_step=result.extra["start_step"], skipped_steps=result.extra["skipped_steps"],
@@ -386,10 +396,10 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
     if plan is not None:
         summary["measured_vs_planned"] = record.measured_vs_planned(result.memory, plan)
     if run_dir is not None:
-        record.write_end(run_dir, p.strategy, shard, expected, result.memory, summary)
+        record.write_end(run_dir, p.strategy, formula, shard, expected, result.memory, summary)
     if quiet:
         return
-    record.print_summary(summary, result.memory, p.strategy, expected, run_dir)
+    record.print_summary(summary, result.memory, formula, expected, run_dir)
     if plan is not None:
         record.print_measured_vs_planned(summary["measured_vs_planned"])
     if last is not None:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from loom import strategies
 from loom.config import Config, to_toml
 from loom.parallel.mesh import Dist
 from loom.plan.comm import comm_per_step
@@ -36,10 +35,10 @@ def write_start(run_dir: Path, cfg: Config, plan: dict | None, engine_config: di
         (run_dir / "deepspeed_config.json").write_text(json.dumps(engine_config, indent=1))
 
 
-def write_end(run_dir: Path, strategy: str, shard: int, expected: float, ranks: list[dict],
+def write_end(run_dir: Path, strategy: str, formula: str, shard: int, expected: float, ranks: list[dict],
               summary: dict) -> None:
     (run_dir / "memory.json").write_text(json.dumps(
-        {"strategy": strategy, "formula": strategies.lookup(strategy).formula, "shard_size": shard,
+        {"strategy": strategy, "formula": formula, "shard_size": shard,
          "expected_model_state_bytes": expected,
          "ranks": {str(r): m for r, m in enumerate(ranks)}}, indent=2))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -136,22 +135,24 @@ def build_summary(cfg: Config, r, expected: float, dp: int, shard: int) -> dict:
     }
 
 
-def print_summary(s: dict, ranks: list[dict], strategy: str, expected: float, run_dir: Path | None) -> None:
+def print_summary(s: dict, ranks: list[dict], formula: str, expected: float, run_dir: Path | None) -> None:
     mib = 2**20
     eval_text = f", eval {s['eval_loss']:.4f}" if s["eval_loss"] is not None else ""
     print(f"\ndone: {s['steps']} steps in {format_duration(s['elapsed_s'])}, loss {s['first_loss']:.4f} → "
           f"{s['final_loss']:.4f}{eval_text}, {s['tokens_per_s']:,.0f} tokens/s")
     print(f"memory per rank (MiB)   params    grads   optim   model states   formula "
-          f"{strategies.lookup(strategy).formula} = {expected / mib:.2f}   peak in step")
+          f"{formula} = {expected / mib:.2f}   peak in step")
     for rank, m in enumerate(ranks):
         peak = f"{m['peak_bytes'] / mib:8.2f}" if m["peak_bytes"] is not None else "     n/a"
         ratio = m["model_state_bytes"] / expected
         print(f"  rank {rank:<17} {m['params_bytes'] / mib:8.2f} {m['grads_bytes'] / mib:8.2f} "
               f"{m['optimizer_bytes'] / mib:7.2f} {m['model_state_bytes'] / mib:14.2f}   "
               f"measured/formula {ratio:.3f}        {peak}")
-    held = [(r, m["resident_bytes"], m.get("nvme_bytes")) for r, m in enumerate(ranks) if m.get("resident_bytes")]
+    held = [(r, m["resident_bytes"], m.get("nvme_bytes")) for r, m in enumerate(ranks)
+            if m.get("resident_bytes")]
     if held:  # where the rest of a rank's states live: process memory, and NVMe when offloaded there
         print("resident (RSS) after step 2 (MiB): " + ", ".join(
-            f"rank {r} {rss / mib:.1f}" + (f" + {nvme / mib:.1f} on NVMe" if nvme else "") for r, rss, nvme in held))
+            f"rank {r} {rss / mib:.1f}" + (f" + {nvme / mib:.1f} on NVMe" if nvme else "")
+            for r, rss, nvme in held))
     if run_dir is not None:
         print(f"run directory: {run_dir}")

@@ -120,11 +120,27 @@ def test_search_prefers_fitting_and_emits_runnable_config(tmp_path, capsys):
         assert getattr(again, key) == best[key], key
 
 
-def test_emit_refuses_deepspeed_only_candidate():
+def test_emit_refuses_deepspeed_offload_under_tp_or_pp():
     cfg = load_config(None)
-    record = {"runs_in_loom": False, "label": "zero3 offload nvme", "offload": "nvme"}
-    with pytest.raises(Exception, match="needs the DeepSpeed engine"):
+    record = {"runs_in_loom": False, "label": "zero3 tp2 offload nvme", "offload": "nvme"}
+    with pytest.raises(Exception, match="needs DeepSpeed's offload together with TP or PP"):
         emit_config(cfg, record)
+
+
+@pytest.mark.parametrize("offload, optimizer, params",
+                         [("optimizer", "cpu", "none"), ("nvme", "nvme", "nvme")])
+def test_emit_writes_a_deepspeed_engine_config(tmp_path, offload, optimizer, params):
+    """The seeds' 70B on 8×80 GB fits with the optimizer offloaded: --emit writes a config for loom's
+    deepspeed engine (NVMe: a placeholder nvme_path to point at the node's disk)."""
+    plan = search(Workload(from_params(70e9), 4096, 64, "bf16", "zero"), Cluster(lookup("H100-SXM"), 8, 1))
+    record = next(r for r in plan.candidates if r["offload"] == offload and r["tp"] == r["pp"] == 1
+                  and r["strategy"] == "zero3")
+    assert record["engine"] == "deepspeed" and record["runs_in_loom"]
+    cfg = emit_config(load_config(None), record)
+    p = cfg.parallel
+    assert (p.engine, p.strategy) == ("deepspeed", "zero3")
+    assert (p.offload_optimizer, p.offload_params) == (optimizer, params)
+    assert p.offload == "none" and (p.nvme_path != "") == (offload == "nvme")
 
 
 def test_every_dimension_is_searched():
