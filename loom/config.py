@@ -74,7 +74,8 @@ class ParallelConfig:
     ddp_bucket_mb: float = 25.0
     ddp_static_graph: bool = False
     reshard_after_forward: bool | None = None  # None = by strategy: zero2 False, zero3/hsdp True
-    fsdp_prefetch: int = 1  # blocks all-gathered ahead in forward and backward
+    fsdp_unit_mb: float = 25.0  # FSDP2: consecutive modules share a unit up to this size (0: one each)
+    fsdp_prefetch: int = 1  # units all-gathered ahead in forward and backward
     pp: int = 1  # pipeline stages (outermost mesh dim)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     pp_virtual_stages: int = 1  # interleaved: stages per pipeline rank
@@ -335,6 +336,9 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
     _positive("data.seq_len", d.seq_len)
     _positive("parallel.ac_every", p.ac_every)
     _positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb, 0.001)
+    if p.fsdp_unit_mb < 0:
+        raise ConfigError(f"parallel.fsdp_unit_mb = {p.fsdp_unit_mb} must be ≥ 0 (0: no grouping of "
+                          f"modules into FSDP units), e.g. 25")
     _positive("data.prefetch_factor", d.prefetch_factor)
     _positive("train.keep_last", t.keep_last)
     _positive("train.collective_timeout_s", t.collective_timeout_s, 0.001)

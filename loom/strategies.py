@@ -82,3 +82,21 @@ ALIASES = {"fsdp": "zero3", "zero0": "ddp"}
 def lookup(name: str) -> Strategy:
     """The strategy a (validated) config names, aliases resolved."""
     return STRATEGIES[ALIASES.get(name, name)]
+
+
+
+def fsdp_units(sizes: list[int], unit_mb: float) -> list[int]:
+    """How many consecutive modules (given their parameter counts, in order) each FSDP unit holds:
+    enough that a unit carries at least `unit_mb` of fp32 parameters (parallel.fsdp_unit_mb; 0:
+    one module each; the last unit may hold less). Every all-gather and reduce-scatter has a fixed
+    cost, so small modules are grouped, as DDP and DeepSpeed bucket their gradients; the blocks of
+    a billion-parameter model are each a unit already."""
+    if unit_mb <= 0:
+        return [1] * len(sizes)
+    units, count, held = [], 0, 0
+    for n in sizes:
+        count, held = count + 1, held + 4 * n
+        if held >= unit_mb * 2**20:
+            units.append(count)
+            count = held = 0
+    return units + ([count] if count else [])

@@ -94,8 +94,8 @@ def diagnose(analysis: dict, config: dict | None = None) -> list[dict]:
                    > kinds.get("all_reduce", 0.0))
         if sharded:
             knob, value = "parallel.fsdp_prefetch", (f"{int(par.get('fsdp_prefetch', 1)) + 1} (gather the "
-                                                     "next blocks earlier); or parallel.strategy=zero2 to "
-                                                     "keep parameters gathered through backward")
+                                                     "next FSDP units earlier); or parallel.strategy=zero2 "
+                                                     "to keep parameters gathered through backward")
         else:
             bucket = par.get("ddp_bucket_mb", 25.0)
             knob, value = "parallel.ddp_bucket_mb", (f"{max(bucket / 2, 1):g} (now {bucket:g}): smaller "

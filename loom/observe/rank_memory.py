@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from loom import heap
 from loom.parallel.mesh import local_view
 from loom.parallel.zero1 import local_optimizer
 
@@ -38,7 +39,10 @@ class RankMemory:
 
 
 def resident_bytes() -> int | None:
-    """This process's resident set size now (Linux /proc; None elsewhere)."""
+    """This process's resident set size now (Linux /proc; None elsewhere), after the allocator has
+    returned its free pages: what the process holds, not what glibc keeps cached (which depends on
+    the order of earlier frees and would hide, e.g., optimizer states moved to NVMe)."""
+    heap.release_free_memory()
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import hashlib
 import json
 import os
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from loom import strategies
+from loom import heap, strategies
 from loom.config import Config
 from loom.parallel.adapter import ModelAdapter
 from loom.parallel.mesh import Dist
@@ -100,26 +99,13 @@ def _building_partitioned(init):
     the freed whole weights in the heap (its mmap threshold grows after the first large free), so
     the process would still grow by about the whole model: while building, allocations of 1 MB and
     more are mapped and go back to the system when freed; afterwards, glibc's usual ceiling."""
-    libc = _glibc()
-    if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    heap.map_allocations_from(1 << 20)
     try:
         with init:
             yield
     finally:
-        if libc is not None:
-            libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
-            libc.malloc_trim(0)
-
-
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-
-
-def _glibc():
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): the allocator's own behaviour
-        return None
+        heap.map_allocations_from(None)
+        heap.release_free_memory()
 
 
 def join_process_group() -> None:

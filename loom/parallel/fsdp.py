@@ -26,7 +26,10 @@ def reshard_after_forward(p: ParallelConfig) -> bool:
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], p: ParallelConfig, precision: str,
                d: Dist) -> nn.Module:
-    """Shard each block as one FSDP unit, the embedding and the head as their own, then the root."""
+    """Shard the model in units of parallel.fsdp_unit_mb: consecutive modules in forward order (the
+    embedding, the blocks, norm + head) share a unit, then the root takes what no unit holds (tied
+    embeddings: a weight cannot live in two units). When one unit would hold every module, the
+    root is that unit."""
     # hsdp, and ddp/zero1 under TP: replicate over dp_replicate, shard over dp_shard (1 for ddp)
     two_d = strategies.lookup(p.strategy).dp_mesh in ("hybrid", "replicate")
     mesh = d.mesh[("dp_replicate", "dp_shard")] if two_d else d.mesh["dp_shard"]
@@ -36,32 +39,42 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], p: ParallelConfig, pre
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
     if p.offload == "cpu":
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    for block in blocks:
-        fully_shard(block, **kwargs)
-    _shard_embeddings_and_head(model, kwargs)
-    fully_shard(model, **kwargs)
-    _set_prefetch(blocks, p.fsdp_prefetch)
+    entries, head = _in_forward_order(model, blocks)
+    sizes = [sum(q.numel() for m in entry for q in m.parameters()) for entry in entries]
+    counts = strategies.fsdp_units(sizes, p.fsdp_unit_mb)
+    units = []
+    for count in counts if len(counts) > 1 else ():
+        group, entries = [m for entry in entries[:count] for m in entry], entries[count:]
+        # The head is needed first in backward: its unit stays unsharded after forward.
+        keep = {"reshard_after_forward": False} if head is not None and head in group else {}
+        fully_shard(group if len(group) > 1 else group[0], **{**kwargs, **keep})
+        units.append(group[0])
+    # The last unit in forward order is the first backward needs: the root, when it is the only
+    # unit or holds tied embeddings, stays gathered too.
+    tied = head is None and getattr(model, "output", None) is not None
+    last = {"reshard_after_forward": False} if len(counts) <= 1 or tied else {}
+    fully_shard(model, **{**kwargs, **last})
+    _set_prefetch(units, p.fsdp_prefetch)
     return model
 
 
-def _shard_embeddings_and_head(model: nn.Module, kwargs: dict) -> None:
-    """Own units for the embedding and for norm + head, so a big vocabulary is not held whole
-    through the step. The head's unit is needed first in backward: keep it unsharded after forward.
-    Tied weights cannot live in two units; then the root keeps both. A pipeline stage may hold
-    either or neither."""
+def _in_forward_order(model: nn.Module,
+                      blocks: list[nn.Module]) -> tuple[list[list[nn.Module]], nn.Module | None]:
+    """The modules FSDP units are made of, in forward order: the embedding, each block, norm + head
+    (a pipeline stage may hold either or neither; tied embeddings stay with the root), and the head."""
     emb, norm, head = (getattr(model, n, None) for n in ("tok_embeddings", "norm", "output"))
     if emb is not None and head is not None and head.weight is emb.weight:
-        return
-    if emb is not None:
-        fully_shard(emb, **kwargs)
-    if norm is not None and head is not None:
-        fully_shard([norm, head], **{**kwargs, "reshard_after_forward": False})
+        return [[b] for b in blocks], None
+    first = [[emb]] if emb is not None else []
+    last = [[norm, head]] if norm is not None and head is not None else []
+    return first + [[b] for b in blocks] + last, head if last else None
 
 
-def _set_prefetch(blocks: list[nn.Module], depth: int) -> None:
-    """All-gather the next `depth` blocks ahead of time in forward and backward (overlap)."""
+def _set_prefetch(units: list[nn.Module], depth: int) -> None:
+    """All-gather the next `depth` units ahead of time in forward and backward (overlap); a unit is
+    named by its first module."""
     if depth <= 1:
-        return  # FSDP2's implicit prefetch already overlaps one block
-    for i, block in enumerate(blocks):
-        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
-        block.set_modules_to_backward_prefetch(blocks[max(i - depth, 0):i][::-1])
+        return  # FSDP2's implicit prefetch already overlaps one unit
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + depth])
+        unit.set_modules_to_backward_prefetch(units[max(i - depth, 0):i][::-1])

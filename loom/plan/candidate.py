@@ -9,8 +9,10 @@ from loom.plan.shapes import ModelShape
 
 # Where the offloadable states live. "optimizer": ZeRO-Offload (grads and optimizer states on
 # the host, parameters on the GPU); "optimizer+params": everything sharded on the host (FSDP2's
-# CPUOffloadPolicy); "nvme": ZeRO-Infinity (optimizer states and parameters on NVMe).
-OFFLOADS = ("none", "optimizer", "optimizer+params", "nvme")
+# CPUOffloadPolicy); "optimizer-nvme": ZeRO-Infinity's optimizer states on NVMe (gradients staged
+# through the host, parameters on the GPU); "nvme": ZeRO-Infinity (optimizer states and parameters
+# on NVMe).
+OFFLOADS = ("none", "optimizer", "optimizer+params", "optimizer-nvme", "nvme")
 ENGINES = {"ddp": "torch DDP", "zero1": "torch DDP + ZeroRedundancyOptimizer", "fsdp2": "torch FSDP2",
            "deepspeed": "DeepSpeed"}
 
@@ -48,6 +50,7 @@ class Candidate:
     grad_accum: int = 1  # micro-batches per step per dp rank (the pipeline's micro-batches when pp > 1)
     sequence_parallel: bool = False
     framework: str = "torch"  # parallel.engine: torch, or deepspeed (which offload also needs)
+    fsdp_unit_mb: float = 25.0  # parallel.fsdp_unit_mb: FSDP2 groups blocks into units this large
 
     @property
     def world(self) -> int:
@@ -68,9 +71,26 @@ class Candidate:
         """Replica groups of a hybrid strategy (hsdp); 1 otherwise."""
         return self.dp // self.dp_shard if self.strategy_info.dp_mesh == "hybrid" else 1
 
+    def fsdp_unit_params(self, shape: ModelShape, layers: int, first: bool = True,
+                         last: bool = True) -> list[int]:
+        """Parameters of each FSDP2 unit of a stage holding `layers` blocks (the embedding when
+        first, norm + head when last), in forward order, as loom/parallel/fsdp.py groups them: the
+        last unit is the one kept gathered after forward (the head's, or the root's)."""
+        tied = shape.tie_embeddings
+        entries = ([shape.embedding_params] if first and not tied else []) + [shape.layer_params] * layers \
+            + ([shape.head_params] if last and not tied else [])
+        units, at = [], 0
+        for count in strategies.fsdp_units(entries, self.fsdp_unit_mb):
+            units.append(sum(entries[at:at + count]))
+            at += count
+        root = shape.embedding_params + shape.head_params if tied else 0  # tied: the root holds both
+        if len(units) == 1:
+            return [units[0] + root]  # the root is the one unit
+        return units + ([root] if root else [])
+
     @property
     def engine(self) -> str:
-        if self.framework == "deepspeed" or self.offload in ("optimizer", "nvme"):
+        if self.framework == "deepspeed" or self.offload in ("optimizer", "optimizer-nvme", "nvme"):
             return "deepspeed"  # FSDP2 offloads all sharded states or none, and never to NVMe
         s = self.strategy_info
         return "zero1" if s.shards_optimizer_only else s.engine  # zero1: DDP + ZeroRedundancyOptimizer

@@ -130,17 +130,18 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
         n = c.shard_size
         shard_inter = n * c.tp > gpus_per_node
         gathered = micro_steps * param_bytes  # forward
-        if s.reshard_after_forward:  # backward again, but for the norm + head unit kept gathered
-            kept = per_param * shape.head_params / c.tp if shape.known else 0.0
+        # One collective per FSDP unit (modules grouped up to parallel.fsdp_unit_mb). The last
+        # unit (the head's, or the root's) stays gathered into backward. A pipeline stage's units
+        # differ by stage: counts unknown there.
+        units = c.fsdp_unit_params(shape, shape.n_layers) if shape.known and c.pp == 1 else None
+        if s.reshard_after_forward:  # backward again, but for the unit kept gathered
+            kept = per_param * units[-1] / c.tp if units else 0.0
             gathered += micro_steps * (param_bytes - kept)
         acc.add("all_gather", ring("all_gather", n, gathered), shard_inter)
         acc.add("reduce_scatter", ring("reduce_scatter", n, grad_bytes), shard_inter)
         if s.dp_mesh == "hybrid":  # the shards' gradients all-reduced across the replica groups
             acc.add("all_reduce", ring("all_reduce", c.replicate_size, grad_bytes / n), dp_inter)
-        # One collective per FSDP unit: the blocks, the embedding, norm + head (tied: the root
-        # holds all three). The last-gathered unit stays gathered into backward. A pipeline
-        # stage's units differ by stage: counts unknown there.
-        units = (shape.n_layers + (1 if shape.tie_embeddings else 2)) if shape.known and c.pp == 1 else None
+        units = len(units) if units else None
         backward = 1 if s.reshard_after_forward else 0
         gathers = micro_steps * (units + backward * (units - 1)) if units else None
         acc.issue("all_gather", n, gathered, gathers)

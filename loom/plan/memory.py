@@ -117,7 +117,8 @@ class MemoryAccount:
     def to_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "buffers": self.buffers,
-                "fragmentation": self.fragmentation, "model_states": self.model_states, "total": self.total}
+                "fragmentation": self.fragmentation, "model_states": self.model_states, "total": self.total,
+                "host": self.host, "nvme": self.nvme}
 
 
 def gpu_memory(w, c, fragmentation: float = 0.10) -> MemoryAccount:
@@ -138,23 +139,29 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10) -> MemoryAccount
     states = model_state_bytes(c.strategy, stage_params, c.shard_size, recipe,
                                paper_stages=recipe == "zero" or deepspeed, tp=c.tp, tp_replicated=replicated)
     params, grads, optimizer = states.params, states.grads, states.optimizer
+    buffers = 0.0
+    if deepspeed and c.offload == "none":  # DeepSpeed frees its gradient partitions after each step:
+        buffers, grads = grads, 0.0  # held during the step, not at rest (as its engine measures)
     host = nvme = 0.0
     if c.offload == "optimizer":  # ZeRO-Offload: gradients and optimizer states on the host
         host, grads, optimizer = grads + optimizer, 0.0, 0.0
     elif c.offload == "optimizer+params":
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
-    elif c.offload == "nvme":  # ZeRO-Infinity: states on NVMe, gradients staged through the host
-        nvme, host, params, grads, optimizer = params + optimizer, grads, 0.0, 0.0, 0.0
+    elif c.offload == "optimizer-nvme":  # optimizer states on NVMe, and the gradients swapped with them
+        nvme, grads, optimizer = grads + optimizer, 0.0, 0.0
+    elif c.offload == "nvme":  # ZeRO-Infinity: every state on NVMe, staged through host buffers
+        nvme, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
 
-    buffers = 0.0
     if shape.known:
         local_layer = (shape.layer_params - shape.layer_norm_params) / c.tp + shape.layer_norm_params
         gathered = w.act_bytes * local_layer  # one layer's parameters, unsharded in the compute dtype
         fsdp = c.strategy_info.engine == "fsdp2" and w.recipe == "torch"
         if fsdp and not c.strategy_info.reshard_after_forward:
             buffers += layers * gathered  # SHARD_GRAD_OP: every layer unsharded from forward to backward
-        elif fsdp:
-            buffers += gathered  # at the peak (backward's start) the next layer is being prefetched
+        elif fsdp:  # at the peak (backward's start) a unit is being prefetched: a block, or a group
+            units = c.fsdp_unit_params(shape, layers, stage == 0, last)
+            largest = units[0] if len(units) == 1 else max(units[:-1])  # one unit: the whole stage
+            buffers += max(gathered, w.act_bytes * largest / c.tp)
         if fsdp and c.grad_accum > 1:
             # Micro-steps without gradient sync accumulate the unsharded gradients (FSDP2 no_sync;
             # pipelining does the same between micro-batches): the stage's whole gradient.

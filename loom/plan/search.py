@@ -122,7 +122,7 @@ def _offloads(strategy: str) -> tuple[str, ...]:
         return ("none", "optimizer+params")
     if s.zero_stage < 3:
         return ("none", "optimizer")
-    return ("none", "optimizer", "optimizer+params", "nvme")
+    return ("none", "optimizer", "optimizer+params", "optimizer-nvme", "nvme")
 
 
 def _schedules(shape, pp: int) -> list[tuple[str, int]]:
@@ -238,9 +238,10 @@ def emit_config(base, record: dict):
     p.offload = "cpu" if record["offload"] == "optimizer+params" else "none"
     p.engine = "deepspeed" if record["engine"] == "deepspeed" else "torch"
     if p.engine == "deepspeed":  # ZeRO-Offload to the host, or ZeRO-Infinity to NVMe
-        p.offload_optimizer = {"optimizer": "cpu", "nvme": "nvme"}.get(record["offload"], "none")
+        p.offload_optimizer = {"optimizer": "cpu", "optimizer-nvme": "nvme", "nvme": "nvme"}.get(
+            record["offload"], "none")
         p.offload_params = "nvme" if record["offload"] == "nvme" else "none"
-        if record["offload"] == "nvme":
+        if "nvme" in record["offload"]:
             p.nvme_path = p.nvme_path or "/local_nvme/loom"  # a directory on the node's NVMe disk
     p.activation_checkpointing, p.ac_every = record["activation_checkpointing"], record["ac_every"]
     if strategies.lookup(record["strategy"]).dp_mesh == "hybrid":
@@ -266,8 +267,12 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int) ->
     per_micro = t.batch_size // (dp * (t.grad_accum * micro if pipelined else micro))
     hybrid = strategies.lookup(p.strategy).dp_mesh == "hybrid"
     offload = "optimizer+params" if p.offload == "cpu" else "none"
-    if p.engine == "deepspeed" and "nvme" in (p.offload_optimizer, p.offload_params):
+    if p.engine == "deepspeed" and p.offload_params == "nvme":
         offload = "nvme"
+    elif p.engine == "deepspeed" and p.offload_optimizer == "nvme" and p.offload_params == "none":
+        offload = "optimizer-nvme"
+    elif p.engine == "deepspeed" and p.offload_optimizer == "nvme":  # params on the host: the host tier
+        offload = "optimizer+params"
     elif p.engine == "deepspeed" and p.offload_params != "none":
         offload = "optimizer+params"
     elif p.engine == "deepspeed" and p.offload_optimizer != "none":
@@ -275,4 +280,5 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int) ->
     return Candidate(p.strategy, dp, tp, pp, dp_shard if hybrid else 0, offload,
                      p.pp_schedule if pipelined else "none", p.pp_virtual_stages if pipelined else 1,
                      p.activation_checkpointing, p.ac_every, per_micro, micro,
-                     sequence_parallel=p.sequence_parallel and tp > 1, framework=p.engine)
+                     sequence_parallel=p.sequence_parallel and tp > 1, framework=p.engine,
+                     fsdp_unit_mb=p.fsdp_unit_mb)

@@ -79,6 +79,6 @@ def step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]) -> Ste
         pcie = gpu.host_link_gbps * 1e9
         offload = (4 * local + 2 * local) / pcie  # fp32 gradients out, 16-bit parameters in
         offload += local / (cluster.cpu_adam_params_per_s / cluster.gpus_per_node)
-        if c.offload == "nvme":
+        if c.offload in ("optimizer-nvme", "nvme"):
             offload += 2 * 12 * local / (cluster.nvme_gbps * 1e9 / cluster.gpus_per_node)
     return StepTime(compute, recompute, bubble, exposed, offload)

@@ -96,6 +96,7 @@ def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:
             "comm_count": [m["comm_count"], plan.get("comm_count_per_step")],
             "comm_by_kind": by_kind,
             "comm_modelled_wire_bytes": [m["comm_modelled_wire_bytes"], plan["comm_bytes_per_step"]],
+            "nvme_bytes": [m.get("nvme_bytes"), planned.get("nvme", 0.0)],  # offloaded (deepspeed engine)
         })
     return rows
 
@@ -114,6 +115,8 @@ def print_measured_vs_planned(rows: list[dict]) -> None:
     for row in rows:
         keys = ("model_state_bytes", "activation_peak_bytes", "comm_payload_bytes")
         print(f"  rank {row['rank']:<18}" + "   ".join(cell(*row[k]) for k in keys))
+        if row["nvme_bytes"][0] or row["nvme_bytes"][1]:
+            print(f"    {'on NVMe':<15} {'':>13}{cell(*row['nvme_bytes'])}")
         for kind, pair in (row.get("comm_by_kind") or {}).items():
             got_n, want_n = pair["count"]
             counts = f"×{'n/a' if got_n is None else got_n} / {'?' if want_n is None else want_n}"

@@ -33,7 +33,8 @@ def _parallelized(*overrides: str):
     from loom.parallel.apply import parallelize
     from loom.parallel.mesh import init_distributed
 
-    cfg = load_config(None, ["model.preset=tiny", *overrides])
+    # One FSDP unit per block unless a case sets parallel.fsdp_unit_mb (the tiny blocks would group)
+    cfg = load_config(None, ["model.preset=tiny", "parallel.fsdp_unit_mb=0", *overrides])
     d = init_distributed(lambda world: validate(cfg, world))
     model = build_model(preset("tiny", n_layers=N_LAYERS))
     return parallelize(model, cfg, d, adapter_for(model))[0]
@@ -79,6 +80,16 @@ def _rank_structure() -> dict:
         out[f"{strategy} reshard={extra or 'default'}"] = {
             "local_shape": tuple(getattr(weight, "_local_tensor", weight).shape),
             "full_shape": tuple(weight.shape), "backward_all_gathers": _all_gathers(comm)}
+    block_mb = 4 * sum(q.numel() for q in model.layers[0].parameters()) / 2**20
+    for label, unit_mb in (("0", 0), ("1.5 blocks", 1.5 * block_mb), ("25", 25)):
+        model = _parallelized("parallel.strategy=zero3", f"parallel.fsdp_unit_mb={unit_mb}")
+        with CollectiveCounter() as forward:
+            loss = _loss(model)
+        with CollectiveCounter() as backward:
+            loss.backward()
+        out[f"unit_mb={label}"] = {
+            "forward_all_gathers": _all_gathers(forward),
+            "reduce_scatters": sum(r["kind"] == "reduce_scatter" for r in backward.records)}
     for bucket_mb in (25, 0.001):
         model = _parallelized("parallel.strategy=ddp", f"parallel.ddp_bucket_mb={bucket_mb}")
         _loss(model).backward()  # DDP's first backward uses its initial buckets, then rebuilds by the cap
@@ -133,8 +144,10 @@ def test_fsdp_prefetch_depth(structure, depth):
     if depth == 1:  # FSDP2's implicit prefetch: no explicit lists
         assert got["forward"] == [0] * N_LAYERS and got["backward"] == [0] * N_LAYERS, got
     else:
-        assert got["forward"] == [min(depth, N_LAYERS - 1 - i) for i in range(N_LAYERS)], got
-        assert got["backward"] == [min(depth, i) for i in range(N_LAYERS)], got
+        # Units in forward order: the embedding, the blocks, norm + head; block i has N_LAYERS - i
+        # units after it and i + 1 before it.
+        assert got["forward"] == [min(depth, N_LAYERS - i) for i in range(N_LAYERS)], got
+        assert got["backward"] == [min(depth, i + 1) for i in range(N_LAYERS)], got
     # Issued before block 0 computes: the embedding, block 0 and the `depth` blocks prefetched ahead.
     ahead = got["gathered_before_block0"] - structure["prefetch=1"]["gathered_before_block0"]
     assert ahead == (0 if depth == 1 else depth), got
@@ -149,6 +162,16 @@ def test_reshard_after_forward_overrides_strategy(structure, case, resharded):
     assert got["local_shape"] == ((32, 64) if resharded else (64, 64)), got
     # ... and backward all-gathers every block and the embedding again, or nothing.
     assert got["backward_all_gathers"] == (N_LAYERS + 1 if resharded else 0), got
+
+
+@pytest.mark.parametrize("case,units", [("unit_mb=0", N_LAYERS + 2), ("unit_mb=1.5 blocks", 3),
+                                        ("unit_mb=25", 1)])
+def test_fsdp_unit_mb_groups_modules(structure, case, units):
+    """Consecutive modules in forward order share one all-gather and one reduce-scatter until the
+    unit holds parallel.fsdp_unit_mb: 0 gives the embedding, each block and norm + head their own;
+    1.5 blocks' worth gives (embedding, block 0, block 1), (block 2, block 3), (norm, head); 25 MB
+    takes the whole tiny model into one unit, the root's."""
+    assert structure[case] == {"forward_all_gathers": units, "reduce_scatters": units}, structure[case]
 
 
 def test_ddp_bucket_mb_sets_all_reduces_per_backward(structure):

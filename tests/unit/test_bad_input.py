@@ -399,6 +399,11 @@ def _(c: Ctx) -> str:
     return c.config("parallel.pp=2", "parallel.microbatches=4", "train.batch_size=6", world=2)
 
 
+@case("parallel-fsdp-unit-negative")
+def _(c: Ctx) -> str:
+    return c.config("parallel.fsdp_unit_mb=-1", world=2)
+
+
 @case("parallel-degrees-world")
 def _(c: Ctx) -> str:
     return c.train("--set", "parallel.pp=2", "--set", "parallel.tp=3", nproc=4)

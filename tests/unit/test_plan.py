@@ -128,7 +128,8 @@ def test_emit_refuses_deepspeed_offload_under_tp_or_pp():
 
 
 @pytest.mark.parametrize("offload, optimizer, params",
-                         [("optimizer", "cpu", "none"), ("nvme", "nvme", "nvme")])
+                         [("optimizer", "cpu", "none"), ("optimizer-nvme", "nvme", "none"),
+                          ("nvme", "nvme", "nvme")])
 def test_emit_writes_a_deepspeed_engine_config(tmp_path, offload, optimizer, params):
     """The seeds' 70B on 8×80 GB fits with the optimizer offloaded: --emit writes a config for loom's
     deepspeed engine (NVMe: a placeholder nvme_path to point at the node's disk)."""
@@ -140,7 +141,29 @@ def test_emit_writes_a_deepspeed_engine_config(tmp_path, offload, optimizer, par
     p = cfg.parallel
     assert (p.engine, p.strategy) == ("deepspeed", "zero3")
     assert (p.offload_optimizer, p.offload_params) == (optimizer, params)
-    assert p.offload == "none" and (p.nvme_path != "") == (offload == "nvme")
+    assert p.offload == "none" and (p.nvme_path != "") == ("nvme" in offload)
+    assert config_candidate(cfg, 1, 8, 1, 1).offload == offload  # and back
+
+
+@pytest.mark.parametrize("keys, device, host, nvme", [
+    ([], "params optimizer", "", ""),  # gradients: freed after each step, a buffer of the step
+    (["parallel.offload_optimizer=cpu"], "params", "grads optimizer", ""),
+    (["parallel.offload_optimizer=nvme"], "params", "", "grads optimizer"),  # DeepSpeed swaps both
+    (["parallel.offload_optimizer=cpu", "parallel.offload_params=cpu"], "", "params grads optimizer", ""),
+    (["parallel.offload_optimizer=nvme", "parallel.offload_params=nvme"], "", "", "params grads optimizer"),
+])
+def test_deepspeed_offload_keys_plan_where_each_state_lives(keys, device, host, nvme):
+    """A deepspeed-engine config is planned with its states where the engine keeps them: at rest on
+    the device, in host memory or on NVMe (ZeRO-3 over fp32 weights: 4 + 4 + 12 bytes a parameter)."""
+    cfg = load_config(None, ["parallel.engine=deepspeed", "parallel.strategy=zero3", "train.precision=fp32",
+                             *keys])
+    c = config_candidate(cfg, 1, 2, 1, 1)
+    w = Workload(from_params(1e9), 128, 16, "fp32", "deepspeed_fp32")
+    m = gpu_memory(w, c)
+    per = {"params": 4 * 1e9 / 2, "grads": 4 * 1e9 / 2, "optimizer": 12 * 1e9 / 2}
+    assert m.params + m.grads + m.optimizer == pytest.approx(sum(per[k] for k in device.split()))
+    assert m.host == pytest.approx(sum(per[k] for k in host.split()))
+    assert m.nvme == pytest.approx(sum(per[k] for k in nvme.split()))
 
 
 def test_every_dimension_is_searched():
@@ -149,7 +172,7 @@ def test_every_dimension_is_searched():
     seen = {key: {getattr(c, key) for c in cands} for key in
             ("strategy", "offload", "tp", "pp", "schedule", "activation_checkpointing", "micro_batch")}
     assert seen["strategy"] == {"ddp", "zero1", "zero2", "zero3", "hsdp"}
-    assert seen["offload"] == {"none", "optimizer", "optimizer+params", "nvme"}
+    assert seen["offload"] == {"none", "optimizer", "optimizer+params", "optimizer-nvme", "nvme"}
     assert {1, 2, 4, 8} <= seen["tp"] and {1, 2, 4, 8} <= seen["pp"]
     assert seen["schedule"] == {"none", "gpipe", "1f1b", "interleaved"}
     assert seen["activation_checkpointing"] == {"none", "selective", "full"}
@@ -183,7 +206,8 @@ def test_plan_does_not_import_torch_and_is_fast():
 @pytest.mark.parametrize("argv,message", [
     (["--gpu", "H900"], "unknown GPU 'H900'"),
     (["--gpu", "H100-SMX"], "did you mean"),
-    (["--model", "70b", "--gpu", "RTX-4090", "--gpus-per-node", "8", "--hw", "host_memory_gb=64"],
+    (["--model", "70b", "--gpu", "RTX-4090", "--gpus-per-node", "8", "--hw", "host_memory_gb=64",
+      "--hw", "nvme_gb=500"],
      "the smallest cluster that fits is"),
     (["--set", "parallel.tp=3", "--gpus-per-node", "8"], "does not divide the world size 8"),
     (["--recipe", "fp8"], "--recipe 'fp8' is not one of torch, zero, megatron"),
