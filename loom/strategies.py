@@ -85,18 +85,18 @@ def lookup(name: str) -> Strategy:
 
 
 
-def fsdp_units(sizes: list[int], unit_mb: float) -> list[int]:
-    """How many consecutive modules (given their parameter counts, in order) each FSDP unit holds:
-    enough that a unit carries at least `unit_mb` of fp32 parameters (parallel.fsdp_unit_mb; 0:
-    one module each; the last unit may hold less). Every all-gather and reduce-scatter has a fixed
-    cost, so small modules are grouped, as DDP and DeepSpeed bucket their gradients; the blocks of
-    a billion-parameter model are each a unit already."""
-    if unit_mb <= 0:
-        return [1] * len(sizes)
-    units, count, held = [], 0, 0
-    for n in sizes:
-        count, held = count + 1, held + 4 * n
+
+def fsdp_units(items: list, sizes: list[int], unit_mb: float) -> list[list]:
+    """`items` (given their parameter counts, in forward order) grouped into FSDP units: consecutive
+    items until a unit holds at least `unit_mb` of fp32 parameters (parallel.fsdp_unit_mb; 0: one
+    item each; the last unit may hold less). Every all-gather and reduce-scatter has a fixed cost,
+    so small modules are grouped, as DDP and DeepSpeed bucket their gradients; the blocks of a
+    billion-parameter model are each a unit already."""
+    units, unit, held = [], [], 0
+    for item, n in zip(items, sizes):
+        unit.append(item)
+        held += 4 * n
         if held >= unit_mb * 2**20:
-            units.append(count)
-            count = held = 0
-    return units + ([count] if count else [])
+            units.append(unit)
+            unit, held = [], 0
+    return units + ([unit] if unit else [])

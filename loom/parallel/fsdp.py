@@ -39,35 +39,28 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], p: ParallelConfig, pre
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
     if p.offload == "cpu":
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    entries, head = _in_forward_order(model, blocks)
+    # Units in forward order: the embedding, each block, norm + head (a pipeline stage may hold
+    # either or neither). Tied embeddings stay with the root: a weight cannot live in two units.
+    emb, norm, head = (getattr(model, n, None) for n in ("tok_embeddings", "norm", "output"))
+    tied = emb is not None and head is not None and head.weight is emb.weight
+    head_unit = not tied and norm is not None and head is not None
+    entries = ([[emb]] if emb is not None and not tied else []) + [[b] for b in blocks] \
+        + ([[norm, head]] if head_unit else [])
     sizes = [sum(q.numel() for m in entry for q in m.parameters()) for entry in entries]
-    counts = strategies.fsdp_units(sizes, p.fsdp_unit_mb)
+    groups = strategies.fsdp_units(entries, sizes, p.fsdp_unit_mb)
     units = []
-    for count in counts if len(counts) > 1 else ():
-        group, entries = [m for entry in entries[:count] for m in entry], entries[count:]
-        # The head is needed first in backward: its unit stays unsharded after forward.
-        keep = {"reshard_after_forward": False} if head is not None and head in group else {}
-        fully_shard(group if len(group) > 1 else group[0], **{**kwargs, **keep})
-        units.append(group[0])
-    # The last unit in forward order is the first backward needs: the root, when it is the only
-    # unit or holds tied embeddings, stays gathered too.
-    tied = head is None and getattr(model, "output", None) is not None
-    last = {"reshard_after_forward": False} if len(counts) <= 1 or tied else {}
-    fully_shard(model, **{**kwargs, **last})
+    for i, group in enumerate(groups if len(groups) > 1 else []):
+        modules = [m for entry in group for m in entry]
+        # The last unit in forward order is the first backward needs: the head's stays gathered.
+        keep = {"reshard_after_forward": False} if head_unit and i == len(groups) - 1 else {}
+        fully_shard(modules if len(modules) > 1 else modules[0], **{**kwargs, **keep})
+        units.append(modules[0])
+    # The root holds the rest: everything when one unit would, or the tied embedding and head,
+    # which backward needs first too.
+    keep = {"reshard_after_forward": False} if len(groups) <= 1 or tied else {}
+    fully_shard(model, **{**kwargs, **keep})
     _set_prefetch(units, p.fsdp_prefetch)
     return model
-
-
-def _in_forward_order(model: nn.Module,
-                      blocks: list[nn.Module]) -> tuple[list[list[nn.Module]], nn.Module | None]:
-    """The modules FSDP units are made of, in forward order: the embedding, each block, norm + head
-    (a pipeline stage may hold either or neither; tied embeddings stay with the root), and the head."""
-    emb, norm, head = (getattr(model, n, None) for n in ("tok_embeddings", "norm", "output"))
-    if emb is not None and head is not None and head.weight is emb.weight:
-        return [[b] for b in blocks], None
-    first = [[emb]] if emb is not None else []
-    last = [[norm, head]] if norm is not None and head is not None else []
-    return first + [[b] for b in blocks] + last, head if last else None
 
 
 def _set_prefetch(units: list[nn.Module], depth: int) -> None:

@@ -79,10 +79,7 @@ class Candidate:
         tied = shape.tie_embeddings
         entries = ([shape.embedding_params] if first and not tied else []) + [shape.layer_params] * layers \
             + ([shape.head_params] if last and not tied else [])
-        units, at = [], 0
-        for count in strategies.fsdp_units(entries, self.fsdp_unit_mb):
-            units.append(sum(entries[at:at + count]))
-            at += count
+        units = [sum(unit) for unit in strategies.fsdp_units(entries, entries, self.fsdp_unit_mb)]
         root = shape.embedding_params + shape.head_params if tied else 0  # tied: the root holds both
         if len(units) == 1:
             return [units[0] + root]  # the root is the one unit

@@ -82,10 +82,8 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
     loss_sum = torch.zeros((), device=d.device)
     data_wait = 0.0
     for micro in range(t.grad_accum):
-        wait_start = time.perf_counter()
-        with timer.phase("data"):
-            batch = next(batches).to(d.device, non_blocking=True)
-        data_wait += time.perf_counter() - wait_start
+        batch, waited = _next_batch(batches, timer, d.device)
+        data_wait += waited
         if pipe is not None:
             # The stages sync gradients themselves (no_sync on all but each step's last backward).
             with timer.phase("pipeline"), autocast(cfg, d.device), loss_context(cfg.parallel.tp):
@@ -123,10 +121,8 @@ def deepspeed_train_step(engine, scheduler, batches, cfg: Config, d: Dist, loss_
     loss_sum = torch.zeros((), device=d.device)
     data_wait = 0.0
     for micro in range(t.grad_accum):
-        wait_start = time.perf_counter()
-        with timer.phase("data"):
-            batch = next(batches).to(d.device, non_blocking=True)
-        data_wait += time.perf_counter() - wait_start
+        batch, waited = _next_batch(batches, timer, d.device)
+        data_wait += waited
         with timer.phase("forward"):
             loss = faults.after_forward(step, d.rank, loss_fn(engine, batch))
         with timer.phase("backward"):
@@ -140,9 +136,17 @@ def deepspeed_train_step(engine, scheduler, batches, cfg: Config, d: Dist, loss_
         engine.step()
         scheduler.step()
     norm = engine.get_global_grad_norm()
-    grad_norm = torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32).to(d.device)
+    grad_norm = torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32, device=d.device)
     skipped = torch.tensor(0.0 if engine.was_step_applied() else 1.0, device=d.device)
     return StepValues(global_loss, grad_norm, skipped, lr, data_wait)
+
+
+def _next_batch(batches, timer: PhaseTimer, device: torch.device) -> tuple[torch.Tensor, float]:
+    """The next micro-batch on the device, and the seconds spent waiting for it."""
+    wait_start = time.perf_counter()
+    with timer.phase("data"):
+        batch = next(batches).to(device, non_blocking=True)
+    return batch, time.perf_counter() - wait_start
 
 
 def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t, pipe: Pipeline | None,
