@@ -92,7 +92,6 @@ def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool, model
     and AdamW's tensors (nothing in it is read as code; see loom/train/safe_load.py)."""
     import shutil
 
-    from loom.models.gpt.model import build_model
     from loom.train import safe_load
     from loom.train.checkpoint import check_resumable, read_meta, resolve_resume
 
@@ -112,23 +111,32 @@ def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool, model
     path = resolve_resume(resume, run_dir) if resume else None
     if path is not None:
         check_resumable(read_meta(path), cfg, path)
-        expected = safe_load.adamw_entries(build_model(model, device="meta"))
+        expected = safe_load.adamw_entries(model.build("meta"))
         safe_load.check_entries(path, safe_load.read_metadata(path), expected)
 
 
 def _preflight_data(cfg, world_size: int):
-    """Load the data once before ranks start: a missing path or a too-small corpus fails here.
-    Returns the model's GPTConfig (its vocabulary follows the data's tokenizer)."""
-    from loom.config import resolve_dims
-    from loom.data.loader import GlobalBatchSampler, split_train_eval
-    from loom.train.task import load_data, model_config
+    """Load the data once before ranks start (tokenizing fills the cache the ranks read): a missing
+    path or a too-small corpus fails here, a pretrained model's files are checked against the
+    model, and the trackers' packages are looked for. Returns the model
+    (loom.train.task.ConfigModel; a GPT's vocabulary follows the data's tokenizer)."""
+    import torch.utils.data
 
-    d = cfg.data
-    tokens, vocab = load_data(cfg)
-    train_set, _ = split_train_eval(tokens, d.seq_len, d.eval_fraction)
-    dims = resolve_dims(cfg.parallel, world_size)
-    GlobalBatchSampler(len(train_set), cfg.train.batch_size, 0, dims.dp, cfg.train.grad_accum, cfg.train.seed)
-    return model_config(cfg, vocab)
+    from loom.config import resolve_dims
+    from loom.data.loader import GlobalBatchSampler
+    from loom.data.run_data import build_run_data
+    from loom.models.pretrained import open_pretrained
+    from loom.train.task import resolve_model
+    from loom.train.tracking import require_trackers
+
+    require_trackers(cfg.train.log_to)
+    pretrained = open_pretrained(cfg.model.init_from) if cfg.model.init_from else None
+    data = build_run_data(cfg, pretrained.model_dir if pretrained is not None else None)
+    if not isinstance(data.train, torch.utils.data.IterableDataset):  # a stream has no length to check
+        dims = resolve_dims(cfg.parallel, world_size)
+        GlobalBatchSampler(len(data.train), cfg.train.batch_size, 0, dims.dp, cfg.train.grad_accum,
+                           cfg.train.seed)
+    return resolve_model(cfg, data.vocab_size, pretrained)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -211,6 +219,23 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="also trace the real model and strategy under FakeTensorMode (imports torch)")
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    """Tokenize a corpus once into sharded token files that `data.source = OUT` memory-maps."""
+    from loom.data.prepare import DEFAULT_SHARD_TOKENS, prepare
+
+    if args.format == "sft":
+        raise LoomError("loom data prepare makes text shards only; SFT data is tokenized at the start of the "
+                        "run: set data.source to the records and data.format = 'sft'")
+    shard_tokens = None if args.shard_docs else (args.shard_tokens or DEFAULT_SHARD_TOKENS)
+    index = prepare(args.source, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
+                    shard_tokens=shard_tokens, shard_docs=args.shard_docs, workers=args.workers,
+                    cache_dir=args.cache_dir)
+    print(f"{args.out}: {index['num_tokens']:,} tokens of {index['num_docs']:,} documents in "
+          f"{len(index['shards'])} shards ({index['dtype']}, vocab {index['vocab_size']:,}); train on it "
+          f"with --set data.source={args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="PyTorch-native distributed training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -237,6 +262,26 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="predict memory, communication and step time of every strategy")
     _add_plan_args(plan)
     plan.set_defaults(func=cmd_plan)
+    data = sub.add_parser("data", help="prepare training data")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser("prepare", help="tokenize a corpus once into sharded token files (resumable)")
+    prep.add_argument("source", help="text file, folder or glob, JSONL / Parquet / Arrow records, a saved "
+                                     "Hugging Face dataset, or stdlib")
+    prep.add_argument("out", type=Path, help="the folder of shards (rerun into it to resume)")
+    prep.add_argument("--tokenizer", default="byte",
+                      help="a tokenizer.json, a model folder holding one, or byte (default)")
+    prep.add_argument("--text-field", default="text", help="the records' text field (default text)")
+    size = prep.add_mutually_exclusive_group()
+    size.add_argument("--shard-tokens", type=int, default=None,
+                      help="about this many tokens a shard (default 20,000,000)")
+    size.add_argument("--shard-docs", type=int, default=None, help="exactly this many documents a shard")
+    prep.add_argument("--workers", type=int, default=None,
+                      help="tokenizing processes (default: one per CPU core)")
+    prep.add_argument("--format", choices=("text", "sft"), default="text",
+                      help="text only: SFT data is tokenized at the start of the run")
+    prep.add_argument("--cache-dir", type=Path, default=Path("~/.cache/loom"),
+                      help="where the datasets library converts records to Arrow (default ~/.cache/loom)")
+    prep.set_defaults(func=cmd_data_prepare)
     return parser
 
 

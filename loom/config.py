@@ -28,7 +28,10 @@ ENGINES = ("torch", "deepspeed")
 DEEPSPEED_OFFLOADS = ("none", "cpu", "nvme")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
 DEVICES = ("auto", "cpu", "cuda")
-TOKENIZERS = ("byte", "bpe")
+TOKENIZERS = ("auto", "byte", "bpe")  # or the path of a Hugging Face tokenizer.json
+DATA_FORMATS = ("text", "sft")
+TRACKERS = ("tensorboard", "wandb")
+WANDB_MODES = ("offline", "online")
 NONFINITE_POLICIES = ("skip", "stop")
 
 
@@ -44,12 +47,27 @@ class ModelConfig:
     ffn_hidden: int | None = None
     max_seq_len: int | None = None
     tie_embeddings: bool | None = None
+    # Start from these weights: a Hugging Face model folder (config.json + safetensors), a loom
+    # checkpoint (RUN/checkpoints/step_N) or a loom export (.safetensors). The shape comes from it.
+    init_from: str = ""
 
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # "stdlib" | text file | directory | glob | .bin token file
-    tokenizer: str = "byte"  # byte | bpe
+    # "stdlib" | text file | directory | glob | .bin token file | `loom data prepare` folder |
+    # JSONL / Parquet / Arrow file or folder | a Hugging Face dataset saved with save_to_disk
+    source: str = "stdlib"
+    # auto (the init_from folder's tokenizer.json, else byte) | byte | bpe | path of a tokenizer.json
+    tokenizer: str = "auto"
+    text_field: str = "text"  # records: the field holding the text
+    format: str = "text"  # text | sft (prompt/completion or messages; loss on the completion only)
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"  # sft: a chat as [{role, content}], through the chat template
+    # Several sources mixed by weight, e.g. [{source = "a.jsonl", weight = 3}, {source = "b", weight = 1}]
+    # (each entry may set its own text_field); replaces data.source.
+    mix: list[dict] = field(default_factory=list)
+    streaming: bool = False  # read records as a stream (corpora larger than memory)
     bpe_vocab_size: int = 2048
     bin_dtype: str = "uint16"
     seq_len: int = 128
@@ -112,6 +130,9 @@ class TrainConfig:
     ckpt_async: bool = False  # write checkpoints in the background while training goes on
     on_nonfinite: str = "skip"  # a NaN/Inf loss or gradient norm: skip the update, or stop the run
     collective_timeout_s: float = 600.0  # a collective waiting longer fails, naming who did not arrive
+    log_to: list[str] = field(default_factory=list)  # any of "tensorboard", "wandb" (rank 0 writes)
+    wandb_project: str = "loom"
+    wandb_mode: str = "offline"  # offline (no network: `wandb sync` later) | online
 
 
 @dataclass
@@ -153,6 +174,13 @@ def _did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
 
 def _coerce(path: str, value: Any, hint: Any) -> Any:
     """Check `value` against the field's type hint; ints are accepted where floats are."""
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        example = '["tensorboard"]' if item is str else '[{source = "a.jsonl", weight = 1}]'
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise ConfigError(f"{path} must be a list of {'strings' if item is str else 'tables'}, got "
+                              f"{value!r}; e.g. --set '{path}={example}'")
+        return value
     args = typing.get_args(hint)
     if type(None) in args:
         if value is None:
@@ -249,10 +277,19 @@ def to_toml(cfg: Config) -> str:
         for key, value in table.items():
             if value is None:
                 continue
-            text = ("true" if value else "false") if isinstance(value, bool) else json.dumps(value)
-            lines.append(f"{key} = {text}")
+            lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +364,15 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
     _choice("train.optimizer_impl", t.optimizer_impl, OPTIMIZER_IMPLS)
     _choice("train.device", t.device, DEVICES)
     _choice("train.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
-    _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
+    if d.tokenizer in TOKENIZERS or not d.tokenizer.endswith(".json"):
+        _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
+    elif this_machine and not Path(d.tokenizer).expanduser().is_file():
+        raise ConfigError(f"data.tokenizer = '{d.tokenizer}' does not exist; give the path of a Hugging Face "
+                          f"tokenizer.json, or auto, byte or bpe")
+    _choice("data.format", d.format, DATA_FORMATS)
+    for tracker in t.log_to:
+        _choice("train.log_to", tracker, TRACKERS)
+    _choice("train.wandb_mode", t.wandb_mode, WANDB_MODES)
     _choice("data.bin_dtype", d.bin_dtype, ("uint16", "uint32"))
     _positive("train.grad_accum", t.grad_accum)
     _positive("train.steps", t.steps)
@@ -375,6 +420,10 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
         raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1] (the final LR as a "
                           f"fraction of train.lr), e.g. --set train.min_lr_ratio=0.1")
     _check_engine(p, this_machine)
+    fixed = sorted(set(shape_overrides(cfg.model)) - {"max_seq_len"})
+    if cfg.model.init_from and fixed:
+        raise ConfigError(f"model.{fixed[0]} is set, but model.init_from = '{cfg.model.init_from}' gives the "
+                          f"model's shape; remove model.{fixed[0]} (only model.max_seq_len may change)")
     if p.offload != "none":
         if not strategies.lookup(p.strategy).shards_params:
             raise ConfigError(
@@ -491,6 +540,11 @@ def _check_zero_section(path: Path, zero: object) -> None:
                 else f"is invalid: {error['msg']}")
         raise ConfigError(f"parallel.deepspeed_config {path}: {where} {what}; see DeepSpeed's config "
                           f"documentation for the section's keys") from None
+
+
+def shape_overrides(m: ModelConfig) -> dict[str, Any]:
+    """The model shape fields the config sets over its preset (None keeps the preset's)."""
+    return {k: v for k, v in vars(m).items() if k not in ("preset", "init_from") and v is not None}
 
 
 def pipeline_microbatches(p: ParallelConfig) -> int:

@@ -78,7 +78,8 @@ def resolve_source(source: str, max_bytes: int = 8_000_000) -> list[Path] | Path
     return files
 
 
-def _load_bin(path: Path, bin_dtype: str, vocab_size: int) -> np.ndarray:
+def load_bin(path: Path, bin_dtype: str, vocab_size: int) -> np.ndarray:
+    """A .bin file of token ids, memory-mapped, checked to hold only ids below vocab_size."""
     if bin_dtype not in _BIN_DTYPES:
         raise ConfigError(f"data.bin_dtype '{bin_dtype}' is not supported; use 'uint16' or 'uint32'")
     dtype = np.dtype(_BIN_DTYPES[bin_dtype])
@@ -102,12 +103,16 @@ def load_tokens(source: str, tokenizer_kind: str = "byte", vocab_size: int = 256
     """Return (1-D token array, vocab size of the tokenizer that made it).
 
     A .bin source is memory-mapped as is, and the given vocab_size is trusted (after a range check).
+    "auto" is byte here (no model folder); records, tokenizer.json files and mixes are
+    loom/data/run_data.py's build_run_data.
     """
+    if tokenizer_kind == "auto":
+        tokenizer_kind = "byte"
     if tokenizer_kind not in ("byte", "bpe"):
         raise ConfigError(f"data.tokenizer '{tokenizer_kind}' is unknown; use 'byte' or 'bpe'")
     resolved = resolve_source(source, max_bytes)
     if isinstance(resolved, Path):
-        return _load_bin(resolved, bin_dtype, vocab_size), vocab_size
+        return load_bin(resolved, bin_dtype, vocab_size), vocab_size
 
     text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in resolved)
     if not text.strip():

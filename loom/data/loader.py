@@ -18,16 +18,27 @@ import torch.utils.data
 from loom.config import Config, pipeline_microbatches
 from loom.errors import ConfigError, LoomError
 
+IGNORE_INDEX = -100  # SFT labels where the loss does not apply (cross entropy's ignore_index)
+
 
 class TokenWindows(torch.utils.data.Dataset):
     """Non-overlapping windows of seq_len+1 tokens; item i -> LongTensor[seq_len+1]
-    (inputs = [:-1], targets = [1:])."""
+    (inputs = [:-1], targets = [1:]).
+
+    With a loss mask (SFT), item i -> LongTensor[2, seq_len+1]: row 0 the ids, row 1 the same ids
+    where the mask is set and -100 where the loss does not apply (inputs = [0, :-1], targets =
+    [1, 1:]). `tokens` (and the mask) may be anything with len() and slicing: an array, a memmap,
+    a TokenStream over shards."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, start_window: int = 0,
-                 num_windows: int | None = None) -> None:
+                 num_windows: int | None = None, loss_mask: np.ndarray | None = None) -> None:
         if seq_len < 1:
             raise ConfigError(f"data.seq_len={seq_len} must be at least 1; use e.g. 256")
+        if loss_mask is not None and len(loss_mask) != len(tokens):
+            raise LoomError(f"the loss mask has {len(loss_mask)} entries for {len(tokens)} tokens; they must "
+                            f"match")
         self.tokens = tokens
+        self.loss_mask = loss_mask
         self.seq_len = seq_len
         self.window = seq_len + 1
         total = len(tokens) // self.window
@@ -47,11 +58,15 @@ class TokenWindows(torch.utils.data.Dataset):
             raise IndexError(f"window {i} out of range 0..{self.num_windows - 1}")
         start = (self.start_window + i) * self.window
         # int64 copy: memmapped uint16/uint32 tokens cannot become a LongTensor in place.
-        return torch.from_numpy(np.asarray(self.tokens[start:start + self.window], dtype=np.int64))
+        ids = torch.from_numpy(np.asarray(self.tokens[start:start + self.window], dtype=np.int64))
+        if self.loss_mask is None:
+            return ids
+        applies = torch.from_numpy(np.asarray(self.loss_mask[start:start + self.window], dtype=np.bool_))
+        return torch.stack((ids, torch.where(applies, ids, IGNORE_INDEX)))
 
 
-def split_train_eval(tokens: np.ndarray, seq_len: int,
-                     eval_fraction: float) -> tuple[TokenWindows, TokenWindows]:
+def split_train_eval(tokens: np.ndarray, seq_len: int, eval_fraction: float,
+                     loss_mask: np.ndarray | None = None) -> tuple[TokenWindows, TokenWindows]:
     """Hold out the last windows for eval (at least one when eval_fraction > 0)."""
     if not 0.0 <= eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={eval_fraction} must be in [0, 1); use e.g. 0.05, "
@@ -65,8 +80,8 @@ def split_train_eval(tokens: np.ndarray, seq_len: int,
         raise LoomError(f"the corpus has {len(tokens)} tokens = {total} windows of {window} tokens, too few "
                         f"to train on with {n_eval} held out for eval; use a bigger corpus or smaller "
                         f"data.seq_len")
-    train = TokenWindows(tokens, seq_len, 0, total - n_eval)
-    evals = TokenWindows(tokens, seq_len, total - n_eval, n_eval)
+    train = TokenWindows(tokens, seq_len, 0, total - n_eval, loss_mask)
+    evals = TokenWindows(tokens, seq_len, total - n_eval, n_eval, loss_mask)
     return train, evals
 
 
@@ -183,11 +198,19 @@ class Loaders:
 def build_loaders(cfg: Config, train_set: torch.utils.data.Dataset, eval_set: torch.utils.data.Dataset | None,
                   dp_rank: int, dp_size: int, pin_memory: bool, start_step: int = 0) -> Loaders:
     """Every data-parallel rank reads its own disjoint slice of each global batch, from global
-    batch `start_step` on (a resumed run continues where the checkpoint stopped)."""
+    batch `start_step` on (a resumed run continues where the checkpoint stopped).
+
+    A streaming train set (an IterableDataset with `rank_batches`, loom/data/streaming.py) gives
+    each rank its micro-batches itself; the eval set is always map-style."""
     t = cfg.train
-    sampler = GlobalBatchSampler(len(train_set), t.batch_size, dp_rank, dp_size, t.grad_accum, t.seed,
-                                 start_step=start_step, num_steps=t.steps - start_step)
-    train_loader = make_loader(train_set, sampler, cfg.data.num_workers, cfg.data.prefetch_factor, pin_memory)
+    if isinstance(train_set, torch.utils.data.IterableDataset):
+        train_loader, micro = _stream_loader(cfg, train_set, dp_rank, dp_size, pin_memory, start_step)
+    else:
+        sampler = GlobalBatchSampler(len(train_set), t.batch_size, dp_rank, dp_size, t.grad_accum, t.seed,
+                                     start_step=start_step, num_steps=t.steps - start_step)
+        train_loader = make_loader(train_set, sampler, cfg.data.num_workers, cfg.data.prefetch_factor,
+                                   pin_memory)
+        micro = sampler.micro_batch
     eval_loader = None
     # Whole batches for every dp rank (and, under a pipeline, for each of its micro-batches).
     unit = dp_size * (pipeline_microbatches(cfg.parallel) if cfg.parallel.pp > 1 else 1)
@@ -196,5 +219,26 @@ def build_loaders(cfg: Config, train_set: torch.utils.data.Dataset, eval_set: to
         eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, 1, t.seed,
                                           num_steps=min(t.eval_batches, len(eval_set) // eval_batch))
         eval_loader = make_loader(eval_set, eval_sampler, 0, None, pin_memory)
-    return Loaders(train_loader, eval_loader, sampler.micro_batch)
+    return Loaders(train_loader, eval_loader, micro)
 
+
+def _stream_loader(cfg: Config, train_set: torch.utils.data.IterableDataset, dp_rank: int, dp_size: int,
+                   pin_memory: bool, start_step: int) -> tuple[torch.utils.data.DataLoader, int]:
+    t, d = cfg.train, cfg.data
+    if not hasattr(train_set, "rank_batches"):
+        raise LoomError(f"the train set {type(train_set).__name__} is an IterableDataset without "
+                        f"rank_batches(global_batch, dp_rank, dp_size, grad_accum, start_step, num_steps); "
+                        f"give a map-style Dataset or a loom.data.streaming.StreamingWindows")
+    if d.num_workers < 0:
+        raise ConfigError(f"data.num_workers={d.num_workers} must be 0 (load in the training process) or "
+                          f"more")
+    batches = train_set.rank_batches(t.batch_size, dp_rank, dp_size, t.grad_accum, start_step,
+                                     t.steps - start_step)
+    loader = torch.utils.data.DataLoader(
+        batches, batch_size=None,  # the stream yields whole micro-batches
+        num_workers=d.num_workers,
+        prefetch_factor=d.prefetch_factor if d.num_workers > 0 else None,
+        persistent_workers=d.num_workers > 0,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+    )
+    return loader, batches.micro_batch

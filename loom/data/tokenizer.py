@@ -28,6 +28,23 @@ class Tokenizer(Protocol):
     def decode(self, ids: Any) -> str: ...
 
 
+class DocumentTokenizer(Tokenizer, Protocol):
+    """What tokenizing documents (records, SFT examples, `loom data prepare`) needs of a tokenizer."""
+
+    name: str  # for messages and the run's description
+    fingerprint: str  # changes whenever the ids it gives could change (keys the token caches)
+    eos_id: int  # ends every document, so a window that crosses documents sees where one ends
+    chat_template: str | None  # a Jinja chat template (SFT `messages`), or None
+    special_tokens: dict[str, str]  # bos_token, eos_token, ... for the chat template
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id below vocab_size."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
 def default_cache_dir() -> Path:
     """Where trained tokenizers live when the caller gives no cache_dir."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -35,13 +52,25 @@ def default_cache_dir() -> Path:
 
 
 class ByteTokenizer:
-    """One token per UTF-8 byte: no training, no files, vocab of 256."""
+    """One token per UTF-8 byte: no training, no files, vocab of 256.
+
+    It has no EOS token, so documents of records end with the NUL byte (id 0), which text
+    does not contain; text files keep being joined by a newline (load_tokens).
+    """
 
     vocab_size = 256
+    name = "byte"
+    fingerprint = "byte"
+    eos_id = 0
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = {}
 
     def encode(self, text: str) -> np.ndarray:
         # frombuffer avoids a Python-level loop; uint16 leaves room for the shared token dtype.
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids: Any) -> str:
         data = np.asarray(ids, dtype=np.int64).ravel()

@@ -15,5 +15,5 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
     if isinstance(model, GPT):
         return GPTAdapter()
     if is_hf_decoder(model):
-        return HFDecoderAdapter()
+        return HFDecoderAdapter(meta_init=any(p.is_meta for p in model.parameters()))
     return ModelAdapter()

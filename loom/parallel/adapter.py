@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from loom.errors import ConfigError
+from loom.parallel.weights import WeightSource
 
 
 class ModelAdapter:
@@ -34,12 +35,15 @@ class ModelAdapter:
                               f"of identical layers); give loom a ModelAdapter whose layers() returns them")
         return best
 
-    def init_weights(self, model: nn.Module, seed: int) -> None:
+    def init_weights(self, model: nn.Module, seed: int, source: WeightSource | None = None) -> None:
+        """Write the weights of a model materialized after parallelization (meta_init adapters):
+        from `source` (pretrained weights) or the model's own initialization from `seed`; each rank
+        writes the blocks it holds (loom/parallel/weights.py)."""
         raise NotImplementedError  # only adapters with meta_init
 
-    def initial_value(self, model: nn.Module, seed: int, name: str, shape: tuple[int, ...]):
-        """One parameter's whole initial value (meta_init adapters): what init_weights writes, for an
-        engine that holds the parameter partitioned and writes it one at a time."""
+    def weight_source(self, model: nn.Module, seed: int) -> WeightSource:
+        """The model's initialization as a source (meta_init adapters), for an engine that writes
+        its partitions itself (DeepSpeed's ZeRO-3)."""
         raise NotImplementedError
 
     def apply_tensor_parallel(self, model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

@@ -24,26 +24,30 @@ from loom.parallel.ddp import apply_ddp
 from loom.parallel.fsdp import apply_fsdp
 from loom.parallel.mesh import Dist
 from loom.parallel.pipeline import rank_stages, stage_layers, validate_pipeline
+from loom.parallel.weights import WeightSource
 
 
-def parallelize(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter) -> list[nn.Module]:
+def parallelize(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter,
+                weights: WeightSource | None = None) -> list[nn.Module]:
     """Returns this rank's parallelized parts with weights on `d.device`: the whole model, or with
-    pipeline parallelism this rank's stage(s). A meta-init model (loom's GPT) arrives on the meta
-    device and is initialized after sharding; any other model arrives built (same seed on every
-    rank) and is moved and sharded."""
+    pipeline parallelism this rank's stage(s). A meta-init model (loom's GPT, a pretrained Hugging
+    Face decoder) arrives on the meta device and its weights are written after sharding, from
+    `weights` (pretrained) or its own initialization; any other model arrives built (same seed on
+    every rank) and is moved and sharded."""
     p = cfg.parallel
     if p.pp == 1:
-        return [_parallelize_part(model, cfg, d, adapter)]
+        return [_parallelize_part(model, cfg, d, adapter, weights)]
     n_layers = adapter.num_layers(model)
     validate_pipeline(n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, pipeline_microbatches(p))
     num_stages = p.pp * p.pp_virtual_stages
     layers = stage_layers(n_layers, p.pp, p.pp_virtual_stages)
     stages = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages)
-    return [_parallelize_part(adapter.pipeline_stage(model, s, num_stages, layers[s]), cfg, d, adapter)
-            for s in stages]
+    return [_parallelize_part(adapter.pipeline_stage(model, s, num_stages, layers[s]), cfg, d, adapter,
+                              weights) for s in stages]
 
 
-def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter) -> nn.Module:
+def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter,
+                      weights: WeightSource | None) -> nn.Module:
     p = cfg.parallel
     if not adapter.meta_init:
         model.to(d.device)  # built whole on every rank; sharding below frees what is not ours
@@ -59,11 +63,11 @@ def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdap
         apply_fsdp(model, blocks, p, cfg.train.precision, d)
         if adapter.meta_init:
             model.to_empty(device="cpu" if p.offload == "cpu" else d.device)
-            adapter.init_weights(model, cfg.train.seed)
+            adapter.init_weights(model, cfg.train.seed, weights)
         return model
     if adapter.meta_init:
         model.to_empty(device=d.device)
-        adapter.init_weights(model, cfg.train.seed)
+        adapter.init_weights(model, cfg.train.seed, weights)
     return apply_ddp(model, p, d)  # zero1 shards the optimizer, not the model
 
 

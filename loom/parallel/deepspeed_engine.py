@@ -20,6 +20,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from loom import heap, strategies
 from loom.config import Config
 from loom.parallel.adapter import ModelAdapter
 from loom.parallel.mesh import Dist
+from loom.parallel.weights import WeightSource, plain_name, read_flat
 from loom.parallel.zero1 import create_states
 
 
@@ -116,31 +118,35 @@ def join_process_group() -> None:
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
 
 
-def initialize_weights(model: nn.Module, adapter: ModelAdapter, seed: int, partitioned: bool) -> None:
-    """A model initialized per parameter from (seed, name) (loom's GPT): the same values as the torch
-    engine. A ZeRO-3 partition is this rank's slice of the flattened parameter (DeepSpeed pads the
-    last one): each rank writes its own slice of the whole value, one parameter at a time, with no
-    communication and nothing gathered."""
-    if not adapter.meta_init:
+def initialize_weights(model: nn.Module, adapter: ModelAdapter, seed: int, partitioned: bool,
+                       source: WeightSource | None = None) -> None:
+    """The weights from `source` (pretrained), or the model's per-parameter initialization from
+    (seed, name) (loom's GPT): the same values as the torch engine. A ZeRO-3 partition is this
+    rank's slice of the flattened parameter (DeepSpeed pads the last one): each rank reads and
+    writes its own slice, one parameter at a time, with no communication and nothing gathered."""
+    if not adapter.meta_init and source is None:
         return  # built by its own factory, the same on every rank (same seed)
     if not partitioned:
-        adapter.init_weights(model, seed)
+        adapter.init_weights(model, seed, source)
         return
+    source = source if source is not None else adapter.weight_source(model, seed)
     import deepspeed
     import torch.distributed as dist
 
     rank = dist.get_rank()
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied weight once
-            value = adapter.initial_value(model, seed, name, tuple(param.ds_shape))
+            name, shape = plain_name(name), tuple(param.ds_shape)
             part = param.ds_tensor
             if part.dim() != 1 or part.numel() == 0:  # offloaded (to NVMe): let DeepSpeed bring it in
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                    param.copy_(value)
+                    param.copy_(source.read(name, shape, (0,) * len(shape), shape))
                 continue
-            mine = value.flatten()[rank * part.numel():(rank + 1) * part.numel()]
+            numel = math.prod(shape)
+            start, stop = min(rank * part.numel(), numel), min((rank + 1) * part.numel(), numel)
             part.zero_()
-            part[:mine.numel()].copy_(mine)
+            if stop > start:
+                part[:stop - start].copy_(read_flat(source, name, shape, start, stop))
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, ds: dict, d: Dist):

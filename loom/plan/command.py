@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loom.config import Config, load_config, resolve_dims, to_toml, validate
+from loom.config import Config, load_config, resolve_dims, shape_overrides, to_toml, validate
 from loom.errors import ConfigError
 from loom.files import atomic_write
 from loom.plan.candidate import Workload
@@ -17,13 +17,20 @@ from loom.plan.shapes import ModelShape, from_hf_config, from_params, from_prese
 
 
 def model_shape(cfg, model: str | None, params: float | None) -> ModelShape:
-    """--params, else --model (a preset name or a Hugging Face config.json), else the config's model."""
+    """--params, else --model (a preset name or a Hugging Face config.json), else the config's model
+    (a pretrained folder's config.json when model.init_from names one)."""
     if params is not None:
         return from_params(params)
     if model is not None:
         return from_hf_config(model) if model.endswith(".json") else from_preset(model)
-    overrides = {k: v for k, v in vars(cfg.model).items()
-                 if k not in ("preset", "max_seq_len") and v is not None}
+    if cfg.model.init_from:
+        folder = Path(cfg.model.init_from).expanduser()
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"loom plan reads the shape of model.init_from from a Hugging Face folder's "
+                              f"config.json, which {folder} lacks; pass --model PRESET or --model FILE.json")
+        return from_hf_config(folder / "config.json")
+    overrides = shape_overrides(cfg.model)
+    overrides.pop("max_seq_len", None)
     return from_preset(cfg.model.preset, **overrides)
 
 

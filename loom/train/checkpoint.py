@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from loom.config import Config, load_config_text, to_toml
+from loom.config import Config, load_config_text, shape_overrides, to_toml
 from loom.errors import LoomError
 from loom.files import atomic_write, fsync_dir
 from loom.models.gpt.config import preset
@@ -185,7 +185,8 @@ def checkpoint_meta(cfg: Config, step: int, d, task) -> dict:
     (global batch `step` is next; the sampler gives the same one under any layout)."""
     layout = {"strategy": cfg.parallel.strategy, "world_size": d.world_size,
               "mesh": dict(zip(d.mesh.mesh_dim_names, d.mesh.shape))}
-    return {"layout": layout, "model": task.description,
+    record = {"model_config": task.model_record} if task.model_record is not None else {}
+    return {"layout": layout, "model": task.description, **record,
             "data": {"next_global_batch": step, "samples_seen": step * cfg.train.batch_size,
                      "tokens_seen": step * cfg.train.batch_size * task.tokens_per_sample,
                      "seed": cfg.train.seed}}
@@ -339,7 +340,7 @@ def check_resumable(meta: dict, cfg: Config, path: Path) -> None:
 def _model_fields(cfg: Config) -> dict:
     """The model's resolved shape settings (the preset with the config's overrides)."""
     m = cfg.model
-    overrides = {k: v for k, v in vars(m).items() if k != "preset" and v is not None}
+    overrides = shape_overrides(m)
     try:
         return asdict(preset(m.preset, **overrides))
     except LoomError:  # not one of loom's presets (a user's model): compare the settings as given
@@ -378,6 +379,29 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
                 states[key] = flat[f"optim.{names.to_ckpt(name)}.{key}"]
         set_optimizer_state_dict(model, optimizer, osd)
     return _restore_schedule_and_rng(path, meta, optimizer, scheduler, d)
+
+
+def load_weights(path: Path, model: nn.Module, d) -> None:
+    """The model's weights alone from a checkpoint (`model.init_from`): each rank reads the chunks
+    that overlap its shards; the optimizer, schedule and data position start fresh."""
+    names = _Names(model, isinstance(model, nn.ModuleList))
+    model_sd = get_model_state_dict(model)
+    flat = {f"model.{k}": v for k, v in names.rename(model_sd, True, list(model_sd)).items()}
+    everyone: list[dict] = [{} for _ in range(d.world_size)]
+    dist.all_gather_object(everyone, {k: (v.dtype, tuple(v.shape)) for k, v in flat.items()})
+    metadata = safe_load.read_metadata(path)
+    safe_load.check_entries(path, metadata, {k: v for part in everyone for k, v in part.items()}, "model.")
+    _dcp_load(path, flat, metadata)
+    for k in model_sd:
+        model_sd[k] = flat[f"model.{names.to_ckpt(k)}"]
+    set_model_state_dict(model, model_sd)
+
+
+def _dcp_load(path: Path, state: dict, metadata) -> None:
+    try:
+        dcp.load(state, storage_reader=safe_load.SafeReader(path, metadata), planner=safe_load.SafePlanner())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is the same advice
+        raise _damaged(path, e) from None
 
 
 def _load_deepspeed(path: Path, engine, optimizer, d) -> None:

@@ -38,13 +38,15 @@ from loom.observe.rank_memory import (
 from loom.parallel import deepspeed_engine, precision
 from loom.parallel.apply import parallelize, uses_fsdp
 from loom.parallel.mesh import Dist, init_distributed
+from loom.parallel.weights import TensorsSource
 from loom.plan.memory import deepspeed_states, model_state_bytes
 from loom.plan.step import bubble_fraction
 from loom.train import checkpoint, faults, record
 from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
 from loom.train.optim import build_optimizer, build_scheduler
 from loom.train.step import Pipeline, build_pipeline, deepspeed_train_step, evaluate, train_step
-from loom.train.task import Task, gpt_task
+from loom.train.task import Task, config_task
+from loom.train.tracking import Trackers, require_trackers
 
 # The root module returns logits from a Linear (a view); the loss never edits them in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -90,9 +92,12 @@ def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = Non
         torch.manual_seed(t.seed)
         user_model = task.model_fn()
     num_params = count_params(user_model)
-    parts = parallelize(user_model, cfg, d, adapter_for(user_model))
+    parts = parallelize(user_model, cfg, d, adapter_for(user_model), task.weights)
     del user_model  # a pipeline stage keeps only its layers
+    _release(task)
     model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)  # interleaved: several stages
+    if task.init_checkpoint is not None:  # model.init_from a loom checkpoint: DCP reads our chunks
+        checkpoint.load_weights(task.init_checkpoint, model, d)
     pipe = build_pipeline(parts, cfg, d) if p.pp > 1 else None
     optimizer = build_optimizer(model, t, p.strategy, d)
     scheduler = build_scheduler(optimizer, t)
@@ -118,7 +123,12 @@ def _build_deepspeed(cfg: Config, d: Dist, task: Task, swap_dir: Path | None) ->
             except TypeError:  # a factory without a device builds on CPU itself
                 model = task.model_fn()
     stage = ds["zero_optimization"]["stage"]
-    deepspeed_engine.initialize_weights(model, adapter_for(model), t.seed, partitioned=stage == 3)
+    source = task.weights
+    if task.init_checkpoint is not None:  # whole tensors on every rank: the engine's checkpoint reading too
+        source = TensorsSource(checkpoint.read_tensors(task.init_checkpoint))
+    deepspeed_engine.initialize_weights(model, adapter_for(model), t.seed, partitioned=stage == 3,
+                                        source=source)
+    _release(task)
     optimizer = build_optimizer(model, t, p.strategy, d, engine="deepspeed",
                                 offloaded=ds["zero_optimization"].get("offload_optimizer") is not None)
     scheduler = build_scheduler(optimizer, t)  # DeepSpeed's optimizer steps these param groups' lr
@@ -126,6 +136,13 @@ def _build_deepspeed(cfg: Config, d: Dist, task: Task, swap_dir: Path | None) ->
     params = [q for q in engine.module.parameters() if q.requires_grad]
     return Built([engine], engine, None, optimizer, scheduler, None, params, count_params(model), ds,
                  engine="deepspeed")
+
+
+def _release(task: Task) -> None:
+    """The pretrained files are read: unmap them."""
+    close = getattr(task.weights, "close", None)
+    if close is not None:
+        close()
 
 
 def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, quiet: bool = False,
@@ -143,12 +160,13 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     d = init_distributed(lambda world: validate(cfg, world), t.device, timeout_s=t.collective_timeout_s)
     watcher = flight.Watcher(run_dir, d) if run_dir is not None and d.world_size > 1 else None
     try:
-        return _train(cfg, d, run_dir, return_state, quiet, task or gpt_task(cfg), resume)
+        return _train(cfg, d, run_dir, return_state, quiet, task or config_task(cfg), resume)
     except (RuntimeError, dist.DistError) as e:
         if flight.is_timeout(e) and run_dir is not None:
             raise flight.timeout_error(e, run_dir, d, t.collective_timeout_s) from None
         raise
     finally:
+        Trackers.close_current(failed=True)  # after an error (a finished run has closed them)
         if watcher is not None:
             watcher.stop()
 
@@ -170,7 +188,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     plan = record.plan_run(cfg, task.shape, d) if task.shape is not None else None
     if run_dir is not None and main:
         record.write_start(run_dir, cfg, plan, built.engine_config)
-    log = StepLog(cfg, run_dir, start_step, t.batch_size * task.tokens_per_sample, main, say)
+    log = StepLog(cfg, run_dir, start_step, t.batch_size * task.tokens_per_sample, main, say, plan)
     if say:
         _print_layout(cfg, d, task, built, loaders.micro_batch)
 
@@ -225,7 +243,6 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
 
     # Finish: the final eval, every rank's measurements, the records.
     eval_loss = evaluate(b.model, loaders.eval, d, cfg, task.loss_fn, b.pipe)
-    log.close()
     memory.peak_bytes = peak.peak_bytes
     rank_memory: list[dict] = [None] * d.world_size  # type: ignore[list-item]
     # Observed: count and payload of the collectives of step 2; wire bytes only as the ring model.
@@ -233,6 +250,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
                 **{f"comm_{k}": comm_seen[k] if comm_seen else None
                    for k in ("count", "payload_bytes", "modelled_wire_bytes", "by_kind")}}
     dist.all_gather_object(rank_memory, measured)
+    log.close(eval_loss, rank_memory)  # the trackers get the final eval and memory.json's ranks
     # The first step pays for warm-up and the second for memory tracking: time the steady state after them.
     timed = log.step_times[2:] or log.step_times
     tokens_per_s = log.tokens_per_step * len(timed) / sum(timed)
@@ -249,7 +267,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
                               "evals": log.evals,
                               "checkpoint_stall_s": ckpt.stall_s if ckpt is not None else []})
     if main:
-        _finish_records(cfg, d, b, result, plan, run_dir, quiet)
+        _finish_records(cfg, d, b, result, plan, run_dir, quiet, task.from_config)
     return result
 
 
@@ -307,16 +325,20 @@ def _start_profiler(cfg: Config, run_dir: Path | None, d: Dist):
 
 
 class StepLog:
-    """Each step's values, read back one step late: metrics.jsonl, the progress bar, the losses
-    kept for the result, and the non-finite policy (every rank sees the same global values, so
-    every rank takes the same decision)."""
+    """Each step's values, read back one step late: metrics.jsonl and the trackers of
+    train.log_to (rank 0), the progress bar, the losses kept for the result, and the non-finite
+    policy (every rank sees the same global values, so every rank takes the same decision).
+    `plan`: this run's plan.json, whose MFU the trackers scale to the measured tokens/s."""
 
     def __init__(self, cfg: Config, run_dir: Path | None, start_step: int, tokens_per_step: int, main: bool,
-                 say: bool):
+                 say: bool, plan: dict | None = None):
         self.cfg, self.run_dir, self.say = cfg, run_dir, say
         self.tokens_per_step = tokens_per_step
+        if cfg.train.log_to:
+            require_trackers(cfg.train.log_to)  # every rank: a missing package stops them all alike
         self.metrics = MetricsFile(run_dir / "metrics.jsonl" if run_dir is not None and main else None,
                                    keep_through_step=start_step)
+        self.trackers = Trackers.open(cfg, run_dir, main, plan)  # None unless rank 0 and train.log_to
         self.progress = Progress(cfg.train.steps, cfg.train.log_every, enabled=say)
         self.pending: dict | None = None  # the last step's device values
         self.losses: list[float] = []
@@ -355,16 +377,28 @@ class StepLog:
         entry.update(loss=loss, grad_norm=gnorm, tokens_per_s=self.tokens_per_step / entry["step_time_s"],
                      skipped=bool(skipped), nonfinite_steps=len(self.skipped_steps), **phases)
         self.metrics.write(entry)
+        if self.trackers is not None:
+            self.trackers.step(entry, phases)
         if skipped:
             self._on_nonfinite(entry["step"], loss, gnorm)
         self.progress.update(entry["step"], loss, entry["tokens_per_s"], phase_share(phases))
 
-    def close(self) -> None:
+    def close(self, eval_loss: float | None = None, ranks: list[dict] | None = None) -> None:
+        """The end: the final eval and every rank's memory to the trackers, then close all."""
         self.metrics.close()
+        if self.trackers is not None:
+            trackers, self.trackers = self.trackers, None
+            try:
+                trackers.finish(eval_loss, ranks)
+            finally:
+                trackers.close()
 
     def _on_nonfinite(self, step: int, loss: float, gnorm: float) -> None:
         what = f"step {step}: loss {loss} and gradient norm {gnorm}"
         if self.cfg.train.on_nonfinite == "stop":
+            if self.trackers is not None:  # the run ends here: what was logged stays readable
+                self.trackers.close(failed=True)
+                self.trackers = None
             last = checkpoint.latest_checkpoint(self.run_dir) if self.run_dir is not None else None
             resume = f"; the last checkpoint is {last}" if last else ""
             raise LoomError(f"{what} are not finite; stopped (train.on_nonfinite = stop){resume}; "
@@ -376,7 +410,7 @@ class StepLog:
 
 
 def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dict | None,
-                    run_dir: Path | None, quiet: bool) -> None:
+                    run_dir: Path | None, quiet: bool, from_config: bool = True) -> None:
     """Rank 0: memory.json and summary.json, and the report printed at the end."""
     p = cfg.parallel
     dp = d.dp_mesh.size()
@@ -403,8 +437,11 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
     if plan is not None:
         record.print_measured_vs_planned(summary["measured_vs_planned"])
     if last is not None:
-        print(f"checkpoint: {last}  (continue: loom train --resume auto --out {run_dir} "
-              f"--set train.steps=N; weights: loom export {last} model.safetensors)")
+        # `loom train` rebuilds the config's model; a script's own model is rebuilt by the script.
+        again = (f"loom train --resume auto --out {run_dir} --set train.steps=N" if from_config else
+                 f"run your script again with train(cfg, Path('{run_dir}'), task=..., resume='auto') and a "
+                 f"higher train.steps")
+        print(f"checkpoint: {last}  (continue: {again}; weights: loom export {last} model.safetensors)")
 
 
 def _full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:

@@ -21,10 +21,12 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from loom.config import load_config_text
+from loom.config import load_config_text, shape_overrides
 from loom.errors import ConfigError, LoomError
 from loom.files import atomic_write
 from loom.models.gpt.config import GPTConfig, preset
+from loom.models.gpt.config import validate as validate_gpt
+from loom.models.gpt.llama_layout import hf_config, hf_state_dict
 from loom.models.gpt.model import build_model
 from loom.train import checkpoint as ckpt
 from loom.train import safe_load
@@ -32,19 +34,8 @@ from loom.train.checkpoint import CHECKPOINTS, latest_checkpoint, resolve_resume
 
 LAYOUTS = ("loom", "hf")
 HF_CONFIG = "config.json"
-# loom's GPT, recognized by these names; loom name -> Hugging Face Llama name per decoder layer.
+# loom's GPT, recognized by these names.
 GPT_KEYS = ("tok_embeddings.weight", "layers.0.attention.wq.weight")
-_HF_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
 
 
 def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> list[Path]:
@@ -62,16 +53,21 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> 
         raise LoomError(f"{path} holds no model tensors; pass a checkpoint written by `loom train`")
     # loom's GPT: exactly the entries its saved config gives, with their dtypes and shapes, checked
     # before any payload is read (another model: each entry is still checked to be a tensor).
-    gpt = gpt_config(meta, stored, path) if layout == "hf" or is_gpt(stored) else None
+    hf_model = _saved_hf_config(meta, path)  # a Hugging Face decoder trained as itself (init_from)
+    gpt = gpt_config(meta, stored, path) if (layout == "hf" and hf_model is None) or is_gpt(stored) else None
     expected = None if gpt is None else {f"model.{k}": (v.dtype, tuple(v.shape))
                                          for k, v in build_model(gpt, "meta").state_dict().items()}
     tensors = ckpt.read_tensors(path, "model.", expected)
     written = []
-    if layout == "hf":
+    if layout == "hf" and hf_model is not None:
+        config = hf_model  # already under its own names
+    elif layout == "hf":
         gpt = untie_if_trained_apart(gpt, tensors)
         tensors = hf_state_dict(tensors, gpt)
         config = hf_config(gpt, tensors["model.embed_tokens.weight"].dtype)
     metadata = {"format": "pt", "loom_step": str(meta.get("step", "")), "loom_layout": layout}
+    if gpt is not None and layout == "loom":  # what model.init_from needs to rebuild the model
+        metadata["loom_model"] = json.dumps(dataclasses.asdict(untie_if_trained_apart(gpt, tensors)))
 
     def write(tmp: Path) -> None:
         safetensors.torch.save_file(_standalone(tensors), str(tmp), metadata=metadata)
@@ -82,7 +78,29 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> 
         beside = output.parent / HF_CONFIG
         atomic_write(beside, (json.dumps(config, indent=2) + "\n").encode(), durable=True)
         written.append(beside)
+        for file in _tokenizer_files(meta):  # a folder transformers (and model.init_from) can use whole
+            copy = output.parent / file.name
+            if copy.resolve() != file.resolve():
+                atomic_write(copy, file.read_bytes(), durable=True)
+                written.append(copy)
     return written
+
+
+def _tokenizer_files(meta: dict) -> list[Path]:
+    """The run's Hugging Face tokenizer files, when they are still where the run read them: the
+    data.tokenizer file, or the model.init_from folder's."""
+    try:
+        cfg = load_config_text(meta["config"])
+    except ConfigError:
+        return []
+    if cfg.data.tokenizer.endswith(".json"):
+        folder, names = Path(cfg.data.tokenizer).expanduser().parent, (Path(cfg.data.tokenizer).name,)
+    elif cfg.data.tokenizer == "auto" and cfg.model.init_from:
+        folder, names = Path(cfg.model.init_from).expanduser(), ("tokenizer.json",)
+    else:
+        return []
+    names += ("tokenizer_config.json", "special_tokens_map.json")
+    return [folder / n for n in names if (folder / n).is_file()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +159,17 @@ def gpt_config(meta: dict, stored: dict[str, tuple[int, ...]], path: Path) -> GP
         raise LoomError(f"{path} holds a model other than loom's GPT (no {' or '.join(GPT_KEYS)}); "
                         f"--layout hf maps only loom's GPT: export it with --layout loom "
                         f"(its own parameter names)")
+    saved = meta.get("model_config")
+    if isinstance(saved, dict) and isinstance(saved.get("gpt"), dict):  # resolved at the run's start
+        try:
+            gpt = GPTConfig(**saved["gpt"])
+            validate_gpt(gpt)
+            return gpt
+        except (TypeError, ConfigError) as e:
+            raise LoomError(f"{path / 'meta.json'} is damaged (its model_config: {e}); export with "
+                            f"--layout loom") from None
     cfg = load_config_text(meta["config"], f"{path / 'meta.json'} config")
-    overrides = {k: v for k, v in vars(cfg.model).items() if k != "preset" and v is not None}
+    overrides = shape_overrides(cfg.model)
     overrides["vocab_size"] = int(stored["tok_embeddings.weight"][0])
     try:
         return preset(cfg.model.preset, **overrides)
@@ -151,58 +178,17 @@ def gpt_config(meta: dict, stored: dict[str, tuple[int, ...]], path: Path) -> GP
                         f"export with --layout loom") from None
 
 
+def _saved_hf_config(meta: dict, path: Path) -> dict | None:
+    saved = meta.get("model_config")
+    config = saved.get("hf_config") if isinstance(saved, dict) else None
+    if config is not None and not isinstance(config, dict):
+        raise LoomError(f"{path / 'meta.json'} is damaged (its model_config.hf_config is not an object)")
+    return config
+
+
 def untie_if_trained_apart(gpt: GPTConfig, tensors: dict[str, torch.Tensor]) -> GPTConfig:
     if gpt.tie_embeddings and not torch.equal(tensors["output.weight"], tensors["tok_embeddings.weight"]):
         # Configured tied, trained with two matrices (the tie was lost when the run materialized the
         # model): export the model that was trained, an untied one.
         return dataclasses.replace(gpt, tie_embeddings=False)
     return gpt
-
-
-def _rope_halves(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """Reorder each head's output rows from loom's interleaved RoPE pairs (2i, 2i+1) to Llama's
-    halves (i, i + head_dim/2): the row for rotation pair i's first element goes to i, the second to
-    i + head_dim/2. (Meta's Llama → Hugging Face permutation.)"""
-    return (w.reshape(n_heads, head_dim // 2, 2, w.shape[1]).transpose(1, 2)
-            .reshape(n_heads * head_dim, w.shape[1]))
-
-
-def hf_state_dict(tensors: dict[str, torch.Tensor], gpt: GPTConfig) -> dict[str, torch.Tensor]:
-    """loom's GPT weights under Hugging Face `LlamaForCausalLM` names (lm_head omitted when tied)."""
-    out = {"model.embed_tokens.weight": tensors["tok_embeddings.weight"]}
-    for i in range(gpt.n_layers):
-        for loom_name, hf_name in _HF_LAYER.items():
-            t = tensors[f"layers.{i}.{loom_name}"]
-            if loom_name == "attention.wq.weight":
-                t = _rope_halves(t, gpt.n_heads, gpt.head_dim)
-            elif loom_name == "attention.wk.weight":
-                t = _rope_halves(t, gpt.n_kv_heads, gpt.head_dim)
-            out[f"model.layers.{i}.{hf_name}"] = t
-    out["model.norm.weight"] = tensors["norm.weight"]
-    if not gpt.tie_embeddings:
-        out["lm_head.weight"] = tensors["output.weight"]
-    return out
-
-
-def hf_config(gpt: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A `LlamaConfig` (config.json) for the same model."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": gpt.vocab_size,
-        "hidden_size": gpt.d_model,
-        "intermediate_size": gpt.ffn_hidden,
-        "num_hidden_layers": gpt.n_layers,
-        "num_attention_heads": gpt.n_heads,
-        "num_key_value_heads": gpt.n_kv_heads,
-        "head_dim": gpt.head_dim,
-        "max_position_embeddings": gpt.max_seq_len,
-        "rope_theta": float(gpt.rope_theta),
-        "rope_scaling": None,
-        "rms_norm_eps": float(gpt.norm_eps),
-        "tie_word_embeddings": gpt.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "hidden_act": "silu",
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }

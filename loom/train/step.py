@@ -27,7 +27,7 @@ from loom.parallel.zero1 import local_optimizer
 from loom.train import faults
 from loom.train.meters import PhaseTimer
 from loom.train.optim import clip_grad_norm
-from loom.train.task import cross_entropy
+from loom.train.task import cross_entropy, split_batch
 
 
 @dataclass
@@ -46,7 +46,7 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # The schedule sums micro-batch gradients; over grad_accum steps they must average too.
-        return cross_entropy(logits, targets) / accum
+        return cross_entropy(logits, targets, masked=cfg.data.format == "sft") / accum
 
     schedule = build_schedule(parts, stage_ids, num_stages, d.mesh["pp"].get_group(), d.device,
                               p.pp_schedule, pipeline_microbatches(p), loss_fn)
@@ -87,8 +87,9 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
         if pipe is not None:
             # The stages sync gradients themselves (no_sync on all but each step's last backward).
             with timer.phase("pipeline"), autocast(cfg, d.device), loss_context(cfg.parallel.tp):
-                loss = pipeline_step(pipe.schedule, batch[:, :-1] if pipe.first else None,
-                                     batch[:, 1:] if pipe.last else None, pipe.first, pipe.last)
+                inputs, targets = split_batch(batch)
+                loss = pipeline_step(pipe.schedule, inputs if pipe.first else None,
+                                     targets if pipe.last else None, pipe.first, pipe.last)
             if loss is not None:
                 # undo 1/accum
                 loss_sum += local_view(faults.after_forward(step, d.rank, loss)) * t.grad_accum
@@ -201,8 +202,9 @@ def evaluate(model: nn.Module, loader, d: Dist, cfg: Config, loss_fn,
                 total += local_view(loss_fn(model, batch))
             else:
                 losses: list[torch.Tensor] | None = [] if pipe.last else None
-                pipe.schedule.eval(*((batch[:, :-1],) if pipe.first else ()),
-                                   target=batch[:, 1:] if pipe.last else None, losses=losses)
+                inputs, targets = split_batch(batch)
+                pipe.schedule.eval(*((inputs,) if pipe.first else ()),
+                                   target=targets if pipe.last else None, losses=losses)
                 if losses:  # each was divided by micro-batches × grad_accum (see build_pipeline)
                     total += (local_view(torch.stack([x.detach() for x in losses]).sum())
                               * cfg.train.grad_accum)

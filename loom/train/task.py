@@ -1,9 +1,11 @@
 """What is trained: a model factory, its loss and its data (a Task). `loom train` trains
-`gpt_task(cfg)`, loom's GPT on the config's corpus; the Python API takes any Task.
+`config_task(cfg)`: loom's GPT, or the pretrained model of `model.init_from`, on the config's
+data; the Python API takes any Task.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,15 +16,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from loom.config import Config, pipeline_microbatches
+from loom.config import Config, pipeline_microbatches, shape_overrides
 from loom.data.corpus import load_tokens
-from loom.data.loader import split_train_eval
+from loom.data.run_data import build_run_data
 from loom.errors import ConfigError
 from loom.models.gpt.config import GPTConfig, preset
 from loom.models.gpt.model import build_model
+from loom.models.pretrained import CHECKPOINT, Pretrained, open_pretrained
 from loom.parallel.pipeline import validate_pipeline
 from loom.parallel.tensor_parallel import check_tp_shapes
-from loom.plan.shapes import ModelShape, from_gpt_config
+from loom.parallel.weights import WeightSource
+from loom.plan.shapes import ModelShape, from_gpt_config, from_hf_config
+from loom.train import checkpoint as ckpt
+from loom.train import safe_load
 
 
 @dataclass
@@ -39,55 +45,171 @@ class Task:
     tokens_per_sample: int = 1  # for tokens/s
     description: str = "model"
     shape: ModelShape | None = None  # known to the planner: plan.json and measured-vs-planned
+    # Pretrained weights: each rank reads the blocks it holds after parallelization (a meta-device
+    # model), or a loom checkpoint that DCP loads into the built model (model.init_from).
+    weights: WeightSource | None = None
+    init_checkpoint: Path | None = None
+    # What rebuilds the model from a checkpoint (`loom export`): {"gpt": GPTConfig fields} or
+    # {"hf_config": a Hugging Face config.json}; None: the saved config's preset says it.
+    model_record: dict | None = None
+    from_config: bool = False  # the config's own model (`loom train` can rebuild it to continue)
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+IGNORE = -100  # a target without loss (a supervised example's prompt)
+
+
+def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of a batch: token windows [B, T + 1] predict their next token; supervised
+    windows [B, 2, T + 1] hold the tokens in row 0 and, in row 1, the same tokens where the loss
+    applies and IGNORE elsewhere."""
+    if batch.dim() == 3:
+        return batch[:, 0, :-1], batch[:, 1, 1:]
+    return batch[:, :-1], batch[:, 1:]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, masked: bool = False) -> torch.Tensor:
     """Mean next-token cross entropy of logits [B, T, V] against targets [B, T], in fp32 whatever
-    the compute dtype (a bf16 log-softmax over a large vocabulary loses the loss's precision)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    the compute dtype (a bf16 log-softmax over a large vocabulary loses the loss's precision).
+    `masked`: targets equal to IGNORE carry no loss (a batch with none left gives 0, not NaN)."""
+    logits, targets = logits.float().flatten(0, 1), targets.flatten()
+    if not masked:
+        return F.cross_entropy(logits, targets)
+    total = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+    return total / (targets != IGNORE).sum().clamp(min=1)
 
 
 def next_token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """A language model's loss on a batch of token windows [B, T + 1]."""
-    return cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+    """A language model's loss on a batch (see split_batch); the model returns logits, or an output
+    holding them (Hugging Face models)."""
+    inputs, targets = split_batch(batch)
+    out = model(inputs)
+    return cross_entropy(getattr(out, "logits", out), targets, masked=batch.dim() == 3)
 
 
-def gpt_task(cfg: Config) -> Task:
-    tokens, vocab = load_data(cfg)
-    train_set, eval_set = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
-    gpt_cfg = model_config(cfg, vocab)
-    return Task(model_fn=lambda device="meta": build_model(gpt_cfg, device=device), loss_fn=next_token_loss,
-                train_data=train_set, eval_data=eval_set, tokens_per_sample=cfg.data.seq_len,
-                description=f"GPT {gpt_cfg.n_layers}L d{gpt_cfg.d_model}",
-                shape=from_gpt_config(gpt_cfg, cfg.model.preset))
+def config_task(cfg: Config) -> Task:
+    """What `loom train` trains: the config's model (loom's GPT from a preset, or the pretrained
+    model `model.init_from` names) on the config's data."""
+    pretrained = open_pretrained(cfg.model.init_from) if cfg.model.init_from else None
+    data = build_run_data(cfg, pretrained.model_dir if pretrained is not None else None)
+    model = resolve_model(cfg, data.vocab_size, pretrained)
+    return Task(model_fn=model.build, loss_fn=next_token_loss, train_data=data.train, eval_data=data.eval,
+                tokens_per_sample=cfg.data.seq_len, description=f"{model.description}; {data.description}",
+                shape=model.shape, weights=model.weights(), init_checkpoint=model.checkpoint,
+                model_record=model.record(), from_config=True)
 
 
-def model_config(cfg: Config, data_vocab: int) -> GPTConfig:
-    """The preset with the config's overrides; the vocabulary must cover the data's token ids, and
-    the parallel layout must be able to split the model."""
-    m, p = cfg.model, cfg.parallel
-    overrides = {k: v for k, v in vars(m).items() if k != "preset" and v is not None}
-    if "vocab_size" not in overrides and cfg.data.tokenizer == "bpe":
-        overrides["vocab_size"] = data_vocab
-    gpt = preset(m.preset, **overrides)
-    if gpt.vocab_size < data_vocab:
-        raise ConfigError(f"model vocab_size {gpt.vocab_size} is smaller than the tokenizer's {data_vocab}; "
-                          f"set model.vocab_size={data_vocab}")
-    if p.pp > 1:
-        validate_pipeline(gpt.n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, pipeline_microbatches(p),
-                          tie_embeddings=gpt.tie_embeddings)
-    if p.tp > 1:
-        check_tp_shapes(gpt.n_heads, gpt.n_kv_heads, gpt.ffn_hidden, gpt.vocab_size, p.tp)
-    if cfg.data.seq_len > gpt.max_seq_len:
-        raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's max_seq_len "
-                          f"{gpt.max_seq_len}; lower data.seq_len or set model.max_seq_len")
+@dataclass
+class ConfigModel:
+    """The model of a config: loom's GPT (`gpt`: a preset, or a pretrained model it expresses
+    exactly) or a pretrained Hugging Face decoder (`pretrained` alone)."""
+
+    gpt: GPTConfig | None
+    pretrained: Pretrained | None
+    shape: ModelShape
+    description: str
+    checkpoint: Path | None = None  # a loom checkpoint to start from (read by DCP once built)
+
+    def build(self, device: str = "meta") -> nn.Module:
+        if self.gpt is not None:
+            return build_model(self.gpt, device=device)
+        return self.pretrained.hf_model(device)
+
+    def weights(self) -> WeightSource | None:
+        return self.pretrained.weights() if self.pretrained is not None else None
+
+    def record(self) -> dict | None:
+        if self.gpt is not None:
+            return {"gpt": dataclasses.asdict(self.gpt)}
+        return {"hf_config": self.pretrained.hf_config}
+
+
+def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = None) -> ConfigModel:
+    """The config's model, checked against the data's vocabulary and the parallel layout (and a
+    pretrained model's files against the model they must fill)."""
+    if not cfg.model.init_from:
+        gpt = model_config(cfg, data_vocab)
+        return ConfigModel(gpt, None, from_gpt_config(gpt, cfg.model.preset),
+                           f"GPT {gpt.n_layers}L d{gpt.d_model}")
+    pretrained = pretrained or open_pretrained(cfg.model.init_from)
+    checkpoint = None
+    if pretrained.kind == CHECKPOINT:
+        checkpoint = ckpt.resolve_resume(str(pretrained.path.absolute()), None)
+        pretrained.gpt = checkpoint_gpt(checkpoint)
+    if pretrained.gpt is not None:
+        gpt = model_config(cfg, data_vocab, pretrained.gpt)
+        pretrained.check(build_model(gpt, device="meta"))
+        return ConfigModel(gpt, pretrained if checkpoint is None else None,
+                           from_gpt_config(gpt, pretrained.path.name),
+                           f"GPT {gpt.n_layers}L d{gpt.d_model} from {pretrained.path}", checkpoint)
+    hf = pretrained.hf_config
+    _check_vocab(hf["vocab_size"], data_vocab, f" (model.init_from {pretrained.path})")
+    _check_layout(cfg, hf["num_hidden_layers"], hf["num_attention_heads"],
+                  hf.get("num_key_value_heads") or hf["num_attention_heads"], hf["intermediate_size"],
+                  hf["vocab_size"], hf.get("max_position_embeddings", cfg.data.seq_len),
+                  bool(hf.get("tie_word_embeddings")))
+    pretrained.check(pretrained.hf_model("meta"))
+    description = f"{hf['model_type']} {hf['num_hidden_layers']}L d{hf['hidden_size']} from {pretrained.path}"
+    return ConfigModel(None, pretrained, from_hf_config(pretrained.path / "config.json"), description)
+
+
+def checkpoint_gpt(path: Path) -> GPTConfig:
+    """The GPT a loom checkpoint holds (its saved config, the vocabulary of its embedding)."""
+    from loom.train.export import gpt_config
+
+    stored = {k.removeprefix("model."): tuple(m.size) for k, m in
+              safe_load.read_metadata(path).state_dict_metadata.items() if k.startswith("model.")}
+    return gpt_config(ckpt.read_meta(path), stored, path)
+
+
+def model_config(cfg: Config, data_vocab: int, base: GPTConfig | None = None) -> GPTConfig:
+    """The preset (or `base`, a pretrained model's shape) with the config's overrides; the
+    vocabulary must cover the data's token ids, and the parallel layout must be able to split the
+    model."""
+    m = cfg.model
+    overrides = shape_overrides(m)
+    if base is not None:
+        gpt = dataclasses.replace(base, **overrides)  # validate() allows only max_seq_len here
+    else:
+        if "vocab_size" not in overrides and cfg.data.tokenizer == "bpe":
+            overrides["vocab_size"] = data_vocab
+        gpt = preset(m.preset, **overrides)
+    _check_vocab(gpt.vocab_size, data_vocab, "" if base is None else f" (model.init_from {m.init_from})")
+    _check_layout(cfg, gpt.n_layers, gpt.n_heads, gpt.n_kv_heads, gpt.ffn_hidden, gpt.vocab_size,
+                  gpt.max_seq_len, gpt.tie_embeddings)
     return gpt
 
 
+def _check_vocab(model_vocab: int, data_vocab: int, pretrained: str) -> None:
+    if model_vocab >= data_vocab:
+        return
+    if pretrained:
+        raise ConfigError(f"the tokenizer has {data_vocab} tokens but the model's embedding has {model_vocab}"
+                          f"{pretrained}; use the model's own tokenizer (data.tokenizer = auto, its "
+                          f"folder's tokenizer.json)")
+    raise ConfigError(f"model vocab_size {model_vocab} is smaller than the tokenizer's {data_vocab}; "
+                      f"set model.vocab_size={data_vocab}")
+
+
+def _check_layout(cfg: Config, n_layers: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, vocab: int,
+                  max_seq_len: int, tied: bool) -> None:
+    p = cfg.parallel
+    if p.pp > 1:
+        validate_pipeline(n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, pipeline_microbatches(p),
+                          tie_embeddings=tied)
+    if p.tp > 1:
+        check_tp_shapes(n_heads, n_kv_heads, ffn_hidden, vocab, p.tp)
+    if cfg.data.seq_len > max_seq_len:
+        raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's max_seq_len "
+                          f"{max_seq_len}; lower data.seq_len or set model.max_seq_len")
+
+
 def load_data(cfg: Config) -> tuple[Any, int]:
-    """The run's token stream and its vocabulary size (a .bin file's vocab is the model's)."""
+    """A text corpus's token stream and its vocabulary size (a .bin file's vocab is the model's),
+    for scripts that bring their own model (examples/); `loom train` reads every kind of source
+    through loom.data.run_data."""
     d = cfg.data
     vocab = d.bpe_vocab_size
     if d.source.endswith(".bin"):
         vocab = cfg.model.vocab_size or preset(cfg.model.preset).vocab_size
-    return load_tokens(d.source, d.tokenizer, vocab, d.bin_dtype, Path(d.cache_dir).expanduser())
+    kind = "byte" if d.tokenizer == "auto" else d.tokenizer
+    return load_tokens(d.source, kind, vocab, d.bin_dtype, Path(d.cache_dir).expanduser())

@@ -75,11 +75,11 @@ def _load_and_resave(overrides: list[str], source: str, out: str, continued: str
     from loom.config import validate
     from loom.parallel.mesh import init_distributed
     from loom.train.driver import build_training
-    from loom.train.task import gpt_task
+    from loom.train.task import config_task
 
     cfg = load_config(None, BASE + overrides + ["train.steps=4"])
     d = init_distributed(lambda world: validate(cfg, world), "cpu")
-    built = build_training(cfg, d, gpt_task(cfg))
+    built = build_training(cfg, d, config_task(cfg))
     meta = checkpoint.load(Path(source), built.model, built.optimizer, built.scheduler, cfg, d)
     saver = checkpoint.Checkpointer(Path(out), cfg, d, keep_last=1, async_save=False)
     saver.save(meta["step"], built.model, built.optimizer, built.scheduler,

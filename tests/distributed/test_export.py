@@ -3,6 +3,7 @@ Llama whose logits equal loom's GPT's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -122,7 +123,10 @@ def test_sharded_checkpoint_round_trips_exactly(zero3_run, tmp_path):
     assert export(_step_dir(run_dir), out, "loom") == [out]
     _assert_same(load_file(out), state)
     with safe_open(str(out), "pt") as f:
-        assert f.metadata() == {"format": "pt", "loom_step": str(STEPS), "loom_layout": "loom"}
+        metadata = f.metadata()
+    model = json.loads(metadata.pop("loom_model"))  # what model.init_from rebuilds the model from
+    assert metadata == {"format": "pt", "loom_step": str(STEPS), "loom_layout": "loom"}
+    assert (model["n_layers"], model["d_model"], model["vocab_size"]) == (2, 64, 256)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no temporary left behind
 
 
@@ -328,6 +332,7 @@ def test_hf_layout_refuses_tensors_its_config_does_not_describe(zero3_run, tmp_p
     shutil.copytree(_step_dir(run_dir), step)
     meta = json.loads((step / "meta.json").read_text())
     meta["config"] = meta["config"].replace('preset = "tiny"', 'preset = "small"')
+    meta["model_config"]["gpt"] = dataclasses.asdict(preset("small"))  # the shape the run resolved
     (step / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(LoomError) as e:
         export(step, tmp_path / "model.safetensors", "hf")

@@ -527,6 +527,59 @@ def _(c: Ctx) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# pretrained models (model.init_from)
+
+
+def _tiny_llama(folder: Path, vocab: int = 256, **changes) -> Path:
+    """A 2-layer Llama saved as transformers does (config.json + safetensors)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    if changes:
+        import json
+
+        saved = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**saved, **changes}))
+    return folder
+
+
+@case("model-init-from-missing")
+def _(c: Ctx) -> str:
+    return c.train("--set", f'model.init_from="{c.tmp / "no-model"}"')
+
+
+@case("model-init-from-no-config")
+def _(c: Ctx) -> str:
+    (c.tmp / "weights").mkdir()
+    return c.train("--set", f'model.init_from="{c.tmp / "weights"}"')
+
+
+@case("model-init-from-architecture")
+def _(c: Ctx) -> str:
+    return c.train("--set", f'model.init_from="{_tiny_llama(c.tmp / "m", model_type="gpt2")}"')
+
+
+@case("model-init-from-mismatch")
+def _(c: Ctx) -> str:
+    return c.train("--set", f'model.init_from="{_tiny_llama(c.tmp / "m", intermediate_size=48)}"')
+
+
+@case("model-init-from-shape-override")
+def _(c: Ctx) -> str:
+    return c.train("--set", f'model.init_from="{_tiny_llama(c.tmp / "m")}"', "--set", "model.d_model=64")
+
+
+@case("model-tokenizer-over-embedding")
+def _(c: Ctx) -> str:
+    return c.train("--set", f'model.init_from="{_tiny_llama(c.tmp / "m", vocab=200)}"')
+
+
+# ---------------------------------------------------------------------------------------------
 # data
 
 
@@ -593,6 +646,24 @@ def _(c: Ctx) -> str:
 def _(c: Ctx) -> str:
     np.full(4096, 300, dtype=np.uint16).tofile(c.tmp / "tokens.bin")
     return c.train("--set", f'data.source="{c.tmp / "tokens.bin"}"')
+
+
+@case("data-records-missing-text-field")
+def _(c: Ctx) -> str:
+    (c.tmp / "notes.jsonl").write_text('{"body": "hello"}\n{"body": "world"}\n')
+    return c.train("--set", f'data.source="{c.tmp / "notes.jsonl"}"')
+
+
+@case("data-records-empty")
+def _(c: Ctx) -> str:
+    (c.tmp / "empty.jsonl").write_text("")
+    return c.train("--set", f'data.source="{c.tmp / "empty.jsonl"}"')
+
+
+@case("data-sft-without-completion")
+def _(c: Ctx) -> str:
+    (c.tmp / "sft.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')
+    return c.train("--set", f'data.source="{c.tmp / "sft.jsonl"}"', "--set", "data.format=sft")
 
 
 @case("data-bpe-vocab-too-small")

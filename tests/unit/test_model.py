@@ -130,7 +130,7 @@ def test_tied_embeddings() -> None:
 
 
 def test_init_ignores_wrapper_name_segments() -> None:
-    from loom.models.gpt.model import _plain_name
+    from loom.parallel.weights import plain_name as _plain_name
 
     assert (_plain_name("layers.0._checkpoint_wrapped_module.attention.wq.weight")
             == "layers.0.attention.wq.weight")

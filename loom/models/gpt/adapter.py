@@ -6,9 +6,11 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from loom.models.gpt.model import RandomInit
 from loom.models.gpt.pipeline import build_stage
 from loom.models.gpt.tensor_parallel import apply_tensor_parallel
 from loom.parallel.adapter import ModelAdapter
+from loom.parallel.weights import WeightSource
 
 
 class GPTAdapter(ModelAdapter):
@@ -19,11 +21,11 @@ class GPTAdapter(ModelAdapter):
     def layers(self, model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
         return model.layers
 
-    def init_weights(self, model: nn.Module, seed: int) -> None:
-        model.init_weights(seed)
+    def init_weights(self, model: nn.Module, seed: int, source: WeightSource | None = None) -> None:
+        model.init_weights(seed, source)
 
-    def initial_value(self, model: nn.Module, seed: int, name: str, shape: tuple[int, ...]):
-        return model.initial_value(seed, name, shape)
+    def weight_source(self, model: nn.Module, seed: int) -> WeightSource:
+        return RandomInit(model, seed)
 
     def apply_tensor_parallel(self, model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         apply_tensor_parallel(model, tp_mesh, sequence_parallel)

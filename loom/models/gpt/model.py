@@ -21,10 +21,7 @@ from torch import nn
 
 from loom.errors import ConfigError
 from loom.models.gpt.config import GPTConfig, validate
-
-# Wrappers that insert a segment into parameter names (torch.compile, activation checkpointing).
-# They are stripped so that wrapping a layer never changes its initial weights.
-_WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
+from loom.parallel.weights import WeightSource, block, plain_name, write_weights
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float,
@@ -157,29 +154,19 @@ class GPT(nn.Module):
         return list(self.layers)
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Initialize every parameter from (seed, its name) alone, so any sharding gives the same values."""
-        dtensor_cls = _dtensor_class()
+    def init_weights(self, seed: int, source: WeightSource | None = None) -> None:
+        """Every parameter from `source` (pretrained weights), or from (seed, its name) alone: each
+        rank writes only the block it holds, so any sharding gives the same values."""
         if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight  # `to_empty` gives each module its own copy
-        for raw_name, param in self.named_parameters():  # dedups tied weights: initialized once
-            full = self.initial_value(seed, raw_name, tuple(param.shape))
-            if dtensor_cls is not None and isinstance(param, dtensor_cls):
-                from torch.distributed.tensor import distribute_tensor
-
-                # src_data_rank=None: every rank slices its own piece of the identical full tensor.
-                local = distribute_tensor(full, param.device_mesh, param.placements,
-                                          src_data_rank=None).to_local()
-                param.to_local().copy_(local)
-            else:
-                param.copy_(full)
+        write_weights(self, source if source is not None else RandomInit(self, seed))
         self.rope = self._rope_tables(self.rope.device)
 
     def initial_value(self, seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The whole initial value of parameter `name`, from (seed, name) alone: norms' gains 1,
         every matrix N(0, 0.02), residual-branch outputs scaled down so the residual stream's
         variance stays O(1)."""
-        name = _plain_name(name)
+        name = plain_name(name)
         full = torch.empty(shape, dtype=torch.float32)
         if name.endswith("norm.weight"):
             return full.fill_(1.0)
@@ -193,12 +180,6 @@ def build_model(cfg: GPTConfig, device: torch.device | str = "meta") -> GPT:
         return GPT(cfg)
 
 
-def _plain_name(name: str) -> str:
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
-
-
 def _generator(seed: int, name: str) -> torch.Generator:
     # zlib.crc32 is stable across processes, unlike Python's salted hash(). The CPU generator
     # (mt19937) keeps only 32 bits of its seed, so seed and name are hashed together into 32 bits.
@@ -207,9 +188,13 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return generator
 
 
-def _dtensor_class() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
+class RandomInit:
+    """The initial weights as a source: each parameter's whole value from (seed, name), cut to the
+    block a rank asks for."""
 
-    return DTensor
+    def __init__(self, model: GPT, seed: int):
+        self.model, self.seed = model, seed
+
+    def read(self, name: str, shape: tuple[int, ...], offset: tuple[int, ...],
+             size: tuple[int, ...]) -> torch.Tensor:
+        return block(self.model.initial_value(self.seed, name, shape), offset, size)

@@ -15,12 +15,37 @@ from loom.models.hf.tensor_parallel import apply_hf_decoder_tensor_parallel
 from loom.parallel.adapter import ModelAdapter
 from loom.parallel.pipeline import refuse_tied_embeddings
 from loom.parallel.tensor_parallel import check_tp_shapes
+from loom.parallel.weights import WeightSource, write_weights
 
 HF_DECODERS = ("llama", "mistral", "qwen2")
 
 
 class HFDecoderAdapter(ModelAdapter):
-    """Hugging Face `*ForCausalLM` decoders with Llama-style layer names (Llama, Mistral, Qwen2)."""
+    """Hugging Face `*ForCausalLM` decoders with Llama-style layer names (Llama, Mistral, Qwen2).
+    Built whole by a factory (random init, same seed on every rank), or on the meta device to be
+    filled from pretrained weights after sharding (`model.init_from`)."""
+
+    def __init__(self, meta_init: bool = False):
+        self.meta_init = meta_init
+
+    @torch.no_grad()
+    def init_weights(self, model: nn.Module, seed: int, source: WeightSource | None = None) -> None:
+        if source is None:
+            self.weight_source(model, seed)
+        embed, head = model.model.embed_tokens, model.lm_head
+        if model.config.tie_word_embeddings and embed is not None and head is not None:
+            head.weight = embed.weight  # `to_empty` gave each its own copy
+        write_weights(model, source)
+        for module in model.modules():  # the rotary tables are buffers computed at build: not on meta
+            if hasattr(module, "inv_freq") and hasattr(module, "config"):
+                fresh = type(module)(module.config)
+                module.inv_freq = fresh.inv_freq.to(module.inv_freq.device)
+                module.original_inv_freq = fresh.original_inv_freq.to(module.inv_freq.device)
+                module.attention_scaling = fresh.attention_scaling
+
+    def weight_source(self, model: nn.Module, seed: int) -> WeightSource:
+        raise ConfigError(f"{type(model).__name__} built on the meta device has no initialization of its own "
+                          f"in loom; give its weights with model.init_from, or build it on CPU")
 
     def layers(self, model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
         return model.model.layers

@@ -1,0 +1,192 @@
+"""Documents tokenized: each one's ids followed by the tokenizer's EOS, laid end to end (packing:
+windows are later cut across document edges). For SFT, a loss mask beside the ids.
+
+Tokenizing a source is cached on disk (cache_dir/tokens), keyed by what could change the ids, so
+every rank memory-maps the arrays the launcher wrote instead of tokenizing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from loom.data import sft
+from loom.data.records import RecordFields, open_records, record_batches
+from loom.data.sources import Source
+from loom.data.stream import TokenStream
+from loom.data.tokenizer import DocumentTokenizer, token_dtype
+from loom.errors import LoomError
+from loom.files import atomic_write
+
+_CACHE_FORMAT = "loom-docs-v1"  # bump when the layout or the tokenizing rules change
+TEXT_FILES_PER_BATCH = 64
+
+Document = tuple[np.ndarray, np.ndarray | None]  # ids ending in EOS; SFT: 1 where the loss applies
+
+
+@dataclass
+class Documents:
+    """One source's documents. Several pieces for a prepared folder (its shards), else one."""
+
+    name: str
+    pieces: list[np.ndarray]  # token ids
+    doc_starts: list[np.ndarray]  # per piece: the offset where each of its documents starts
+    masks: list[np.ndarray] | None = None  # SFT: per piece, uint8 1 where the loss applies
+    vocab_size: int = 0
+    tokenizer: str = ""  # the tokenizer's fingerprint
+
+    @property
+    def num_docs(self) -> int:
+        return sum(len(s) for s in self.doc_starts)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
+    def table(self) -> np.ndarray:
+        """Every document as a row (piece, start, stop), in order."""
+        rows = []
+        for p, (piece, starts) in enumerate(zip(self.pieces, self.doc_starts)):
+            starts = np.asarray(starts, dtype=np.int64)
+            stops = np.concatenate((starts[1:], [len(piece)])).astype(np.int64)
+            rows.append(np.stack([np.full(len(starts), p, dtype=np.int64), starts, stops], axis=1))
+        return np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
+
+    def streams(self) -> tuple[TokenStream, TokenStream | None]:
+        masks = TokenStream(self.masks) if self.masks is not None else None
+        return TokenStream(self.pieces), masks
+
+
+def encode_batches(batches: Iterable[dict[str, list]], tokenizer: DocumentTokenizer, fields: RecordFields,
+                   where: str, render: object = None) -> Iterator[Document]:
+    """Each record of each batch as a document: text + EOS, or an SFT example + EOS with its mask.
+
+    `render` is the compiled chat template (SFT messages); records are counted from 0 in messages."""
+    eos = np.array([tokenizer.eos_id], dtype=token_dtype(tokenizer.vocab_size))
+    index = 0
+    for batch in batches:
+        n = len(next(iter(batch.values())))
+        if fields.format == "text":
+            texts = batch[fields.text]
+            for i, text in enumerate(texts):
+                if not isinstance(text, str):
+                    what = "no" if text is None else f"a {type(text).__name__} as its"
+                    raise LoomError(f"record {index + i + 1} of {where} has {what} '{fields.text}'; every "
+                                    f"record needs a string there (or set data.text_field)")
+            for ids in tokenizer.encode_batch(texts):
+                yield np.concatenate((ids, eos)), None
+        else:
+            examples = [_segments(batch, i, fields, f"record {index + i + 1} of {where}", render)
+                        for i in range(n)]
+            flat = [text for segments in examples for text, _ in segments]
+            encoded = iter(tokenizer.encode_batch(flat))
+            for segments in examples:
+                ids_parts, mask_parts = [], []
+                for _, loss in segments:
+                    ids = next(encoded)
+                    ids_parts.append(ids)
+                    mask_parts.append(np.full(len(ids), loss, dtype=np.uint8))
+                yield np.concatenate((*ids_parts, eos)), np.concatenate((*mask_parts, [1])).astype(np.uint8)
+        index += n
+
+
+def _segments(batch: dict[str, list], i: int, fields: RecordFields, where: str,
+              render: object) -> sft.Segments:
+    if fields.messages in batch:
+        return sft.chat(batch[fields.messages][i], render, fields, where)
+    prompt = batch[fields.prompt][i] if fields.prompt in batch else None
+    return sft.prompt_completion(prompt, batch[fields.completion][i], fields, where)
+
+
+def chat_renderer(tokenizer: DocumentTokenizer, fields: RecordFields) -> object:
+    if fields.format != "sft" or tokenizer.chat_template is None:
+        return None
+    return sft.compile_chat_template(tokenizer.chat_template, tokenizer.special_tokens)
+
+
+def text_file_batches(files: Iterable[Path], fields: RecordFields) -> Iterator[dict[str, list]]:
+    """Text files as records: each file one document."""
+    batch: list[str] = []
+    for path in files:
+        batch.append(path.read_text(encoding="utf-8", errors="replace"))
+        if len(batch) == TEXT_FILES_PER_BATCH:
+            yield {fields.text: batch}
+            batch = []
+    if batch:
+        yield {fields.text: batch}
+
+
+def source_batches(source: Source, fields: RecordFields, cache_dir: Path,
+                   streaming: bool = False) -> Iterator[dict[str, list]]:
+    """A text or records source read as batches of records, in order."""
+    if source.kind == "text":
+        if fields.format == "sft":
+            raise LoomError(f"data.format = 'sft' needs records with prompt/completion or messages fields, "
+                            f"but data.source '{source.spec}' is text; give JSONL, Parquet or Arrow records")
+        return text_file_batches(source.files, RecordFields(text=fields.text))
+    if source.is_records:
+        return record_batches(open_records(source, cache_dir, streaming), fields, source.spec)
+    raise LoomError(f"data.source '{source.spec}' ({source.kind}) holds tokens, not documents to tokenize")
+
+
+def collect(docs: Iterable[Document], vocab_size: int,
+            where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(ids end to end, each document's start, SFT mask or None)."""
+    ids_parts, mask_parts, lengths = [], [], []
+    for ids, mask in docs:
+        ids_parts.append(ids)
+        lengths.append(len(ids))
+        if mask is not None:
+            mask_parts.append(mask)
+    if not ids_parts:
+        raise LoomError(f"data.source '{where}' has no records; give a dataset with at least one")
+    tokens = np.concatenate(ids_parts).astype(token_dtype(vocab_size), copy=False)
+    starts = np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.int64)
+    mask = np.concatenate(mask_parts) if mask_parts else None
+    return tokens, starts, mask
+
+
+def cache_key(source: Source, tokenizer: DocumentTokenizer, fields: RecordFields) -> str:
+    """Files by path, size and mtime (cheap); the tokenizer by its fingerprint; the fields read."""
+    h = hashlib.sha256(f"{_CACHE_FORMAT}|{source.kind}|{tokenizer.fingerprint}|{fields}".encode())
+    for f in source.files:
+        st = f.stat()
+        h.update(f"|{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:24]
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    atomic_write(path, buf.getvalue())
+
+
+def tokenize_source(source: Source, tokenizer: DocumentTokenizer, fields: RecordFields,
+                    cache_dir: Path) -> Documents:
+    """A text or records source as Documents, from the cache when this exact tokenizing was done."""
+    folder = cache_dir / "tokens"
+    key = cache_key(source, tokenizer, fields)
+    meta_path = folder / f"{key}.json"
+    name = source.spec
+    if meta_path.is_file():  # written last, so the arrays beside it are complete
+        load = lambda suffix: np.load(folder / f"{key}.{suffix}.npy", mmap_mode="r")  # noqa: E731
+        mask = [load("mask")] if fields.format == "sft" else None
+        return Documents(name, [load("tokens")], [load("docs")], mask, tokenizer.vocab_size,
+                         tokenizer.fingerprint)
+    batches = source_batches(source, fields, cache_dir)
+    docs = encode_batches(batches, tokenizer, fields, source.spec, chat_renderer(tokenizer, fields))
+    tokens, starts, mask = collect(docs, tokenizer.vocab_size, source.spec)
+    _save_npy(folder / f"{key}.docs.npy", starts)
+    if mask is not None:
+        _save_npy(folder / f"{key}.mask.npy", mask)
+    _save_npy(folder / f"{key}.tokens.npy", tokens)
+    atomic_write(meta_path, json.dumps({"source": source.spec, "tokenizer": tokenizer.name,
+                                        "docs": len(starts), "tokens": len(tokens)}).encode())
+    return Documents(name, [tokens], [starts], [mask] if mask is not None else None, tokenizer.vocab_size,
+                     tokenizer.fingerprint)

@@ -1,0 +1,120 @@
+"""loom's GPT under Hugging Face Llama names: the parameter names, and the q/k projection rows,
+which differ because loom rotates interleaved RoPE pairs (2i, 2i+1) and Llama rotates halves
+(i, i + head_dim/2). `loom export --layout hf` writes this layout and `model.init_from` of a Llama
+folder reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loom.models.gpt.config import GPTConfig
+
+# loom name -> Hugging Face Llama name, per decoder layer.
+HF_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+
+
+def hf_name(name: str, tied: bool = False) -> str:
+    """The Hugging Face name of loom's parameter `name` (a tied head reads the embedding)."""
+    if name == "output.weight" and tied:
+        return _TOP["tok_embeddings.weight"]
+    if name in _TOP:
+        return _TOP[name]
+    _, layer, rest = name.split(".", 2)
+    return f"model.layers.{layer}.{HF_LAYER[rest]}"
+
+
+def rope_heads(name: str, gpt: GPTConfig) -> int:
+    """How many heads' rows a projection holds whose rows are reordered (q, k), else 0."""
+    if name.endswith("attention.wq.weight"):
+        return gpt.n_heads
+    if name.endswith("attention.wk.weight"):
+        return gpt.n_kv_heads
+    return 0
+
+
+def to_halves(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder each head's output rows from loom's interleaved pairs to Llama's halves: the row for
+    rotation pair i's first element goes to i, the second to i + head_dim/2 (Meta's Llama →
+    Hugging Face permutation)."""
+    return (w.reshape(n_heads, head_dim // 2, 2, w.shape[1]).transpose(1, 2)
+            .reshape(n_heads * head_dim, w.shape[1]))
+
+
+def halves_row(row: int, head_dim: int) -> int:
+    """The Llama row that holds loom's q/k row `row` (the inverse direction of to_halves)."""
+    head, j = divmod(row, head_dim)
+    return head * head_dim + (j % 2) * (head_dim // 2) + j // 2
+
+
+def hf_state_dict(tensors: dict[str, torch.Tensor], gpt: GPTConfig) -> dict[str, torch.Tensor]:
+    """loom's GPT weights under Hugging Face `LlamaForCausalLM` names (lm_head omitted when tied)."""
+    out = {}
+    for name, t in tensors.items():
+        if name == "output.weight" and gpt.tie_embeddings:
+            continue
+        heads = rope_heads(name, gpt)
+        out[hf_name(name)] = to_halves(t, heads, gpt.head_dim) if heads else t
+    return out
+
+
+def hf_config(gpt: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """A `LlamaConfig` (config.json) for the same model."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": gpt.vocab_size,
+        "hidden_size": gpt.d_model,
+        "intermediate_size": gpt.ffn_hidden,
+        "num_hidden_layers": gpt.n_layers,
+        "num_attention_heads": gpt.n_heads,
+        "num_key_value_heads": gpt.n_kv_heads,
+        "head_dim": gpt.head_dim,
+        "max_position_embeddings": gpt.max_seq_len,
+        "rope_theta": float(gpt.rope_theta),
+        "rope_scaling": None,
+        "rms_norm_eps": float(gpt.norm_eps),
+        "tie_word_embeddings": gpt.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def gpt_from_hf(config: dict) -> tuple[GPTConfig | None, str]:
+    """loom's GPT for a Hugging Face decoder config when it expresses that model exactly, else
+    (None, why not)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or config.get("rope_theta", 10000.0)
+    d, heads = config["hidden_size"], config["num_attention_heads"]
+    reasons = {
+        "architecture": config.get("model_type") not in ("llama", "mistral"),
+        "biases": bool(config.get("attention_bias") or config.get("mlp_bias")),
+        f"rope_type {rope_type}": rope_type != "default",
+        "a sliding window": config.get("sliding_window") is not None,
+        f"activation {config.get('hidden_act')}": config.get("hidden_act", "silu") != "silu",
+        "its head_dim": config.get("head_dim", d // heads) != d // heads,
+    }
+    why = [reason for reason, present in reasons.items() if present]
+    if why:
+        return None, ", ".join(why)
+    return GPTConfig(vocab_size=config["vocab_size"], d_model=d, n_layers=config["num_hidden_layers"],
+                     n_heads=heads, n_kv_heads=config.get("num_key_value_heads") or heads,
+                     ffn_hidden=config["intermediate_size"],
+                     max_seq_len=config.get("max_position_embeddings", 2048), rope_theta=float(theta),
+                     norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                     tie_embeddings=bool(config.get("tie_word_embeddings", False))), ""
