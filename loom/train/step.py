@@ -10,7 +10,7 @@ late, so on a GPU the host never waits for the step it has just queued.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from loom.parallel.zero1 import local_optimizer
 from loom.train import faults
 from loom.train.meters import PhaseTimer
 from loom.train.optim import clip_grad_norm
-from loom.train.task import cross_entropy, split_batch
+from loom.train.task import IGNORE, cross_entropy, split_batch
 
 
 @dataclass
@@ -36,6 +36,8 @@ class Pipeline:
     first: bool  # holds the embedding: feeds the tokens
     last: bool  # holds the head: computes the loss
     group: dist.ProcessGroup
+    # SFT: this step's loss units per loss token (see token_scale), read by the schedule's loss
+    token_scale: dict = field(default_factory=dict)
 
 
 def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
@@ -43,14 +45,33 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
     num_stages = p.pp * p.pp_virtual_stages
     stage_ids = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages)
     accum = cfg.train.grad_accum
+    scale: dict = {}
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # The schedule sums micro-batch gradients; over grad_accum steps they must average too.
-        return cross_entropy(logits, targets, masked=cfg.data.format == "sft") / accum
+        if cfg.data.format == "sft":  # the sum over its loss tokens, in units of the global mean
+            return cross_entropy(logits, targets, masked=True, reduction="sum") * scale["value"] / accum
+        return cross_entropy(logits, targets) / accum
 
     schedule = build_schedule(parts, stage_ids, num_stages, d.mesh["pp"].get_group(), d.device,
                               p.pp_schedule, pipeline_microbatches(p), loss_fn)
-    return Pipeline(schedule, 0 in stage_ids, num_stages - 1 in stage_ids, d.mesh["pp"].get_group())
+    return Pipeline(schedule, 0 in stage_ids, num_stages - 1 in stage_ids, d.mesh["pp"].get_group(), scale)
+
+
+def token_scale(batches: list[torch.Tensor], cfg: Config, d: Dist) -> torch.Tensor | None:
+    """SFT: the global batch's loss is the mean over all of its loss tokens, whatever the layout.
+    Micro-batches hold different numbers of them, so each micro-batch's loss unit (one of the
+    accum × dp (× pipeline micro-batches) units the step averages) is rescaled: this returns
+    units / loss tokens of the global batch, counted on the device (one small all-reduce; tp and pp
+    ranks hold copies of their dp rank's batch). None for text, where every unit holds the same
+    number of tokens."""
+    if cfg.data.format != "sft":
+        return None
+    p = cfg.parallel
+    tokens = torch.stack([(split_batch(b)[1] != IGNORE).sum() for b in batches]).sum().float()
+    dist.all_reduce(tokens)
+    units = cfg.train.grad_accum * d.dp_mesh.size() * (pipeline_microbatches(p) if p.pp > 1 else 1)
+    return units * p.tp * p.pp / tokens.clamp(min=1)
 
 
 def autocast(cfg: Config, device: torch.device):
@@ -80,10 +101,11 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
     timer = timer or PhaseTimer(d.device)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=d.device)
-    data_wait = 0.0
-    for micro in range(t.grad_accum):
-        batch, waited = _next_batch(batches, timer, d.device)
-        data_wait += waited
+    micro_batches, data_wait = _next_batches(batches, t.grad_accum, timer, d.device)
+    scale = token_scale(micro_batches, cfg, d)
+    if pipe is not None:
+        pipe.token_scale["value"] = scale
+    for micro, batch in enumerate(micro_batches):
         if pipe is not None:
             # The stages sync gradients themselves (no_sync on all but each step's last backward).
             with timer.phase("pipeline"), autocast(cfg, d.device), loss_context(cfg.parallel.tp):
@@ -98,6 +120,8 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
               loss_context(cfg.parallel.tp)):
             with timer.phase("forward"):
                 loss = faults.after_forward(step, d.rank, loss_fn(model, batch))
+                if scale is not None:  # SFT: this micro-batch's share of the global batch's loss tokens
+                    loss = loss * _loss_tokens(batch) * scale
                 scaled = loss / t.grad_accum
             with timer.phase("backward"):
                 (scaler.scale(scaled) if scaler else scaled).backward()
@@ -120,12 +144,13 @@ def deepspeed_train_step(engine, scheduler, batches, cfg: Config, d: Dist, loss_
     t = cfg.train
     timer = timer or PhaseTimer(d.device)
     loss_sum = torch.zeros((), device=d.device)
-    data_wait = 0.0
-    for micro in range(t.grad_accum):
-        batch, waited = _next_batch(batches, timer, d.device)
-        data_wait += waited
+    micro_batches, data_wait = _next_batches(batches, t.grad_accum, timer, d.device)
+    scale = token_scale(micro_batches, cfg, d)
+    for micro, batch in enumerate(micro_batches):
         with timer.phase("forward"):
             loss = faults.after_forward(step, d.rank, loss_fn(engine, batch))
+            if scale is not None:  # SFT: this micro-batch's share of the global batch's loss tokens
+                loss = loss * _loss_tokens(batch) * scale
         with timer.phase("backward"):
             engine.backward(loss)
         loss_sum += loss.detach().float()
@@ -142,12 +167,18 @@ def deepspeed_train_step(engine, scheduler, batches, cfg: Config, d: Dist, loss_
     return StepValues(global_loss, grad_norm, skipped, lr, data_wait)
 
 
-def _next_batch(batches, timer: PhaseTimer, device: torch.device) -> tuple[torch.Tensor, float]:
-    """The next micro-batch on the device, and the seconds spent waiting for it."""
+def _next_batches(batches, count: int, timer: PhaseTimer,
+                  device: torch.device) -> tuple[list[torch.Tensor], float]:
+    """The step's micro-batches on the device (all of them first: SFT counts their loss tokens
+    before the first backward), and the seconds spent waiting for them."""
     wait_start = time.perf_counter()
     with timer.phase("data"):
-        batch = next(batches).to(device, non_blocking=True)
-    return batch, time.perf_counter() - wait_start
+        fetched = [next(batches).to(device, non_blocking=True) for _ in range(count)]
+    return fetched, time.perf_counter() - wait_start
+
+
+def _loss_tokens(batch: torch.Tensor) -> torch.Tensor:
+    return (split_batch(batch)[1] != IGNORE).sum()
 
 
 def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t, pipe: Pipeline | None,

@@ -67,15 +67,17 @@ def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1], batch[:, 1:]
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, masked: bool = False) -> torch.Tensor:
-    """Mean next-token cross entropy of logits [B, T, V] against targets [B, T], in fp32 whatever
-    the compute dtype (a bf16 log-softmax over a large vocabulary loses the loss's precision).
-    `masked`: targets equal to IGNORE carry no loss (a batch with none left gives 0, not NaN)."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, masked: bool = False,
+                  reduction: str = "mean") -> torch.Tensor:
+    """Mean (or sum) next-token cross entropy of logits [B, T, V] against targets [B, T], in fp32
+    whatever the compute dtype (a bf16 log-softmax over a large vocabulary loses the loss's
+    precision). `masked`: targets equal to IGNORE carry no loss (a batch with none left gives 0,
+    not NaN)."""
     logits, targets = logits.float().flatten(0, 1), targets.flatten()
     if not masked:
-        return F.cross_entropy(logits, targets)
+        return F.cross_entropy(logits, targets, reduction=reduction)
     total = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
-    return total / (targets != IGNORE).sum().clamp(min=1)
+    return total if reduction == "sum" else total / (targets != IGNORE).sum().clamp(min=1)
 
 
 def next_token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
