@@ -43,3 +43,20 @@ def _own_environment():
                 dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture
+def world_of_one():
+    """A world of one trained in this process (`loom train --nproc 1`): its process group and the
+    environment it sets (RANK, MASTER_PORT, ...) undone after."""
+    import os
+
+    from loom.parallel.mesh import shutdown
+
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        shutdown()
+        os.environ.clear()
+        os.environ.update(saved)

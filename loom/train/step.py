@@ -58,20 +58,23 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
     return Pipeline(schedule, 0 in stage_ids, num_stages - 1 in stage_ids, d.mesh["pp"].get_group(), scale)
 
 
-def token_scale(batches: list[torch.Tensor], cfg: Config, d: Dist) -> torch.Tensor | None:
+def token_scale(batches: list[torch.Tensor], cfg: Config,
+                d: Dist) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """SFT: the global batch's loss is the mean over all of its loss tokens, whatever the layout.
     Micro-batches hold different numbers of them, so each micro-batch's loss unit (one of the
     accum × dp (× pipeline micro-batches) units the step averages) is rescaled: this returns
     units / loss tokens of the global batch, counted on the device (one small all-reduce; tp and pp
-    ranks hold copies of their dp rank's batch). None for text, where every unit holds the same
-    number of tokens."""
+    ranks hold copies of their dp rank's batch), and each micro-batch's weight (its loss tokens ×
+    that). None for text, where every unit holds the same number of tokens."""
     if cfg.data.format != "sft":
-        return None
+        return None, None
     p = cfg.parallel
-    tokens = torch.stack([(split_batch(b)[1] != IGNORE).sum() for b in batches]).sum().float()
+    counts = torch.stack([_loss_tokens(b) for b in batches]).float()
+    tokens = counts.sum()
     dist.all_reduce(tokens)
     units = cfg.train.grad_accum * d.dp_mesh.size() * (pipeline_microbatches(p) if p.pp > 1 else 1)
-    return units * p.tp * p.pp / tokens.clamp(min=1)
+    scale = units * p.tp * p.pp / tokens.clamp(min=1)
+    return scale, counts * scale
 
 
 def autocast(cfg: Config, device: torch.device):
@@ -102,7 +105,7 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=d.device)
     micro_batches, data_wait = _next_batches(batches, t.grad_accum, timer, d.device)
-    scale = token_scale(micro_batches, cfg, d)
+    scale, weights = token_scale(micro_batches, cfg, d)
     if pipe is not None:
         pipe.token_scale["value"] = scale
     for micro, batch in enumerate(micro_batches):
@@ -120,8 +123,8 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
               loss_context(cfg.parallel.tp)):
             with timer.phase("forward"):
                 loss = faults.after_forward(step, d.rank, loss_fn(model, batch))
-                if scale is not None:  # SFT: this micro-batch's share of the global batch's loss tokens
-                    loss = loss * _loss_tokens(batch) * scale
+                if weights is not None:  # SFT: this micro-batch's share of the global batch's loss tokens
+                    loss = loss * weights[micro]
                 scaled = loss / t.grad_accum
             with timer.phase("backward"):
                 (scaler.scale(scaled) if scaler else scaled).backward()
@@ -145,12 +148,12 @@ def deepspeed_train_step(engine, scheduler, batches, cfg: Config, d: Dist, loss_
     timer = timer or PhaseTimer(d.device)
     loss_sum = torch.zeros((), device=d.device)
     micro_batches, data_wait = _next_batches(batches, t.grad_accum, timer, d.device)
-    scale = token_scale(micro_batches, cfg, d)
+    _, weights = token_scale(micro_batches, cfg, d)
     for micro, batch in enumerate(micro_batches):
         with timer.phase("forward"):
             loss = faults.after_forward(step, d.rank, loss_fn(engine, batch))
-            if scale is not None:  # SFT: this micro-batch's share of the global batch's loss tokens
-                loss = loss * _loss_tokens(batch) * scale
+            if weights is not None:  # SFT: this micro-batch's share of the global batch's loss tokens
+                loss = loss * weights[micro]
         with timer.phase("backward"):
             engine.backward(loss)
         loss_sum += loss.detach().float()

@@ -4,7 +4,6 @@ same per-step entries (loom/train/tracking.py), read back here with each tool's 
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -16,7 +15,6 @@ import loom.cli
 from loom.config import load_config, validate
 from loom.errors import ConfigError
 from loom.models.gpt.config import preset
-from loom.parallel.mesh import shutdown
 from loom.plan.hardware import Cluster, lookup
 from loom.plan.search import config_candidate, config_workload, estimate
 from loom.plan.shapes import from_gpt_config
@@ -37,18 +35,6 @@ def _sets(overrides: list[str]) -> list[str]:
 
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture
-def world_of_one():
-    """A world of one trained in this process: its process group and environment undone after."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def test_tensorboard_gets_every_step_of_metrics_jsonl(corpus, tmp_path, world_of_one):
