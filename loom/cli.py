@@ -188,6 +188,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from loom.plan.device import default_path
+
+    first = args.gpu == "local" and not default_path().is_file()
+    if args.calibrate or first:  # measuring needs torch; planning after it does not
+        from loom.observe.calibrate import calibrate
+        from loom.plan.device import save
+
+        if first:
+            print(f"no device profile at {default_path()}: measuring this machine once "
+                  f"(`loom plan --calibrate` measures it again, more precisely)", file=sys.stderr)
+        quick = args.quick or (first and not args.calibrate)
+        path = save(calibrate(quick=quick, say=lambda m: print(m, file=sys.stderr)))
+        print(f"wrote {path}", file=sys.stderr)
     from loom.plan.command import run  # pure Python: `loom plan` imports no torch
 
     cfg, plan, model = run(args)
@@ -205,9 +218,19 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="override one config value, e.g. --set train.batch_size=512 (repeatable)")
     p.add_argument("--model", help="a preset (tiny, small, 125m, 1b, 8b, 70b) or a Hugging Face config.json")
     p.add_argument("--params", type=float, help="only a parameter count, e.g. 70e9 (model states alone)")
-    p.add_argument("--gpu", default="H100-SXM", help="GPU model from the catalog (default H100-SXM)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu", default="local",
+                   help="GPU model from the catalog (e.g. H100-SXM, A100-80GB), or local (default): this "
+                        "machine as `loom plan --calibrate` measured it")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="devices (ranks) per node (default 8 for a catalog GPU; 2 ranks on a local CPU)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default 1)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matmul and attention rates, memory bandwidth, collectives) "
+                        "into the device profile that --gpu local and loom train use, then plan")
+    p.add_argument("--quick", action="store_true",
+                   help="with --calibrate: shorter timings (a rougher profile in a fraction of the time)")
+    p.add_argument("--explain", type=int, metavar="N",
+                   help="print the memory and time arithmetic of candidate N (the # column)")
     p.add_argument("--recipe", default="torch", help="precision recipe: torch (16 B/param), "
                                                      "zero (ZeRO paper), megatron (18 B/param)")
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",

@@ -21,6 +21,12 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
+# A device profile measured once on a 2-core CPU (`loom plan --calibrate`), so that `loom plan`
+# (which plans for this machine by default) and the plan.json of test runs never calibrate on
+# their own; tests that measure this machine point LOOM_DEVICE_PROFILE elsewhere.
+os.environ.setdefault("LOOM_DEVICE_PROFILE", str(Path(__file__).parent / "data" / "device_cpu.json"))
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     here = Path(__file__).parent / "distributed"
     for item in items:

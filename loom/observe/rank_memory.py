@@ -114,7 +114,7 @@ class PeakMemory:
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             return
         tracker = global_peak_tracker()
-        tracker.track_external(self.model, self.optimizer)  # states that already exist
+        tracker.track_external(self.model, local_optimizer(self.optimizer))  # states that already exist
         with tracker:
             yield
         peaks = tracker.get_tracker_snapshot("peak")

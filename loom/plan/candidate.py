@@ -112,4 +112,11 @@ class Candidate:
         if self.activation_checkpointing != "none":
             ac = self.activation_checkpointing
             parts.append(f"ac {ac}" + (f"/{self.ac_every}" if ac == "selective" else ""))
+        if self.framework == "deepspeed" and self.offload == "none":
+            parts.append("on deepspeed")
         return " ".join(parts)
+
+    @property
+    def dimensions(self) -> int:
+        """Parallel dimensions beyond data parallelism: what a person counts as complexity."""
+        return (self.tp > 1) + (self.pp > 1)

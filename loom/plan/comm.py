@@ -29,10 +29,13 @@ DDP's broadcast of its rebuilt bucket order in step 2.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from loom.plan.memory import GRAD_COMM_BYTES, RECIPES
 from loom.plan.shapes import checkpointed_layers
+
+DDP_BUCKET = 25 * 2**20  # DDP's default bucket (parallel.ddp_bucket_mb)
 
 
 @dataclass
@@ -46,6 +49,10 @@ class CommAccount:
     # bytes before any ring factor, and the count of collectives (None: not known to the plan).
     payload_by_kind: dict[str, float] = field(default_factory=dict)
     count_by_kind: dict[str, int | None] = field(default_factory=dict)
+    # Collectives per group ("dp", "tp", "pp"), each paying a latency: DDP's buckets, which the
+    # engine sizes, counted as one per 25 MiB.
+    count_by_group: dict[str, int] = field(default_factory=dict)
+    group: str = "dp"
 
     @property
     def total(self) -> float:
@@ -65,6 +72,8 @@ class CommAccount:
         if n <= 1 or payload <= 0:
             return  # engines skip collectives over a group of one (FSDP2 on dp = 1, as observed)
         self.payload_by_kind[kind] = self.payload_by_kind.get(kind, 0.0) + payload
+        n_issued = count if count is not None else max(1, math.ceil(payload / DDP_BUCKET))
+        self.count_by_group[self.group] = self.count_by_group.get(self.group, 0) + n_issued
         known = count is not None and self.count_by_kind.get(kind, 0) is not None
         self.count_by_kind[kind] = self.count_by_kind.get(kind, 0) + count if known else None
 
@@ -92,6 +101,18 @@ def ring(kind: str, n: int, size: float) -> float:
     if kind in ("gather", "scatter"):  # n-1 of the n chunks move, spread over the n ranks
         return (n - 1) / (n * n) * size
     return (n - 1) / n * size  # all_gather, reduce_scatter, broadcast, reduce, all_to_all
+
+
+def tp_reductions(w, c) -> tuple[float, float]:
+    """(bytes of one micro-batch's activation, TP reductions of it per micro-batch on a stage).
+    Per block: forward 2 (attention and MLP outputs), backward 2 (their inputs' gradients); a
+    checkpointed block's recompute stops at its last saved tensor, before the MLP's reduction: one
+    more. The embedding (forward) and the head (backward) add one each."""
+    shape = w.shape
+    activation = w.seq_len * c.micro_batch * shape.d_model * w.act_bytes
+    layers = shape.n_layers / c.pp
+    ckpt = checkpointed_layers(round(layers), c.activation_checkpointing, c.ac_every)
+    return activation, 4 * layers + ckpt + (2 if c.pp == 1 else 1)
 
 
 def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, float]]:
@@ -150,15 +171,9 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
             acc.issue("all_reduce", c.replicate_size, grad_bytes / n, units)
     groups["dp"] = acc.total
 
+    acc.group = "tp"
     if c.tp > 1 and shape.known:
-        tokens = w.seq_len * c.micro_batch
-        activation = tokens * shape.d_model * w.act_bytes
-        layers = shape.n_layers / c.pp
-        # Per block: forward 2 (attention and MLP outputs), backward 2 (their inputs' gradients);
-        # a checkpointed block's recompute stops at its last saved tensor, before the MLP's
-        # reduction: one more. The embedding (forward) and the head (backward) add one each.
-        ckpt = checkpointed_layers(round(layers), c.activation_checkpointing, c.ac_every)
-        reductions = 4 * layers + ckpt + (2 if c.pp == 1 else 1)
+        activation, reductions = tp_reductions(w, c)
         per_micro = reductions * ring("all_reduce", c.tp, activation)
         acc.add("tp", per_micro * c.grad_accum, c.tp > gpus_per_node)
         groups["tp"] = per_micro * c.grad_accum
@@ -168,6 +183,7 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
         for kind in ("all_gather", "reduce_scatter") if c.sequence_parallel else ("all_reduce",):
             acc.issue(kind, c.tp, count * activation, count)
 
+    acc.group = "pp"
     if c.pp > 1 and shape.known:
         activation = w.seq_len * c.micro_batch * shape.d_model * w.act_bytes
         if c.sequence_parallel:

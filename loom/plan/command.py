@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from loom.config import Config, load_config, resolve_dims, shape_overrides, to_toml, validate
 from loom.errors import ConfigError
 from loom.files import atomic_write
+from loom.models.gpt.config import preset
+from loom.plan import device
 from loom.plan.candidate import Workload
-from loom.plan.hardware import Cluster, lookup, with_overrides
+from loom.plan.explain import explain
+from loom.plan.hardware import GPU, Cluster, lookup, with_overrides
 from loom.plan.memory import RECIPES
 from loom.plan.report import render_table
 from loom.plan.search import Plan, config_candidate, emit_config, estimate, search
@@ -34,6 +38,77 @@ def model_shape(cfg, model: str | None, params: float | None) -> ModelShape:
     return from_preset(cfg.model.preset, **overrides)
 
 
+TARGET_TOKENS = 2**20  # a realistic global batch: about a million tokens per optimizer step
+MAX_REALISTIC_SEQ = 8192
+PARAMS_ONLY_SEQ = 4096
+
+
+def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
+                precision: str) -> tuple[Workload, str]:
+    """The batch the plan prices, and a line saying where it came from. A config file (or --set)
+    gives its own data.seq_len and train.batch_size; a bare model (--model, --params, a
+    config.json) planned for GPUs gets a realistic workload — the model's sequence length, about a
+    million tokens per step, rounded to a multiple of the GPUs — rather than loom's CPU demo batch."""
+    chosen = {item.partition("=")[0].strip() for item in args.set}
+    own_batch = args.config is not None and not str(args.config).endswith(".json")
+    if own_batch or args.gpu == "local":
+        w = Workload(shape, cfg.data.seq_len, cfg.train.batch_size, precision, args.recipe)
+        return w, f"the config's batch: {w.global_batch} × {w.seq_len} tokens"
+    if "data.seq_len" in chosen:
+        seq, why = cfg.data.seq_len, "data.seq_len"
+    elif args.params is not None:
+        seq, why = PARAMS_ONLY_SEQ, "assumed for a parameter count"
+    else:
+        seq, why = min(model_seq_len(cfg, model), MAX_REALISTIC_SEQ), "the model's"
+    if "train.batch_size" in chosen:
+        batch = cfg.train.batch_size
+        size = f"train.batch_size {batch}"
+    else:
+        batch = max(1, math.ceil(TARGET_TOKENS / seq / world)) * world
+        size = f"{batch} sequences ≈ {batch * seq / 1e6:.2f}M tokens, a multiple of {world} GPUs"
+    w = Workload(shape, seq, batch, precision, args.recipe)
+    return w, (f"assumed workload: {size} × {seq} tokens ({why} sequence length); "
+               f"change with --set train.batch_size=… --set data.seq_len=…")
+
+
+def model_seq_len(cfg, model: str | None) -> int:
+    """The longest sequence the model was built for: a preset's max_seq_len or a config.json's
+    max_position_embeddings."""
+    path = Path(model) if model and model.endswith(".json") else None
+    if path is None and model is None and cfg.model.init_from:
+        path = Path(cfg.model.init_from).expanduser() / "config.json"
+    if path is not None:
+        raw = json.loads(path.read_text())
+        value = raw.get("max_position_embeddings")
+        return value if isinstance(value, int) and value > 0 else cfg.data.seq_len
+    return preset(model or cfg.model.preset).max_seq_len
+
+
+def cluster_of(args, cfg) -> Cluster:
+    """The catalog GPU named by --gpu, or this machine as `loom plan --calibrate` measured it."""
+    for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--nodes", args.nodes)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value} must be ≥ 1")
+    nodes = args.nodes or 1
+    if args.gpu != "local":
+        return with_overrides(Cluster(lookup(args.gpu), args.gpus_per_node or 8, nodes), args.hw)
+    profile = device.load()
+    ranks = args.gpus_per_node or (2 if profile.device == "cpu" else 1)
+    return with_overrides(local_cluster(profile, ranks, nodes), args.hw)
+
+
+def local_cluster(profile: device.DeviceProfile, ranks: int, nodes: int = 1) -> Cluster:
+    """This machine as a cluster of `ranks` devices per node: a CPU's memory is shared by its ranks."""
+    entry = profile.ranks_entry(ranks)
+    shared = profile.device == "cpu"
+    memory = profile.memory_bytes / (ranks if shared else 1)
+    link = entry["collectives"].get("all_reduce", {}).get("bytes_per_s", 1e9)
+    big = max(entry["elementwise_bytes"].values())
+    gpu = GPU(f"local {profile.device}", profile.peak_flops(ranks) / 1e12, memory / 1e9, big / 1e12,
+              link / 1e9, link / 1e9, big / 1e9)
+    return Cluster(gpu, ranks, nodes, profile=profile)
+
+
 def run(args) -> tuple[Config, Plan, str | None]:
     """Search and print (and --emit); returns (config, plan, model) for `loom plan --trace`, which
     the CLI runs from loom/train/trace.py (it needs torch and the training code)."""
@@ -43,20 +118,23 @@ def run(args) -> tuple[Config, Plan, str | None]:
     cfg = load_config(config, args.set)
     if args.recipe not in RECIPES:
         raise ConfigError(f"--recipe {args.recipe!r} is not one of {', '.join(RECIPES)}")
-    for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--nodes", args.nodes)):
-        if value < 1:
-            raise ConfigError(f"{flag} {value} must be ≥ 1")
-    cluster = with_overrides(Cluster(lookup(args.gpu), args.gpus_per_node, args.nodes), args.hw)
+    cluster = cluster_of(args, cfg)
     shape = model_shape(cfg, model, args.params)
-    precision = "bf16" if cfg.train.precision == "fp32" else cfg.train.precision  # GPUs train in 16-bit
-    workload = Workload(shape, cfg.data.seq_len, cfg.train.batch_size, precision, args.recipe)
+    local = cluster.profile is not None
+    # GPUs train in 16-bit; this machine trains in the config's precision
+    precision = "bf16" if cfg.train.precision == "fp32" and not local else cfg.train.precision
+    workload, origin = workload_of(args, cfg, shape, model, cluster.world_size, precision)
     dims = resolve_dims(cfg.parallel, cluster.world_size)  # the config's own degrees must divide
     plan = search(workload, cluster)
-    yours = None
-    if workload.global_batch % (dims.dp * cfg.train.grad_accum) == 0:
+    plan.workload_origin = origin
+    yours = None  # the config's own layout, priced on its own batch (not on an assumed workload)
+    own = workload.global_batch == cfg.train.batch_size
+    if own and workload.global_batch % (dims.dp * cfg.train.grad_accum) == 0:
         yours = estimate(workload, config_candidate(cfg, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp),
                          cluster)
-    if args.format == "json":
+    if args.explain is not None:
+        print(explain(plan, args.explain))
+    elif args.format == "json":
         print(json.dumps({**plan.to_dict(), "config": yours}, indent=1))
     else:
         print(render_table(plan))
@@ -66,14 +144,29 @@ def run(args) -> tuple[Config, Plan, str | None]:
                   f"{yours['grad_accum']}): {yours['memory_bytes']['total'] / 1e9:.1f} GB per GPU, "
                   f"{yours['tokens_per_s']:,.0f} tokens/s, {verdict}")
     if args.emit:
-        best = plan.candidates[plan.recommended]
-        emitted = emit_config(cfg, best)
+        emit_all(args.emit, cfg, plan, cluster, shape, model, quiet=args.format == "json")
+    return cfg, plan, model
+
+
+def emit_all(target: str, cfg, plan: Plan, cluster: Cluster, shape: ModelShape, model: str | None,
+             quiet: bool) -> None:
+    """The recommendation to TARGET, and every other recommendable candidate (the best of each
+    distinct layout that fits and loom runs, both engines) beside it as TARGET-STEM.N.toml."""
+    target = Path(target)
+    best = plan.candidates[plan.recommended]
+    suffix = target.suffix or ".toml"
+    chosen = [(target, best)] + [(target.with_name(f"{target.stem}.{i}{suffix}"), plan.candidates[i])
+                                 for i in plan.recommendable if i != plan.recommended]
+    for path, record in chosen:
+        emitted = emit_config(cfg, record)
         if shape.known and model is not None and not model.endswith(".json"):
             emitted.model.preset = model
+        emitted.data.seq_len, emitted.train.batch_size = plan.workload.seq_len, plan.workload.global_batch
         validate(emitted, cluster.world_size, cuda_available=True, this_machine=False)
-        header = (f"# loom plan: {best['label']} on {cluster.describe()}\n# run: loom train {args.emit} "
-                  f"--nproc {cluster.gpus_per_node} --nnodes {cluster.nodes}\n")
-        atomic_write(Path(args.emit), (header + to_toml(emitted)).encode())
-        if args.format != "json":
-            print(f"wrote {args.emit}")
-    return cfg, plan, model
+        header = (f"# loom plan: {record['label']} on {cluster.describe()}: {record['tokens_per_s']:,.0f} "
+                  f"tokens/s predicted\n# run: loom train {path} --nproc {cluster.gpus_per_node} "
+                  f"--nnodes {cluster.nodes}\n")
+        atomic_write(path, (header + to_toml(emitted)).encode())
+    if not quiet:
+        others = f" and {len(chosen) - 1} alternatives ({chosen[1][0].name} …)" if len(chosen) > 1 else ""
+        print(f"wrote {target}{others}")

@@ -13,6 +13,7 @@ import difflib
 from dataclasses import dataclass
 
 from loom.errors import ConfigError
+from loom.plan.device import DeviceProfile
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,11 @@ class GPU:
     intra_node_gbps: float  # GB/s per GPU, one direction
     inter_node_gbps: float  # GB/s per GPU (its NIC), one direction
     host_link_gbps: float  # GB/s GPU <-> host memory (PCIe), offload traffic
+    # Fixed costs that bound small models: a kernel's launch, a collective's latency (NCCL's
+    # small-message time within a node over NVLink, across nodes over the NIC).
+    kernel_launch_s: float = 5e-6
+    intra_node_latency_s: float = 10e-6
+    inter_node_latency_s: float = 25e-6
 
 
 CATALOG: dict[str, GPU] = {g.name: g for g in (
@@ -51,15 +57,20 @@ class Cluster:
     nvme_gb: float = 30000.0  # per node
     nvme_gbps: float = 25.0  # per node, read or write
     cpu_adam_params_per_s: float = 2e9  # per node, DeepSpeed-style CPU Adam
-    achievable_fraction: float = 0.45  # of the bf16 peak that dense training reaches (MFU ceiling)
-    comm_efficiency: float = 0.7  # of link bandwidth that ring collectives reach
+    # None: the GPU family's calibrated values (plan/efficiency.py); a number overrides them
+    achievable_fraction: float | None = None  # of the bf16 peak that dense training reaches
+    comm_efficiency: float | None = None  # of link bandwidth that ring collectives reach
     fragmentation: float = 0.10  # allocator margin on top of what is allocated
+    profile: DeviceProfile | None = None  # a measured device (`--gpu local`): time from its rates
 
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
 
     def describe(self) -> str:
+        if self.profile is not None:
+            where = f"on this machine ({self.profile.device})"
+            return f"{self.nodes} node(s) × {self.gpus_per_node} rank(s) {where}"
         gpu = self.gpu.name if self.gpu else "cpu"
         return f"{self.nodes} node(s) × {self.gpus_per_node} {gpu}"
 

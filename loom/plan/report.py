@@ -25,13 +25,24 @@ def model_state_account(w: Workload, cluster) -> list[dict]:
     return rows
 
 
+def params_text(count: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{unit}"
+    return f"{count:.0f}"
+
+
 def render_table(plan: Plan, top: int = 5) -> str:
     w, cluster, records = plan.workload, plan.cluster, plan.candidates
     shape = w.shape
-    out = [(f"loom plan: {shape.name} ({shape.num_params / 1e9:.2f}B params) on {cluster.describe()} "
-            f"({cluster.gpu.memory_gb:g} GB, {cluster.gpu.bf16_tflops:g} bf16 TFLOPs each), "
-            f"recipe {w.recipe}, "
+    device = (f"({cluster.gpu.memory_gb:g} GB, {cluster.gpu.bf16_tflops:g} bf16 TFLOPs each)"
+              if cluster.profile is None else
+              f"({cluster.gpu.memory_gb:.3g} GB of memory each; {cluster.profile.describe()})")
+    out = [(f"loom plan: {shape.name} ({params_text(shape.num_params)} params) on {cluster.describe()} "
+            f"{device}, recipe {w.recipe}, {w.precision}, "
             f"global batch {w.global_batch} × {w.seq_len} tokens, {len(records)} candidates")]
+    if plan.workload_origin:
+        out.append(f"  {plan.workload_origin}")
     if not shape.known:
         out.append("  (parameter count only: activations, TP/PP and attention FLOPs are not modeled; "
                    "give a preset or config.json for those)")
@@ -56,6 +67,9 @@ def render_table(plan: Plan, top: int = 5) -> str:
             min(mine, key=lambda i: records[i]["memory_bytes"]["total"])
         if best not in shown:
             shown.append(best)
+    for i in plan.recommendable:  # the near-ties a person would weigh, after the fastest
+        if i not in shown:
+            shown.append(i)
     header = (f"{'#':>5} {'candidate':<44} {'mb×acc':>7} {'GPU GB':>7} {'act GB':>7} {'host GB/node':>12} "
               f"{'comm GB':>8} {'inter%':>6} {'step s':>8} {'tok/s':>11} {'MFU':>5}  fits")
     out += [header, "-" * len(header)]

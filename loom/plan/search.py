@@ -14,6 +14,7 @@ from loom import strategies
 from loom.errors import ConfigError
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.comm import comm_per_step
+from loom.plan.efficiency import compute_fraction, link_efficiency
 from loom.plan.hardware import Cluster
 from loom.plan.memory import gpu_memory
 from loom.plan.step import bubble_fraction, step_time
@@ -24,7 +25,8 @@ MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
     """One candidate, priced: the JSON record of `loom plan --format json`."""
-    mem = gpu_memory(w, c, cluster.fragmentation)
+    device = cluster.profile.device if cluster.profile is not None else "cuda"
+    mem = gpu_memory(w, c, cluster.fragmentation, device)
     comm, groups = comm_per_step(w, c, cluster.gpus_per_node)
     record = {
         "label": c.label(), "strategy": c.strategy, "engine": c.engine, "runs_in_loom": c.runs_in_loom,
@@ -66,6 +68,7 @@ def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
 def enumerate_candidates(w: Workload, cluster: Cluster,
                          names: tuple[str, ...] = tuple(strategies.STRATEGIES)):
     shape, world, per_node = w.shape, cluster.world_size, cluster.gpus_per_node
+    host_tier = cluster.profile is None or cluster.profile.device != "cpu"  # a CPU has no host to offload to
     tps = [t for t in (1, 2, 4, 8, 16) if t <= per_node and world % t == 0 and _tp_divides(shape, t)]
     for tp in tps:
         for pp in _pipeline_degrees(shape, world // tp):
@@ -75,7 +78,7 @@ def enumerate_candidates(w: Workload, cluster: Cluster,
             local_batch = w.global_batch // dp
             for strategy in names:
                 for shard in _shards(strategy, dp, tp, per_node, cluster.nodes):
-                    for offload in _offloads(strategy):
+                    for offload, framework in _offloads(strategy, dp, tp, pp, host_tier):
                         for schedule, virtual in _schedules(shape, pp):
                             for ac in ("none", "selective", "full") if shape.known else ("none",):
                                 for mb in MICRO_BATCHES:
@@ -86,7 +89,8 @@ def enumerate_candidates(w: Workload, cluster: Cluster,
                                         # 1F1B-style schedules need m ≥ p (GPipe too, to keep p busy)
                                         continue
                                     yield Candidate(strategy, dp, tp, pp, shard, offload, schedule, virtual,
-                                                    ac, 2, mb, m, sequence_parallel=tp > 1)
+                                                    ac, 2, mb, m, sequence_parallel=tp > 1,
+                                                    framework=framework)
 
 
 def _tp_divides(shape, tp: int) -> bool:
@@ -112,17 +116,32 @@ def _shards(strategy: str, dp: int, tp: int, per_node: int, nodes: int) -> list[
     return [shard]
 
 
-def _offloads(strategy: str) -> tuple[str, ...]:
-    """What a strategy can offload: ZeRO-Offload takes stages 1-3 (the optimizer states); the
-    parameters and NVMe need stage 3; hybrid sharding has FSDP2's CPUOffloadPolicy only."""
+def _offloads(strategy: str, dp: int, tp: int, pp: int, host_tier: bool = True) -> list[tuple[str, str]]:
+    """(offload, engine) pairs a strategy runs with. ZeRO-Offload takes stages 1-3 (the optimizer
+    states); the parameters and NVMe need stage 3; hybrid sharding has FSDP2's CPUOffloadPolicy
+    only. Sharding over one rank is no sharding: with dp = 1 only the simplest strategy that
+    offers an offload tier is a candidate (zero3 tp8 is ddp tp8). loom's deepspeed engine runs
+    ZeRO without TP or PP: those layouts are also priced on it."""
     s = strategies.lookup(strategy)
     if s.zero_stage == 0:
-        return ("none",)
-    if s.dp_mesh == "hybrid":
-        return ("none", "optimizer+params")
-    if s.zero_stage < 3:
-        return ("none", "optimizer")
-    return ("none", "optimizer", "optimizer+params", "optimizer-nvme", "nvme")
+        tiers = ("none",)
+    elif s.dp_mesh == "hybrid":
+        tiers = ("none", "optimizer+params")
+    elif s.zero_stage < 3:
+        tiers = ("none", "optimizer")
+    else:
+        tiers = ("none", "optimizer", "optimizer+params", "optimizer-nvme", "nvme")
+    if not host_tier:
+        tiers = ("none",)
+    if dp == 1:
+        simpler = [name for name, other in strategies.STRATEGIES.items()
+                   if other.zero_stage < s.zero_stage and other.dp_mesh != "hybrid"]
+        taken = {tier for name in simpler for tier, _ in _offloads(name, 2, tp, pp, host_tier)}
+        tiers = tuple(t for t in tiers if t not in taken)
+    pairs = [(tier, "torch") for tier in tiers]
+    if s.deepspeed_stage and tp == pp == 1 and dp > 1 and s.dp_mesh != "hybrid":
+        pairs.append(("none", "deepspeed"))
+    return pairs
 
 
 def _schedules(shape, pp: int) -> list[tuple[str, int]]:
@@ -134,6 +153,10 @@ def _schedules(shape, pp: int) -> list[tuple[str, int]]:
     return options
 
 
+NEAR_TIE = 0.05  # this close to the fastest, candidates are ranked by simplicity, not the model's last digits
+TIGHT = 0.8  # of device memory: above it a candidate has little headroom
+
+
 @dataclass
 class Plan:
     workload: Workload
@@ -141,6 +164,8 @@ class Plan:
     candidates: list[dict]
     recommended: int | None
     reason: str
+    recommendable: list[int] = dataclasses.field(default_factory=list)  # near-ties, one per layout
+    workload_origin: str = ""  # where the batch came from (the config's, or assumed)
 
     def to_dict(self) -> dict:
         shape = self.workload.shape
@@ -149,16 +174,28 @@ class Plan:
                       "seq_len": self.workload.seq_len, "global_batch": self.workload.global_batch,
                       "flops_per_token": shape.flops_per_token(self.workload.seq_len)},
             "cluster": {**dataclasses.asdict(self.cluster), "world_size": self.cluster.world_size},
-            "assumptions": assumptions(self.cluster),
+            "assumptions": assumptions(self.cluster, shape),
             "candidates": self.candidates, "recommended": self.recommended, "reason": self.reason,
+            "recommendable": self.recommendable, "workload_origin": self.workload_origin,
         }
 
 
-def assumptions(cluster: Cluster) -> list[str]:
+def assumptions(cluster: Cluster, shape=None) -> list[str]:
+    gpu = cluster.gpu
+    if cluster.profile is not None:
+        return [f"compute, elementwise work and collectives at the rates measured on this machine "
+                f"({cluster.profile.describe()}; `loom plan --calibrate` remeasures)",
+                "on a CPU nothing overlaps: the cores that compute also run the collectives",
+                f"fragmentation margin {cluster.fragmentation:.0%} of allocated bytes; GB = 1e9 bytes"]
+    fraction = cluster.achievable_fraction or compute_fraction(gpu, shape)
+    efficiency = cluster.comm_efficiency or link_efficiency(gpu)
     return [
-        (f"compute at {cluster.achievable_fraction:.0%} of the bf16 dense peak "
-         f"(override: --hw achievable_fraction=)"),
-        f"links at {cluster.comm_efficiency:.0%} of their bandwidth; ring collectives",
+        (f"compute at {fraction:.0%} of the bf16 dense peak for this model (fitted to published runs, "
+         f"docs/calibration.md; override: --hw achievable_fraction=), and no faster than "
+         f"{gpu.kernel_launch_s * 1e6:g} µs per kernel launch"),
+        (f"links at {efficiency:.0%} of their bandwidth; ring collectives; "
+         f"{gpu.intra_node_latency_s * 1e6:g} µs "
+         f"({gpu.inter_node_latency_s * 1e6:g} µs across nodes) per collective"),
         ("data-parallel collectives overlap with compute (only the excess is exposed); "
          "TP, PP and ZeRO-1's broadcast are exposed"),
         f"fragmentation margin {cluster.fragmentation:.0%} of allocated bytes; GB = 1e9 bytes",
@@ -183,8 +220,69 @@ def search(w: Workload, cluster: Cluster) -> Plan:
                           + smallest_fitting_cluster(w, cluster))
     runnable = [i for i in fitting if records[i]["runs_in_loom"]]
     pool = runnable or fitting
-    best = max(pool, key=lambda i: (records[i]["tokens_per_s"], -records[i]["memory_bytes"]["total"]))
-    return Plan(w, cluster, records, best, _reason(records, best, cluster, bool(runnable)))
+    capacity = cluster.gpu.memory_gb * GB
+    best, fastest, band = choose(records, pool, capacity)
+    preference = _simpler(records[best], records[fastest], capacity) if best != fastest else ""
+    why = _reason(records, best, cluster, bool(runnable), preference)
+    return Plan(w, cluster, records, best, why, _one_per_layout(records, band, best))
+
+
+def choose(records: list[dict], pool: list[int], capacity: float) -> tuple[int, int, list[int]]:
+    """(recommended, fastest, near-ties): among the candidates within NEAR_TIE of the fastest
+    predicted throughput, the simplest."""
+    fastest = max(pool, key=lambda i: (records[i]["tokens_per_s"], -records[i]["memory_bytes"]["total"]))
+    floor = (1 - NEAR_TIE) * records[fastest]["tokens_per_s"]
+    band = [i for i in pool if records[i]["tokens_per_s"] >= floor]
+    return min(band, key=lambda i: simplicity(records[i], capacity)), fastest, band
+
+
+def simplicity(r: dict, capacity: float) -> tuple:
+    """What a person prefers among near-equals: fewer parallel dimensions, no offload, no
+    recomputation, room in memory, the simpler strategy (ddp < zero1 < zero2 < zero3 < hsdp), the
+    torch engine, then the most headroom."""
+    tight = r["memory_bytes"]["total"] > TIGHT * capacity
+    order = list(strategies.STRATEGIES).index(r["strategy"])
+    return ((r["tp"] > 1) + (r["pp"] > 1), r["offload"] != "none", r["activation_checkpointing"] != "none",
+            tight, order, r["engine"] == "deepspeed", r["memory_bytes"]["total"], -r["tokens_per_s"])
+
+
+def _simpler(best: dict, fastest: dict, capacity: float) -> str:
+    gap = 1 - best["tokens_per_s"] / fastest["tokens_per_s"]
+    why = []
+    if (best["tp"] > 1) + (best["pp"] > 1) < (fastest["tp"] > 1) + (fastest["pp"] > 1):
+        why.append("fewer parallel dimensions")
+    if best["offload"] == "none" and fastest["offload"] != "none":
+        why.append("no offload")
+    if best["activation_checkpointing"] == "none" != fastest["activation_checkpointing"]:
+        why.append("no recomputation")
+    if best["memory_bytes"]["total"] < fastest["memory_bytes"]["total"]:
+        why.append(f"more memory headroom ({best['memory_bytes']['total'] / GB:.3g} vs "
+                   f"{fastest['memory_bytes']['total'] / GB:.3g} GB per GPU)")
+    if not why:
+        why.append("a simpler strategy")
+    return (f"preferred to {fastest['label']}, predicted {gap:.1%} faster — within {NEAR_TIE:.0%}, closer "
+            f"than the time model's accuracy — for {', '.join(why)}")
+
+
+def _one_per_layout(records: list[dict], band: list[int], best: int) -> list[int]:
+    """The recommendation, then the simplest candidate of each other layout in the band, then the
+    best of the other engine (so --emit can write both)."""
+    chosen, layouts = [best], {_layout(records[best])}
+    capacity = max(r["memory_bytes"]["total"] for r in records) * 2
+    for i in sorted(band, key=lambda i: simplicity(records[i], capacity)):
+        if _layout(records[i]) not in layouts:
+            layouts.add(_layout(records[i]))
+            chosen.append(i)
+    engines = {records[i]["engine"] == "deepspeed" for i in chosen}
+    others = [i for i, r in enumerate(records) if r["fits"] and r["runs_in_loom"]
+              and (r["engine"] == "deepspeed") not in engines]
+    if others and len(engines) == 1:
+        chosen.append(max(others, key=lambda i: records[i]["tokens_per_s"]))
+    return chosen
+
+
+def _layout(r: dict) -> tuple:
+    return (r["strategy"], r["tp"], r["pp"], r["pp_schedule"], r["offload"], r["engine"] == "deepspeed")
 
 
 def smallest_fitting_cluster(w: Workload, cluster: Cluster) -> str:
@@ -199,16 +297,20 @@ def smallest_fitting_cluster(w: Workload, cluster: Cluster) -> str:
     return "no cluster up to 4096× this size fits it either; check the model size and the batch"
 
 
-def _reason(records: list[dict], best: int, cluster: Cluster, runnable: bool) -> str:
+def _reason(records: list[dict], best: int, cluster: Cluster, runnable: bool, preference: str = "") -> str:
     r = records[best]
     t = r["step_time_breakdown_s"]
-    share = {k: t[k] / t["total"] for k in ("compute", "recompute", "bubble", "comm_exposed", "offload")}
+    share = {k: v / t["total"] for k, v in t.items() if k != "total"}
     largest = max((k for k in share if k != "compute"), key=share.get)
     mem = r["memory_bytes"]["total"] / GB
-    why = (f"{r['label']}: the highest predicted throughput that fits ({r['tokens_per_s']:,.0f} tokens/s, "
-           f"MFU {r['mfu']:.0%}, {mem:.1f} of {cluster.gpu.memory_gb:g} GB per GPU; "
+    rank = ("the simplest of the fastest that fit" if preference else
+            "the highest predicted throughput that fits")
+    why = (f"{r['label']}: {rank} ({r['tokens_per_s']:,.0f} tokens/s, "
+           f"MFU {r['mfu']:.0%}, {mem:.3g} of {cluster.gpu.memory_gb:.3g} GB per GPU; "
            f"compute {share['compute']:.0%} of the step, then {largest.replace('_', ' ')} "
            f"{share[largest]:.0%})")
+    if preference:
+        why += f"; {preference}"
     if not runnable:
         why += ("; only candidates loom cannot run fit (DeepSpeed offload combined with TP or PP)")
     big = cluster.nodes > 1 and cluster.world_size >= 512

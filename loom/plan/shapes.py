@@ -97,43 +97,84 @@ def layers_of_stage(n_layers: int, stage: int, stages: int) -> int:
 
 
 def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, elem: int,
-                               tp: int = 1, sequence_parallel: bool = False) -> float:
+                               tp: int = 1, sequence_parallel: bool = False, autocast: bool = False) -> float:
     """Bytes one decoder block keeps for backward, for one micro-batch.
 
     Korthikanti et al. 2022 (arXiv 2205.05198) Table 2 counts sbh(34 + 5as/h) for a GPT block in
     16-bit. Adapted to this decoder (RMSNorm, RoPE, SwiGLU, GQA) with fused (flash) attention,
     which keeps no s×s matrix, so the 5as/h term becomes the softmax statistics (fp32, per head).
-    What autograd saves (checked with saved-tensor hooks):
-      per norm (2): input, normalized, output                       3·sbh each
-      attention: q, k, v as attention sees them (GQA's k, v repeated to all heads) and its
-                 output, which is also the wo input                 4·sbh
-      MLP (SwiGLU): gate, silu(gate), up, product                   4·sbf
-    RoPE saves nothing large (its cos/sin are constants). Under TP everything between the
-    column- and row-split linears is divided by tp; the norms stay whole unless sequence parallel
-    splits them too, and then the all-gathered inputs of the column-split linears stay whole
-    (2·sbh).
+    What autograd keeps (checked tensor by tensor with a live-tensor tracker at the step's peak,
+    bench/activations.py), in bytes per token (s·b of them), e = the compute dtype's bytes:
+      each norm (2)  its input in fp32: the input itself in fp32, else the fp32
+                     copy RMSNorm normalizes in (the 16-bit input is kept by nothing)   4·h
+                     the normalized tensor (fp32 under autocast)                        e·h
+                     what the next linears read: the norm's output (all-gathered
+                     under sequence parallel); under autocast each linear's own
+                     16-bit cast of it (wq, wk, wv; w1, w3: five per block, not two)    e·h each
+      attention      q, k after RoPE, v (GQA's k, v repeated to every head), and its
+                     output, which is also wo's input                                   4·e·h
+                     the softmax statistics (log-sum-exp, fp32, per head)               4·a
+      MLP (SwiGLU)   gate, silu(gate), up, product                                      4·e·f
+    In all: fp32 40·h + 16·f; 16-bit weights 24·h + 8·f; autocast 34·h + 8·f (+ 4·a).
+    `autocast`: 16-bit through torch.autocast (loom's ddp and zero1 without TP): the residual
+    stream, the norms and the loss stay fp32 and each matmul casts its inputs. Otherwise (FSDP2's
+    MixedPrecisionPolicy, DeepSpeed's 16-bit model) the weights are cast and every activation is
+    16-bit; FSDP2 also casts the block's RoPE table input to 16-bit, and RoPE rotates q and k in
+    fp32 from fp32 copies of cos and sin, kept for backward (8·s·head_dim bytes per block, not
+    per sequence). Under TP everything between the column- and row-split linears is divided by
+    tp; the norms stay whole unless sequence parallel splits them too, and then the all-gathered
+    inputs of the column-split linears stay whole.
     """
     s, b, h, f = seq, micro_batch, shape.d_model, shape.ffn_hidden
-    sbh = s * b * h
-    split = (4 * sbh + 4 * s * b * f) * elem + s * b * shape.n_heads * 4  # + softmax stats, fp32
-    norms = 6 * sbh * elem
+    sb = s * b
+    autocast = autocast and elem < 4
+    split = sb * ((4 * h + 4 * f) * elem + 4 * shape.n_heads)
+    norms = 2 * sb * h * (4 + (4 if autocast else elem))
+    linear_inputs = sb * h * elem * (5 if autocast else 2)
+    rope = 8 * s * shape.head_dim if elem < 4 and not autocast else 0
     if sequence_parallel and tp > 1:
-        return split / tp + norms / tp + 2 * sbh * elem
-    return split / tp + norms
+        return split / tp + norms / tp + linear_inputs + rope
+    return split / tp + norms + linear_inputs + rope
+
+
+def residual_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, autocast: bool = False) -> float:
+    """One [s, b, h] tensor of the residual stream: a checkpointed block's input, a pipeline
+    stage's output. fp32 under autocast (the residual adds take the fp32 embedding output)."""
+    return seq * micro_batch * shape.d_model * (4 if autocast else elem)
 
 
 def head_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1,
-                     pipelined: bool = False) -> float:
-    """What the final norm and the loss keep per micro-batch until its backward: the norm's three
-    tensors and the loss's fp32 log-softmax (vocab-parallel under TP); a pipeline schedule also
-    keeps the stage's output, the logits."""
-    sbv = seq * micro_batch * shape.vocab_size / tp
-    return 3 * seq * micro_batch * shape.d_model * elem + sbv * (4 + (elem if pipelined else 0))
+                     pipelined: bool = False, sequence_parallel: bool = False,
+                     autocast: bool = False) -> float:
+    """What the final norm and the loss keep per micro-batch until its backward: the norm's fp32
+    input, its normalized tensor and the head's input (as in a block, one linear reading it); the
+    loss's fp32 log-softmax (loss_parallel under TP keeps its fp32 shifted logits instead, split
+    over the vocabulary). The logits themselves are not kept (the head's matmul keeps its input,
+    cross entropy casts them to fp32). A pipeline schedule also keeps the stage's output, the
+    logits, in the compute dtype."""
+    sb, h = seq * micro_batch, shape.d_model
+    sbv = sb * shape.vocab_size / tp
+    normalized = sb * h * (4 + (4 if autocast and elem < 4 else elem))
+    norm = (normalized / tp if sequence_parallel and tp > 1 else normalized) + sb * h * elem
+    return norm + sbv * (4 + (elem if pipelined else 0))
 
 
 def head_transient_bytes(shape: ModelShape, seq: int, micro_batch: int, tp: int = 1) -> float:
-    """At the start of backward the loss's two fp32 gradients of the logits exist at once."""
-    return 2 * 4 * seq * micro_batch * shape.vocab_size / tp
+    """At the start of backward the loss's fp32 gradients of the logits exist at once: two (nll's
+    and log-softmax's); loss_parallel's backward under TP makes three (the one-hot target, the
+    softmax and their difference), each split over the vocabulary."""
+    return (2 if tp == 1 else 3) * 4 * seq * micro_batch * shape.vocab_size / tp
+
+
+def head_backward_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1,
+                        autocast: bool = False) -> tuple[float, float]:
+    """The head's backward, once the loss's tensors are gone: (the logits' gradient in the compute
+    dtype, the head weight's gradient). The weight's gradient is V·h in the compute dtype (FSDP2's
+    unsharded gradient of the weight it all-gathered); under autocast also its fp32 copy on the
+    way to the fp32 parameter's gradient."""
+    logits = seq * micro_batch * shape.vocab_size / tp * elem
+    weight = shape.vocab_size * shape.d_model / tp * (elem + (4 if autocast and elem < 4 else 0))
+    return logits, weight
 
 
 def checkpointed_layers(layers: int, mode: str, every: int) -> int:

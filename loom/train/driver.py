@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -264,7 +265,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
             shutil.rmtree(swap, ignore_errors=True)
     result = RunResult(log.losses, log.grad_norms, eval_loss, rank_memory, tokens_per_s, elapsed, state,
                        extra={"start_step": start_step, "skipped_steps": log.skipped_steps,
-                              "evals": log.evals,
+                              "evals": log.evals, "step_time_s": statistics.median(timed),
                               "checkpoint_stall_s": ckpt.stall_s if ckpt is not None else []})
     if main:
         _finish_records(cfg, d, b, result, plan, run_dir, quiet, task.from_config)
@@ -429,6 +430,8 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
                    checkpoint=str(last) if last else None)
     if plan is not None:
         summary["measured_vs_planned"] = record.measured_vs_planned(result.memory, plan)
+        summary["step_time_vs_planned"] = record.step_time_vs_planned(
+            result.extra["step_time_s"], plan)
     if run_dir is not None:
         record.write_end(run_dir, p.strategy, formula, shard, expected, result.memory, summary)
     if quiet:
@@ -436,6 +439,7 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
     record.print_summary(summary, result.memory, formula, expected, run_dir)
     if plan is not None:
         record.print_measured_vs_planned(summary["measured_vs_planned"])
+        record.print_step_time(summary["step_time_vs_planned"], d.device.type)
     if last is not None:
         # `loom train` rebuilds the config's model; a script's own model is rebuilt by the script.
         again = (f"loom train --resume auto --out {run_dir} --set train.steps=N" if from_config else

@@ -18,7 +18,9 @@ import torch
 
 from loom.config import Config, to_toml
 from loom.parallel.mesh import Dist
+from loom.plan import device
 from loom.plan.comm import comm_per_step
+from loom.plan.command import local_cluster
 from loom.plan.hardware import Cluster, detect
 from loom.plan.memory import stage_memory
 from loom.plan.search import config_candidate, config_workload, estimate
@@ -46,18 +48,26 @@ def write_end(run_dir: Path, strategy: str, formula: str, shard: int, expected: 
 
 def plan_run(cfg: Config, shape: ModelShape, d: Dist) -> dict:
     """The planner's prediction for this very run (written as plan.json, printed beside the
-    measurements). On CPU there is no GPU to price time on: bytes only."""
-    gpu = None
-    if d.device.type == "cuda":
-        props = torch.cuda.get_device_properties(d.device)
-        gpu = detect(props.name, props.total_memory)
+    measurements). Time is priced on this machine's device profile (`loom plan --calibrate`) when
+    one was measured on this kind of device, else on the catalog entry of a recognised GPU; without
+    either (a CPU never calibrated) the plan has bytes only."""
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size))
-    cluster = Cluster(gpu, per_node, max(d.world_size // per_node, 1))
+    nodes = max(d.world_size // per_node, 1)
+    profile = device.load(required=False)
+    if profile is not None and profile.device == d.device.type:
+        cluster = local_cluster(profile, per_node, nodes)
+    else:
+        gpu = None
+        if d.device.type == "cuda":
+            props = torch.cuda.get_device_properties(d.device)
+            gpu = detect(props.name, props.total_memory)
+        cluster = Cluster(gpu, per_node, nodes)
     m = d.mesh
     c = config_candidate(cfg, m["dp_replicate"].size(), m["dp_shard"].size(), m["tp"].size(), m["pp"].size())
     w = config_workload(cfg, shape)
     record = estimate(w, c, cluster)
-    record["memory_bytes_by_stage"] = {s: stage_memory(w, c, s, cluster.fragmentation).to_dict()
+    record["memory_bytes_by_stage"] = {s: stage_memory(w, c, s, cluster.fragmentation,
+                                                       device=d.device.type).to_dict()
                                        for s in range(c.pp)}
     # What a rank can observe (payload bytes and counts per collective kind), for comparison with
     # the run's CollectiveCounter; comm_bytes_per_step stays the ring model's wire bytes.
@@ -65,8 +75,28 @@ def plan_run(cfg: Config, shape: ModelShape, d: Dist) -> dict:
     record.update(comm_payload_bytes_per_step=payload["payload_bytes"],
                   comm_payload_bytes_by_kind=payload["payload_bytes_by_kind"],
                   comm_count_per_step=payload["count"], comm_count_by_kind=payload["count_by_kind"])
-    record["gpu"] = gpu.name if gpu else None
+    record["gpu"] = cluster.gpu.name if cluster.gpu else None
+    record["device_profile"] = str(device.default_path()) if cluster.profile is not None else None
     return record
+
+
+def step_time_vs_planned(measured_s: float, plan: dict) -> dict:
+    """[measured, planned] seconds per optimizer step, and the plan's parts."""
+    return {"step_time_s": [measured_s, plan.get("step_time_s")],
+            "planned_breakdown_s": plan.get("step_time_breakdown_s")}
+
+
+def print_step_time(entry: dict, device_type: str) -> None:
+    measured, planned = entry["step_time_s"]
+    if planned is None:
+        hint = ("run `loom plan --calibrate` once to measure this machine" if device_type == "cpu"
+                else "this GPU is not in the planner's catalog")
+        print(f"step time: measured {measured:.3f} s, not planned ({hint})")
+        return
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in entry["planned_breakdown_s"].items()
+                      if k != "total" and v > 0)
+    print(f"step time: measured {measured:.3f} s / planned {planned:.3f} s = {measured / planned:.2f}  "
+          f"(planned: {parts})")
 
 
 def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:

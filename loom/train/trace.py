@@ -189,10 +189,13 @@ def _own_fake_mode_for_sharding_propagation() -> Iterator[None]:
 
 
 def print_trace(cfg: Config, plan, model: str | None) -> None:
-    """`loom plan --trace`: the plan's recommended data-parallel strategy (zero3 when it needs TP,
-    PP or offload) traced at the plan's world size, printed beside the formula."""
+    """`loom plan --trace`: the plan's recommended sharding strategy (zero3 when it needs TP, PP
+    or offload, or is DDP/ZeRO-1, whose reducer does not run on fake tensors) traced at the plan's
+    world size, printed beside the formula."""
     best = plan.candidates[plan.recommended]
-    strategy = best["strategy"] if best["tp"] == best["pp"] == 1 and best["offload"] == "none" else "zero3"
+    plain = best["tp"] == best["pp"] == 1 and best["offload"] == "none"
+    sharded = strategies.lookup(best["strategy"]).engine == "fsdp2"
+    strategy = best["strategy"] if plain and sharded else "zero3"
     traced_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy,
                                                                        tp=1, pp=1, offload="none"))
     if model is not None and not model.endswith(".json"):

@@ -6,7 +6,8 @@ has read back), and at the end the final eval and every rank's memory.json entry
 imported here, and only when asked for: a run with `train.log_to = []` never loads them.
 
   train/loss, train/lr, train/grad_norm, train/tokens_per_s, train/step_time_s, train/data_wait_s
-  train/mfu          on a GPU the planner knows (loom/plan/hardware.py), never on CPU
+  train/mfu          on a GPU the planner knows (loom/plan/hardware.py), or a device `loom plan
+                     --calibrate` measured (its best matmul rate is the peak)
   ledger/<phase>     the step's share of time in data, forward, backward, pipeline, optimizer
   eval/loss          every train.eval_every steps and the final eval
   memory/rank<r>/<key>   at the end: memory.json's numbers for each rank (peak_bytes, resident_bytes, ...)

@@ -2,6 +2,14 @@
 bytes (1%) and activation peak (20%) match it, and so do the collectives of a step as observed
 (payload bytes and counts per kind; wire bytes are only modelled, so not compared here).
 
+The activation peak is also checked where the first activation model drifted (issue 15: 0.81 of
+the plan for 125m in fp32, 0.59 in bf16): 16-bit compute (fp32 norm copies; autocast's per-linear
+casts and cached weight copies), a vocabulary-heavy tied model (the root unit kept gathered, the
+loss's fp32 tensors, gradients not yet rebuilt at backward's start, the tied root's
+reduce-scatter ending backward) and the vocab-parallel loss — tiny shapes, 10%. (bench/activations.py
+runs the presets tiny to 1b's shape: 0.96-1.02 of the plan but tiny ddp × tp2 with full checkpointing,
+1.18, whose blocks' backward temporaries the plan leaves out.)
+
 The plan leaves out the loop's few-byte collectives (mean loss, gradient norm, loss parallel's
 per-token statistics: all-reduces; DDP's rebuilt bucket order in step 2: broadcasts). So
 all-gather, reduce-scatter, send and recv must match exactly, all-reduce and broadcast may
@@ -44,8 +52,8 @@ def test_measured_matches_plan(corpus, tmp_path, strategy, world, extra):
         *extra])
     run_ranks(_rank, world, cfg, str(tmp_path))
     plan = json.loads((tmp_path / "plan.json").read_text())
-    # CPU: bytes only
-    assert plan["strategy"] == strategy and plan["gpus"] == world and plan["step_time_s"] is None
+    # (step time: tests/distributed/test_plan_time.py, on the tests' device profile)
+    assert plan["strategy"] == strategy and plan["gpus"] == world
     rows = json.loads((tmp_path / "summary.json").read_text())["measured_vs_planned"]
     assert len(rows) == world
     for row in rows:
@@ -63,6 +71,40 @@ def test_measured_matches_plan(corpus, tmp_path, strategy, world, extra):
             else:
                 assert planned * (1 - 1e-9) <= seen <= planned + EXTRA * row["comm_payload_bytes"][1], where
                 assert n_planned is None or n_seen >= n_planned, where
+
+
+# Tiny models where the first activation model missed by 21-110%: a wider tiny (d 256) whose 8192-token
+# tied embedding is 64% of its parameters, as in 125m (31%) and 1b (21%); one FSDP2 unit; and tiny with
+# that vocabulary under tensor parallelism. Each case names what it catches.
+WIDE = ("model.d_model=256", "model.n_heads=4", "model.ffn_hidden=512", "model.vocab_size=8192",
+        "model.tie_embeddings=true", "train.batch_size=4", "data.seq_len=64")
+DRIFT = [
+    # bf16 under FSDP2: fp32 norm copies, the root kept gathered, no gradient yet at backward's
+    # start, the end-of-backward reduce-scatter (gloo copies its input): 1.21 of the old plan
+    ("zero3", (*WIDE, "train.precision=bf16")),
+    # autocast: the residual stream stays fp32, each linear casts its input, the weights' 16-bit
+    # copies live until backward ends, the tied weight's three fp32 gradients: 2.10
+    ("ddp", (*WIDE, "train.precision=bf16")),
+    # checkpointed blocks and a small activation set: the tied embedding's backward (its
+    # gradient, the head's, their sum beside the model's unsharded gradients) is the peak: 1.38
+    ("zero3", (*WIDE, "parallel.activation_checkpointing=full")),
+    # the vocab-parallel loss: three fp32 tensors of the logits' size in its backward: 1.27
+    ("zero3", ("model.vocab_size=8192", "train.precision=bf16", "parallel.tp=2",
+               "parallel.sequence_parallel=true")),
+]
+DRIFT_IDS = ["zero3-bf16-vocab", "ddp-autocast-vocab", "zero3-fp32-full-vocab", "tp2-sp-bf16-vocab"]
+
+
+@pytest.mark.parametrize("strategy,extra", DRIFT, ids=DRIFT_IDS)
+def test_activation_peak_where_the_model_drifted(corpus, tmp_path, strategy, extra):
+    cfg = load_config(None, [
+        "model.preset=tiny", f'data.source="{corpus}"', "data.seq_len=128", "data.num_workers=0",
+        "train.steps=2", "train.batch_size=8", "train.eval_batches=1", f"parallel.strategy={strategy}",
+        *extra])
+    run_ranks(_rank, 2, cfg, str(tmp_path))
+    for row in json.loads((tmp_path / "summary.json").read_text())["measured_vs_planned"]:
+        measured, planned = row["activation_peak_bytes"]
+        assert abs(measured - planned) <= 0.10 * planned, (row["rank"], measured, planned)
 
 
 def test_summary_prints_measured_beside_planned(corpus, tmp_path, capsys):

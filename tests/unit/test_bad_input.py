@@ -859,6 +859,19 @@ def _(c: Ctx) -> str:
 # faults
 
 
+@case("plan-explain-range")
+def _(c: Ctx) -> str:
+    return cli("plan", "--gpu", "H100-SXM", "--model", "tiny", "--explain", "100000", capsys=c.capsys)
+
+
+@case("plan-profile-unreadable")
+def _(c: Ctx) -> str:
+    bad = c.tmp / "device.json"
+    bad.write_text("{not json")
+    c.monkeypatch.setenv("LOOM_DEVICE_PROFILE", str(bad))
+    return cli("plan", capsys=c.capsys)
+
+
 @case("faults-malformed")
 def _(c: Ctx) -> str:
     os.environ["LOOM_FAULTS"] = "explode@3"

@@ -22,7 +22,8 @@ GB = 1e9
 
 
 def plan_json(capsys, *argv: str) -> dict:
-    assert main(["plan", "--format", "json", *argv]) == 0
+    gpu = () if "--gpu" in argv else ("--gpu", "H100-SXM")
+    assert main(["plan", "--format", "json", *gpu, *argv]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -52,7 +53,7 @@ def test_seeds_70b_on_8x80gb(capsys):
 
 
 def test_seeds_table_shows_both_levels(capsys):
-    assert main(["plan", "--params", "70e9", "--recipe", "zero"]) == 0
+    assert main(["plan", "--params", "70e9", "--recipe", "zero", "--gpu", "H100-SXM"]) == 0
     out = capsys.readouterr().out
     assert "zero3 offload optimizer" in out and "GPU      17.5   host    122.5" in out
     assert "ddp                          GPU    1120.0" in out and "does not fit" in out
@@ -97,7 +98,8 @@ def test_activation_forms_order():
 
 def test_search_prefers_fitting_and_emits_runnable_config(tmp_path, capsys):
     out = tmp_path / "run.toml"
-    assert main(["plan", "--model", "8b", "--set", "train.batch_size=64", "--set", "data.seq_len=2048",
+    assert main(["plan", "--gpu", "H100-SXM", "--model", "8b", "--set", "train.batch_size=64",
+                 "--set", "data.seq_len=2048",
                  "--emit", str(out), "--format", "json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     best = plan["candidates"][plan["recommended"]]
@@ -191,7 +193,8 @@ def test_hf_config_json(tmp_path, capsys):
 
 def test_plan_does_not_import_torch_and_is_fast():
     code = ("import sys, time; t = time.perf_counter(); from loom.cli import main; "
-            "rc = main(['plan', '--model', '8b', '--set', 'train.batch_size=64', '--format', 'json']); "
+            "rc = main(['plan', '--gpu', 'H100-SXM', '--model', '8b', '--set', 'train.batch_size=64', "
+            "'--format', 'json']); "
             "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'; "
             "print('ELAPSED', time.perf_counter() - t, file=sys.stderr)")
     start = time.perf_counter()
@@ -249,7 +252,8 @@ def test_hw_override_changes_the_price(capsys):
 
 def test_trace_flag_prints_traced_beside_analytic(capsys):
     """--trace runs loom's GPT and zero3 under FakeTensorMode on a fake group of 64 ranks."""
-    assert main(["plan", "--model", "tiny", "--nodes", "8", "--set", "train.batch_size=64", "--trace"]) == 0
+    assert main(["plan", "--gpu", "H100-SXM", "--model", "tiny", "--nodes", "8",
+                 "--set", "train.batch_size=64", "--trace"]) == 0
     out = capsys.readouterr().out
     assert "fake process group of 64 ranks" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}

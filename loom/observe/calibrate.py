@@ -1,0 +1,273 @@
+"""`loom plan --calibrate`: measure this machine into a device profile (see loom/plan/device.py).
+
+For each number of ranks a node may run (1, 2, 4, … up to twice the cores on a CPU; 1 on a GPU),
+that many processes run the measurements at once, each with the threads loom's launcher gives a
+rank, so the rates include what ranks share (cores, memory bandwidth):
+  - a linear layer's forward + backward (three matmuls) over a grid of shapes: FLOP/s;
+  - causal attention's forward + backward (scaled_dot_product_attention): FLOP/s;
+  - elementwise kernels (add, mul, silu, casts) on tensors of a few sizes: bytes/s moved;
+  - the fixed cost of one small op under autograd (dispatch + launch): seconds;
+  - the collectives loom issues (all-reduce, all-gather, reduce-scatter, broadcast, send/recv)
+    at sizes from 4 KB to 16 MB, fitted to t = α + bytes/β per kind (gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from loom.plan.device import (
+    ATTENTION_HEAD_DIMS,
+    ATTENTION_SEQS,
+    COLLECTIVE_SIZES,
+    ELEMENTWISE_SIZES,
+    LINEAR_ROWS,
+    LINEAR_SIZES,
+    DeviceProfile,
+    fit_alpha_beta,
+)
+
+BLOCK_SHAPES = ((512, 256), (2048, 256), (2048, 512), (4096, 512))  # (tokens, d_model)
+MAX_FLOPS = 1e10  # skip grid points slower than a tenth of a second or so on a CPU core
+
+
+def _timed(fn, min_time: float, device: torch.device) -> float:
+    """Seconds per call: the ranks start together (they run the same work at once, as in
+    training), warm up once, then the best of three windows of at least `min_time` / 3 each
+    (at least 2 calls): what the hardware does when nothing else interferes."""
+    if dist.is_initialized():
+        dist.barrier()
+    fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    best = float("inf")
+    for _ in range(3):
+        calls, start = 0, time.perf_counter()
+        while calls < 2 or time.perf_counter() - start < min_time / 3:
+            fn()
+            calls += 1
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def measure_compute(device: torch.device, dtype: torch.dtype, min_time: float) -> dict:
+    linear = {}
+    for rows in LINEAR_ROWS:
+        for size in LINEAR_SIZES:
+            flops = 6 * rows * size * size
+            if device.type == "cpu" and flops > MAX_FLOPS:
+                continue
+            x = torch.randn(rows, size, device=device, dtype=dtype, requires_grad=True)
+            w = torch.randn(size, size, device=device, dtype=dtype, requires_grad=True)
+            grad = torch.randn(rows, size, device=device, dtype=dtype)
+
+            def step(x=x, w=w, grad=grad):
+                F.linear(x, w).backward(grad)
+                x.grad = w.grad = None
+            linear[f"{rows}x{size}"] = flops / _timed(step, min_time, device)
+    attention = {}
+    for seq in ATTENTION_SEQS:
+        for head_dim in ATTENTION_HEAD_DIMS:
+            heads = 8
+            flops = 12 * heads * seq * seq * head_dim  # the planner's count: 12·H·Q·T per token
+            q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+
+            def step(q=q, k=k, v=v):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+                q.grad = k.grad = v.grad = None
+            attention[f"{seq}x{head_dim}"] = flops / _timed(step, min_time, device)
+    elementwise = {}
+    for size in ELEMENTWISE_SIZES:
+        n = size // 4
+        a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+        out = torch.empty(n, device=device)
+
+        def step(a=a, b=b, out=out):
+            torch.add(a, b, out=out)
+            torch.mul(a, b, out=out)
+            F.silu(a, inplace=False)
+            a.to(torch.bfloat16)
+        moved = 3 * size + 3 * size + 2 * size + size * 3 // 2  # bytes read + written by the four
+        elementwise[str(size)] = moved / _timed(step, min_time, device)
+    one = torch.ones(1, device=device, requires_grad=True)
+    op_overhead = _timed(lambda: (one + one) * one, min_time, device) / 2
+    block = {}
+    for tokens, d_model in BLOCK_SHAPES:
+        moved, seconds = _block_elementwise(tokens, d_model, device, dtype, min_time)
+        block[str(tokens * d_model * 4)] = moved / seconds
+    return {"linear_flops": linear, "attention_flops": attention, "elementwise_bytes": elementwise,
+            "block_elementwise_bytes": block, "op_overhead_s": op_overhead}
+
+
+MATMULS = {"mm", "addmm", "bmm", "linear", "_scaled_dot_product_flash_attention_for_cpu",
+           "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention",
+           "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention",
+           "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention",
+           "_scaled_dot_product_cudnn_attention_backward"}
+
+
+class _ElementwiseClock(TorchDispatchMode):
+    """Seconds spent in every aten op but the matmuls and attention (those are priced apart)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.seconds = 0.0
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket.__name__ in MATMULS:
+            return func(*args, **(kwargs or {}))
+        self.sync()
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.sync()
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def _block_elementwise(tokens: int, d_model: int, device: torch.device, dtype: torch.dtype,
+                       min_time: float) -> tuple[float, float]:
+    """(bytes, seconds) of the elementwise part of loom's decoder block — norms, RoPE, SwiGLU,
+    residuals, with their broadcasts and strides — at one shape, each op timed as it runs in the
+    block's forward + backward (the best of a few runs)."""
+    from loom.models.gpt.config import preset
+    from loom.models.gpt.model import Block, rope_tables
+    from loom.plan.step import BLOCK_ELEMENTWISE
+
+    seq = 128
+    cfg = preset("small", d_model=d_model, n_heads=d_model // 32, n_kv_heads=d_model // 64,
+                 ffn_hidden=3 * d_model, max_seq_len=seq)
+    block = Block(cfg).to(device=device, dtype=dtype)
+    rope = rope_tables(cfg.head_dim, seq, cfg.rope_theta, device)
+    x = torch.randn(tokens // seq, seq, d_model, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    best = float("inf")
+    for _ in range(3 if min_time < 0.1 else 5):
+        with _ElementwiseClock(device) as clock:
+            block(x, rope).backward(grad)
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        best = min(best, clock.seconds)
+    a, b, e = BLOCK_ELEMENTWISE
+    kv = cfg.n_kv_heads * cfg.head_dim
+    return 4 * tokens * (a * d_model + b * cfg.ffn_hidden + e * kv), best
+
+
+def measure_collectives(device: torch.device, min_time: float) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return {}
+    samples: dict[str, list[tuple[float, float]]] = {}
+    for size in COLLECTIVE_SIZES:
+        n = size // 4
+        full = torch.zeros(n * world, device=device)
+        part = torch.zeros(n, device=device)
+        calls = {
+            "all_reduce": (lambda: dist.all_reduce(part), size),
+            "all_gather": (lambda: dist.all_gather_into_tensor(full, part), size * world),
+            "reduce_scatter": (lambda: dist.reduce_scatter_tensor(part, full), size * world),
+            "broadcast": (lambda: dist.broadcast(part, 0), size),
+            "send": ((lambda: dist.send(part, 1)) if rank == 0 else
+                     (lambda: dist.recv(part, 0)) if rank == 1 else (lambda: None), size),
+        }
+        for kind, (call, payload) in calls.items():
+            dist.barrier()
+            seconds = _timed_together(call, min_time / 4, device)
+            samples.setdefault(kind, []).append((payload, seconds))
+    return {kind: fit_alpha_beta(points) for kind, points in samples.items()}
+
+
+def _timed_together(call, min_time: float, device: torch.device) -> float:
+    """Seconds per collective: every rank must make the same number of calls, so the count comes
+    from a timed first call, agreed (max) across ranks."""
+    call()  # warm up: gloo and NCCL set up a pair's connection on its first use
+    dist.barrier()
+    start = time.perf_counter()
+    call()
+    first = time.perf_counter() - start
+    count = torch.tensor([max(3, min(200, int(min_time / max(first, 1e-6))))], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(int(count.item())):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / int(count.item())
+
+
+def _rank(ranks: int, threads: int, device_type: str, min_time: float, queue) -> None:
+    # torch 2.13 renames the *_tensor collectives; the ones FSDP2 calls are what we time
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(threads)
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    cuda = device_type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                            timeout=datetime.timedelta(minutes=5))
+    try:
+        dist.barrier()
+        dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+        compute = measure_compute(device, dtype, min_time)
+        comm = measure_collectives(device, min_time)
+        if rank == 0:
+            queue.put({**compute, "collectives": comm, "threads": threads})
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(index: int, ranks: int, threads: int, device_type: str, min_time: float, port: int,
+             queue) -> None:
+    os.environ.update(RANK=str(index), WORLD_SIZE=str(ranks), LOCAL_RANK=str(index),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _rank(ranks, threads, device_type, min_time, queue)
+
+
+def calibrate(quick: bool = False, say=print) -> DeviceProfile:
+    from loom.launch import free_port
+
+    cuda = torch.cuda.is_available()
+    cores = os.cpu_count() or 1
+    if cuda:
+        counts = [1] + ([2] if torch.cuda.device_count() > 1 else [])
+        name, memory = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory
+    else:
+        # up to twice the cores (oversubscribed runs happen: hsdp 2×2 on 2 cores); quick: the cores
+        counts = sorted({1, 2, *(r for r in (4, 8, 16, 32) if r <= (cores if quick else 2 * cores))})
+        name, memory = platform.processor() or platform.machine(), _host_memory()
+    min_time = 0.03 if quick else 0.15
+    by_ranks = {}
+    ctx = torch.multiprocessing.get_context("spawn")
+    for ranks in counts:
+        threads = 1 if cuda else max(1, cores // ranks)  # what loom.launch gives a rank
+        say(f"calibrating {ranks} rank(s) × {threads} thread(s) on {'cuda' if cuda else 'cpu'} …")
+        queue = ctx.SimpleQueue()
+        port = free_port()
+        kind = "cuda" if cuda else "cpu"
+        procs = [ctx.Process(target=_spawned, args=(i, ranks, threads, kind, min_time, port, queue))
+                 for i in range(ranks)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs) or queue.empty():
+            raise RuntimeError(f"calibration with {ranks} ranks failed (exit codes "
+                               f"{[p.exitcode for p in procs]})")
+        by_ranks[str(ranks)] = queue.get()
+    return DeviceProfile(device="cuda" if cuda else "cpu", name=name, cores=cores, memory_bytes=memory,
+                         torch_version=torch.__version__, date=datetime.date.today().isoformat(),
+                         by_ranks=by_ranks)
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
