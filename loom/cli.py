@@ -40,6 +40,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         adopt_slurm_env,
         check_spec,
         default_nproc,
+        die_with_parent,
         relaunch,
         under_launcher,
     )
@@ -47,11 +48,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
     if under_launcher():  # a rank started by torchrun/srun: join and train
         adopt_slurm_env()
+        die_with_parent()  # never an orphan: torchrun's agent (or srun's step) gone, this rank goes
         from loom.parallel.mesh import shutdown
         from loom.train.driver import train
+        from loom.train.stop import Stopped
 
         try:
             train(cfg, args.out, resume=args.resume)
+        except Stopped:
+            return 0  # stopped on request, checkpoint saved: rank 0 left stopped.json for the launcher
         finally:
             shutdown()
         return 0
@@ -70,20 +75,64 @@ def cmd_train(args: argparse.Namespace) -> int:
     if spec.world_size == 1 and spec.nnodes == 1:
         from loom.parallel.mesh import shutdown
         from loom.train.driver import train
+        from loom.train.stop import Stopped
 
         try:
             train(cfg, run_dir, resume=args.resume)
+        except Stopped as e:
+            return _stopped(e.signum, run_dir)
         finally:
             shutdown()
         return 0
     forwarded = ([args.config] if args.config else []) + [a for s in args.set for a in ("--set", s)]
     if args.resume:
         forwarded += ["--resume", args.resume]
-    rc = relaunch(spec, ["train", *forwarded, "--out", str(run_dir)])
+    started = time.time()
+    rc, asked = relaunch(spec, ["train", *forwarded, "--out", str(run_dir)])
+    stopped = _stop_record(run_dir, started)
+    if stopped is not None:
+        return _stopped(stopped["signal"], run_dir)
+    if asked and rc == -9:
+        print(f"loom: aborted (second Ctrl-C); the last complete checkpoint: "
+              f"{_latest(run_dir) or 'none'}", file=sys.stderr)
+        return 130
     if rc != 0:
         print(f"loom: error: training exited with code {rc} (the failing rank's message is above)",
               file=sys.stderr)
     return rc
+
+
+def _stop_record(run_dir: Path, since: float) -> dict | None:
+    """What rank 0 wrote when the ranks stopped on request during this launch (stopped.json)."""
+    import json
+
+    path = run_dir / "stopped.json"
+    try:
+        if path.stat().st_mtime >= since:
+            return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _latest(run_dir: Path):
+    from loom.train.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(run_dir) if run_dir.is_dir() else None
+
+
+def _stopped(signum: int, run_dir: Path) -> int:
+    """The one line of a graceful stop, and the signal's conventional exit code."""
+    import signal
+
+    from loom.launch import exit_code
+    from loom.train.checkpoint import read_meta
+
+    last = _latest(run_dir)
+    step = read_meta(last)["step"] if last is not None else None
+    print(f"loom: interrupted ({signal.Signals(signum).name}) at step {step}; checkpoint {last}; "
+          f"continue with: loom train --resume auto --out {run_dir}", file=sys.stderr)
+    return exit_code(signum)
 
 
 def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool, model) -> None:

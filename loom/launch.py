@@ -6,11 +6,16 @@ restarts the ranks, and under Slurm each srun task joins with the env that srun 
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from loom.errors import LoomError
 
@@ -131,13 +136,59 @@ def torchrun_command(spec: LaunchSpec, loom_args: list[str]) -> list[str]:
     return cmd + ["-m", "loom.cli", *loom_args]
 
 
-def relaunch(spec: LaunchSpec, loom_args: list[str]) -> int:
-    """Run the same loom command on every rank under torchrun; returns its exit code."""
+STOP_FILE_ENV = "LOOM_STOP_FILE"  # the launcher's stop request to its ranks: the signal's number
+PR_SET_PDEATHSIG = 1
+
+
+def exit_code(signum: int) -> int:
+    """The shell's code for a process ended by `signum`: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + signum
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent exits, whatever killed the parent (no-op
+    elsewhere). torchrun dies with the `loom` launcher and a rank with torchrun's agent."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent was gone before the call
+        os._exit(1)
+
+
+def relaunch(spec: LaunchSpec, loom_args: list[str]) -> tuple[int, int]:
+    """Run the same loom command on every rank under torchrun: (its exit code, the signal that
+    asked the launcher to stop, or 0).
+
+    torchrun runs in its own session, so a terminal's Ctrl-C reaches this launcher only: SIGINT,
+    SIGTERM or SIGHUP write the stop file the ranks read at each step (they checkpoint and leave
+    together); a second Ctrl-C kills torchrun, and the ranks die with it."""
     env = dict(os.environ)
     # One rank per core share: avoids oversubscribing CPU threads (and torchrun's warning).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc)))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    folder = Path(tempfile.mkdtemp(prefix="loom-stop-"))
+    stop_file = folder / "stop"
+    env[STOP_FILE_ENV] = str(stop_file)
+    asked = 0
+    proc = subprocess.Popen(torchrun_command(spec, loom_args), env=env, start_new_session=True,
+                            preexec_fn=die_with_parent)
+
+    def ask(signum, frame) -> None:
+        nonlocal asked
+        if asked and signum == signal.SIGINT:
+            os.killpg(proc.pid, signal.SIGKILL)  # abort: the ranks die with torchrun
+            return
+        asked = asked or signum
+        tmp = folder / "stop.tmp"
+        tmp.write_text(str(asked))
+        tmp.replace(stop_file)
+
+    previous = {sig: signal.signal(sig, ask) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        return subprocess.run(torchrun_command(spec, loom_args), env=env).returncode
-    except KeyboardInterrupt:
-        return 130
+        return proc.wait(), asked
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -8,6 +8,7 @@ a GPU the host never waits for the step it has just queued.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import statistics
@@ -25,6 +26,7 @@ from loom import strategies
 from loom.config import Config, pipeline_microbatches, validate
 from loom.data.loader import build_loaders
 from loom.errors import LoomError
+from loom.files import atomic_write
 from loom.models.registry import adapter_for
 from loom.observe import flight
 from loom.observe.collectives import CollectiveCounter
@@ -46,6 +48,7 @@ from loom.train import checkpoint, faults, record
 from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
 from loom.train.optim import build_optimizer, build_scheduler
 from loom.train.step import Pipeline, build_pipeline, deepspeed_train_step, evaluate, train_step
+from loom.train.stop import Stopped, StopRequest
 from loom.train.task import Task, config_task
 from loom.train.tracking import Trackers, require_trackers
 
@@ -168,6 +171,7 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
         raise
     finally:
         Trackers.close_current(failed=True)  # after an error (a finished run has closed them)
+        StopRequest.close_current()
         if watcher is not None:
             watcher.stop()
 
@@ -201,6 +205,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     timer = PhaseTimer(d.device)
     profiler = _start_profiler(cfg, run_dir, d)
     batches = iter(loaders.train)
+    stop = StopRequest(d.world_size)  # SIGINT/SIGTERM/SIGUSR1 or the launcher's stop file
     start = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
         step_start = time.perf_counter()
@@ -229,12 +234,22 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
             profiler.step()
         if t.eval_every and step % t.eval_every == 0 and step < t.steps:  # the last step: the final eval
             log.eval(step, evaluate(b.model, loaders.eval, d, cfg, task.loss_fn, b.pipe))
+        saved = False
         if ckpt is not None:
             ckpt.poll()
             if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
                 log.flush()  # the metrics reach step k before checkpoint k exists (saving syncs anyway)
                 ckpt.save(step, b.model, b.optimizer, b.scheduler,
                           checkpoint.checkpoint_meta(cfg, step, d, task))
+                saved = True
+        signum = stop.agreed()
+        if signum:  # asked to stop: every rank is here at the same step
+            log.flush()
+            if ckpt is not None and not saved:
+                ckpt.save(step, b.model, b.optimizer, b.scheduler,
+                          checkpoint.checkpoint_meta(cfg, step, d, task))
+            _stop_here(signum, step, ckpt, run_dir, d, profiler, stop)
+    stop.close()
     log.flush()
     if profiler is not None:
         profiler.__exit__(None, None, None)
@@ -323,6 +338,22 @@ def _start_profiler(cfg: Config, run_dir: Path | None, d: Dist):
     profiler = StepProfiler(cfg.profile, run_dir, d.rank, d.device)
     profiler.__enter__()
     return profiler
+
+
+def _stop_here(signum: int, step: int, ckpt, run_dir: Path | None, d: Dist, profiler, stop: StopRequest):
+    """The agreed stop: the checkpoint of this step published, rank 0's record for the launcher."""
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+    path = None
+    if ckpt is not None:
+        ckpt.close()  # waits for an async write: the checkpoint is complete before anyone leaves
+        path = checkpoint.latest_checkpoint(run_dir)
+    stop.close()
+    if d.is_main and run_dir is not None:
+        atomic_write(run_dir / "stopped.json", json.dumps(
+            {"signal": signum, "step": step, "checkpoint": str(path) if path else None}).encode())
+    dist.barrier()
+    raise Stopped(signum, step, path)
 
 
 class StepLog:

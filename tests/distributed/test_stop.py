@@ -1,0 +1,111 @@
+"""Stopping a run as a user or a scheduler does (issue 16): SIGTERM or Ctrl-C to `loom train`
+checkpoints the step every rank agreed on, prints one line, exits 143 / 130, and `--resume auto`
+continues to the same losses as a run never stopped; SIGKILL of the launcher leaves no rank
+running."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 300
+ARGS = ["--nproc", "2", "--set", "model.preset=tiny", "--set", "data.seq_len=32",
+        "--set", "train.batch_size=4", "--set", f"train.steps={STEPS}", "--set", "train.eval_batches=0",
+        "--set", "data.num_workers=0",
+        "--set", "parallel.strategy=zero3", "--set", "train.log_every=1000"]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _train(out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "loom.cli", "train", "--out", str(out), *ARGS, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def _started(run: Path, proc: subprocess.Popen, steps: int = 2) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {steps}: {proc.poll()}")
+
+
+def _alive(run: Path) -> list[str]:
+    """Command lines of processes that still name the run directory."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(run) in cmd and int(pid) != os.getpid():
+            found.append(cmd)
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    run = tmp_path_factory.mktemp("reference") / "run"
+    proc = _train(run)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return _losses(run)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
+                         ids=["sigterm", "sigint"])
+def test_signal_checkpoints_and_resume_continues_the_same_run(tmp_path, reference, signum, code):
+    run = tmp_path / "run"
+    proc = _train(run)
+    _started(run, proc)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    match = re.fullmatch(rf"loom: interrupted \({signal.Signals(signum).name}\) at step (\d+); checkpoint "
+                         rf"(\S+); continue with: loom train --resume auto --out {re.escape(str(run))}", line)
+    assert match, line
+    step = int(match.group(1))
+    assert 2 <= step < STEPS and Path(match.group(2)) == run / "checkpoints" / f"step_{step}"
+    assert (run / "checkpoints" / f"step_{step}" / "meta.json").is_file()
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    assert not _alive(run)
+
+    resumed = subprocess.run([sys.executable, "-m", "loom.cli", "train", "--out", str(run), *ARGS,
+                              "--resume", "auto"], capture_output=True, text=True, env=_env(), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7), s
+
+
+def test_killed_launcher_leaves_no_rank_running(tmp_path):
+    run = tmp_path / "run"
+    proc = _train(run)
+    _started(run, proc)
+    assert len(_alive(run)) >= 3  # the launcher, torchrun and two ranks
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.time() + 10
+    while _alive(run) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(run), _alive(run)
