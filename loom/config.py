@@ -126,6 +126,8 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False
     ckpt_every: int = 0  # save a checkpoint every N steps (0: only at the end)
+    # ... and every this many minutes of training (0: off), so a crash loses at most that much
+    ckpt_every_min: float = 30.0
     keep_last: int = 2  # checkpoints kept; older ones are removed once a newer one is complete
     ckpt_async: bool = False  # write checkpoints in the background while training goes on
     on_nonfinite: str = "skip"  # a NaN/Inf loss or gradient norm: skip the update, or stop the run
@@ -387,6 +389,10 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
     _positive("data.prefetch_factor", d.prefetch_factor)
     _positive("train.keep_last", t.keep_last)
     _positive("train.collective_timeout_s", t.collective_timeout_s, 0.001)
+    if not isinstance(t.ckpt_every_min, (int, float)) or isinstance(t.ckpt_every_min, bool) \
+            or t.ckpt_every_min < 0:
+        raise ConfigError(f"train.ckpt_every_min = {t.ckpt_every_min!r} must be a number ≥ 0 (0: no "
+                          f"checkpoints by time), e.g. 30")
     if t.ckpt_every < 0:
         raise ConfigError(f"train.ckpt_every = {t.ckpt_every} must be ≥ 0 (0 saves only at the end), "
                           f"e.g. 100")

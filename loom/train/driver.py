@@ -206,7 +206,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     profiler = _start_profiler(cfg, run_dir, d)
     batches = iter(loaders.train)
     stop = StopRequest(d.world_size)  # SIGINT/SIGTERM/SIGUSR1 or the launcher's stop file
-    start = time.perf_counter()
+    start = last_save = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
         step_start = time.perf_counter()
         faults.at_step_start(step, d.rank)
@@ -234,20 +234,18 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
             profiler.step()
         if t.eval_every and step % t.eval_every == 0 and step < t.steps:  # the last step: the final eval
             log.eval(step, evaluate(b.model, loaders.eval, d, cfg, task.loss_fn, b.pipe))
-        saved = False
+        timed = ckpt is not None and t.ckpt_every_min > 0 and \
+            time.perf_counter() - last_save >= 60 * t.ckpt_every_min
+        signum, timed = stop.agreed(timed)  # every rank decides alike
         if ckpt is not None:
             ckpt.poll()
-            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps:
+            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps or timed or signum:
                 log.flush()  # the metrics reach step k before checkpoint k exists (saving syncs anyway)
                 ckpt.save(step, b.model, b.optimizer, b.scheduler,
                           checkpoint.checkpoint_meta(cfg, step, d, task))
-                saved = True
-        signum = stop.agreed()
-        if signum:  # asked to stop: every rank is here at the same step
+                last_save = time.perf_counter()
+        if signum:  # asked to stop: every rank is here at the same step, its checkpoint saved
             log.flush()
-            if ckpt is not None and not saved:
-                ckpt.save(step, b.model, b.optimizer, b.scheduler,
-                          checkpoint.checkpoint_meta(cfg, step, d, task))
             _stop_here(signum, step, ckpt, run_dir, d, profiler, stop)
     stop.close()
     log.flush()

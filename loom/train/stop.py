@@ -62,12 +62,13 @@ class StopRequest:
                 return 0
         return 0
 
-    def agreed(self) -> int:
-        """The signal to stop on at this step (0: go on); the same on every rank."""
-        flag = torch.tensor([self._asked()], dtype=torch.int64)
+    def agreed(self, checkpoint_due: bool = False) -> tuple[int, bool]:
+        """(the signal to stop on at this step, 0: go on; whether any rank's clock says a timed
+        checkpoint is due): the same on every rank."""
+        flags = torch.tensor([self._asked(), int(checkpoint_due)], dtype=torch.int64)
         if self.group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flags[0]), bool(flags[1])
 
     def close(self) -> None:
         for sig, handler in self.previous.items():

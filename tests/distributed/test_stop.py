@@ -109,3 +109,17 @@ def test_killed_launcher_leaves_no_rank_running(tmp_path):
     while _alive(run) and time.time() < deadline:
         time.sleep(0.2)
     assert not _alive(run), _alive(run)
+
+
+@pytest.mark.parametrize("minutes, saved", [(0.0001, [1, 2, 3, 4, 5, 6]), (0, [6])], ids=["timed", "off"])
+def test_checkpoints_by_wall_clock_time(tmp_path, minutes, saved):
+    """train.ckpt_every_min: a checkpoint whenever that much time has passed since the last, the
+    ranks agreeing on it (two ranks here: a disagreement would hang in the save)."""
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "loom.cli", "train", "--out", str(run), *ARGS,
+                           "--set", "train.steps=6", "--set", "train.keep_last=10",
+                           "--set", f"train.ckpt_every_min={minutes}"],
+                          capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = sorted(int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*"))
+    assert steps == saved
