@@ -115,6 +115,16 @@ def tp_reductions(w, c) -> tuple[float, float]:
     return activation, 4 * layers + ckpt + (2 if c.pp == 1 else 1)
 
 
+def pp_sends(w, c) -> tuple[float, int]:
+    """(bytes of one micro-batch's activation between stages, sends per micro-batch on a rank). A
+    rank sends forward from each of its v stages but the model's last, and backward from each but
+    the first: 2v on a middle rank, 2v − 1 when p = 2. Sequence parallel sends the split activation."""
+    activation = w.seq_len * c.micro_batch * w.shape.d_model * w.act_bytes
+    if c.sequence_parallel:
+        activation /= c.tp
+    return activation, 2 * c.virtual_stages - (1 if c.pp == 2 else 0)
+
+
 def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, float]]:
     """(bytes sent per GPU per step by link and kind, bytes per group: {"dp", "tp", "pp"})."""
     shape = w.shape
@@ -185,12 +195,7 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
 
     acc.group = "pp"
     if c.pp > 1 and shape.known:
-        activation = w.seq_len * c.micro_batch * shape.d_model * w.act_bytes
-        if c.sequence_parallel:
-            activation /= c.tp
-        # A rank sends forward from each of its v stages but the model's last, and backward from
-        # each but the first: 2v·m on a middle rank, (2v−1)·m when p = 2.
-        sends = 2 * c.virtual_stages - (1 if c.pp == 2 else 0)
+        activation, sends = pp_sends(w, c)
         sent = sends * c.grad_accum * activation
         pp_inter = c.world > gpus_per_node and c.dp * c.tp >= gpus_per_node  # stages on other nodes
         acc.add("send", sent, pp_inter)

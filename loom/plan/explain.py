@@ -19,7 +19,7 @@ from loom import strategies
 from loom.errors import ConfigError
 from loom.plan import step as steps
 from loom.plan.candidate import Candidate
-from loom.plan.comm import ring, tp_reductions
+from loom.plan.comm import pp_sends, ring, tp_reductions
 from loom.plan.efficiency import D0_SCALE, DEFAULT, FAMILY, compute_fraction, link_efficiency
 from loom.plan.memory import (
     DEEPSPEED_BUCKETS,
@@ -593,10 +593,7 @@ def _comm(out: _Out, record: dict, w, c: Candidate, cluster):
         _mismatch(out, "tensor-parallel bytes", tp_total, groups["tp"], gb)
         parts.append(("tp", tp_total))
     if c.pp > 1 and shape.known:
-        activation = w.seq_len * c.micro_batch * shape.d_model * w.act_bytes
-        if c.sequence_parallel:
-            activation /= c.tp
-        sends = 2 * c.virtual_stages - (1 if c.pp == 2 else 0)
+        activation, sends = pp_sends(w, c)
         sent = sends * c.grad_accum * activation
         pp_inter = c.world > per_node and c.dp * c.tp >= per_node
         out.note(f"pipeline ({link(pp_inter)}): each micro-batch's activation forward from each of a rank's "
