@@ -35,33 +35,15 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from loom.config import load_config, validate
-    from loom.launch import (
-        LaunchSpec,
-        adopt_slurm_env,
-        check_spec,
-        default_nproc,
-        die_with_parent,
-        relaunch,
-        under_launcher,
-    )
+    from loom.launch import LaunchSpec, check_spec, default_nproc, relaunch, under_launcher
 
     cfg = load_config(args.config, args.set)
-    if under_launcher():  # a rank started by torchrun/srun: join and train
-        adopt_slurm_env()
-        die_with_parent()  # never an orphan: torchrun's agent (or srun's step) gone, this rank goes
-        from loom.parallel.mesh import shutdown
-        from loom.train.driver import train
-        from loom.train.stop import Stopped
-
-        try:
-            train(cfg, args.out, resume=args.resume)
-        except Stopped:
-            return 0  # stopped on request, checkpoint saved: rank 0 left stopped.json for the launcher
-        finally:
-            shutdown()
-        return 0
+    launching = args.nproc is not None or args.nnodes > 1 or args.rdzv_endpoint is not None
+    if under_launcher(launching):  # a rank started by torchrun/srun: join and train
+        return _train_rank(cfg, args)
 
     from loom.train import faults
+    from loom.train.stop import preempt_signal
 
     faults.planted()  # a malformed LOOM_FAULTS fails here, once, not on every rank
     spec = LaunchSpec(nproc=args.nproc if args.nproc is not None else default_nproc(), nnodes=args.nnodes,
@@ -71,7 +53,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     validate(cfg, spec.world_size)
     model = _preflight_data(cfg, spec.world_size)
     run_dir = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.parallel.strategy}"
-    _check_resume(cfg, run_dir, args.resume, args.overwrite, model)
+    _check_resume(cfg, run_dir, args.resume, args.overwrite, model, spec)
     if spec.world_size == 1 and spec.nnodes == 1:
         from loom.parallel.mesh import shutdown
         from loom.train.driver import train
@@ -80,7 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         try:
             train(cfg, run_dir, resume=args.resume)
         except Stopped as e:
-            return _stopped(e.signum, run_dir)
+            return _stopped(e.signum, run_dir, e.note)
         finally:
             shutdown()
         return 0
@@ -88,18 +70,52 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         forwarded += ["--resume", args.resume]
     started = time.time()
-    rc, asked = relaunch(spec, ["train", *forwarded, "--out", str(run_dir)])
+    ended = relaunch(spec, ["train", *forwarded, "--out", str(run_dir)], preempt_signal(cfg))
     stopped = _stop_record(run_dir, started)
     if stopped is not None:
-        return _stopped(stopped["signal"], run_dir)
-    if asked and rc == -9:
+        return _stopped(stopped["signal"], run_dir, stopped.get("note"))
+    if ended.report is not None:
+        print(f"loom: error: {ended.report}", file=sys.stderr)
+        return 1
+    if ended.asked and ended.code == -9:
         print(f"loom: aborted (second Ctrl-C); the last complete checkpoint: "
               f"{_latest(run_dir) or 'none'}", file=sys.stderr)
         return 130
-    if rc != 0:
-        print(f"loom: error: training exited with code {rc} (the failing rank's message is above)",
+    if ended.code != 0:
+        print(f"loom: error: training exited with code {ended.code} (the failing rank's message is above)",
               file=sys.stderr)
-    return rc
+    return ended.code
+
+
+def _train_rank(cfg, args: argparse.Namespace) -> int:
+    """One rank of a group torchrun or srun started. A stop or an error all ranks agreed on is left
+    for loom's launcher to print once (the ranks exit 0, so torchrun adds no failure report of its
+    own); under srun, rank 0 prints it and every rank exits with its code."""
+    from loom.errors import AgreedError
+    from loom.launch import STOP_FILE_ENV, adopt_slurm_env, die_with_parent, report_to_launcher
+    from loom.parallel.mesh import shutdown
+    from loom.train.driver import train
+    from loom.train.stop import Stopped, listen, preempt_signal
+
+    listen(preempt_signal(cfg))  # a stop signal during setup is honoured at step 1
+    adopt_slurm_env()
+    die_with_parent()  # never an orphan: torchrun's agent (or srun's step) gone, this rank goes
+    first = os.environ.get("RANK") == "0"
+    try:
+        train(cfg, args.out, resume=args.resume)
+    except Stopped as e:  # checkpoint saved: rank 0 left stopped.json
+        if STOP_FILE_ENV in os.environ:
+            return 0
+        return _stopped(e.signum, args.out, e.note) if first and args.out else e.code
+    except AgreedError as e:
+        if report_to_launcher(str(e)):
+            return 0
+        if first:
+            print(f"loom: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown()
+    return 0
 
 
 def _stop_record(run_dir: Path, since: float) -> dict | None:
@@ -121,8 +137,8 @@ def _latest(run_dir: Path):
     return latest_checkpoint(run_dir) if run_dir.is_dir() else None
 
 
-def _stopped(signum: int, run_dir: Path) -> int:
-    """The one line of a graceful stop, and the signal's conventional exit code."""
+def _stopped(signum: int, run_dir: Path, note: str | None = None) -> int:
+    """The one line of a graceful stop (and what became of the Slurm job), the signal's exit code."""
     import signal
 
     from loom.launch import exit_code
@@ -132,13 +148,18 @@ def _stopped(signum: int, run_dir: Path) -> int:
     step = read_meta(last)["step"] if last is not None else None
     print(f"loom: interrupted ({signal.Signals(signum).name}) at step {step}; checkpoint {last}; "
           f"continue with: loom train --resume auto --out {run_dir}", file=sys.stderr)
+    if note:
+        print(f"loom: {note}", file=sys.stderr)
     return exit_code(signum)
 
 
-def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool, model) -> None:
+def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool, model, spec) -> None:
     """Before any rank starts: never write over a run without --overwrite, and check that the
     checkpoint to resume exists, is complete, matches the config and holds exactly the model's
-    and AdamW's tensors (nothing in it is read as code; see loom/train/safe_load.py)."""
+    and AdamW's tensors (nothing in it is read as code; see loom/train/safe_load.py).
+
+    Of several nodes sharing the run directory, node 0 alone owns it (the others would find the
+    directory node 0 just made, or delete it); an elastic rendezvous names no node 0."""
     import shutil
 
     from loom.train import safe_load
@@ -146,7 +167,11 @@ def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool, model
 
     if overwrite and resume == "auto":
         raise LoomError("--overwrite deletes the run that --resume auto would continue; pass one of them")
-    used = run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
+    if overwrite and spec.nnodes > 1 and spec.node_rank is None:
+        raise LoomError("--overwrite on several nodes: each would delete the run directory; delete it once "
+                        "by hand, or give --node-rank (node 0 deletes it)")
+    owner = spec.nnodes == 1 or spec.node_rank == 0
+    used = owner and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
     if used and overwrite and resume and Path(resume).resolve().is_relative_to(run_dir.resolve()):
         raise LoomError(f"--overwrite would delete {run_dir}, which holds the checkpoint --resume {resume} "
                         f"names; pick a new --out to start from it")

@@ -33,6 +33,8 @@ DATA_FORMATS = ("text", "sft")
 TRACKERS = ("tensorboard", "wandb")
 WANDB_MODES = ("offline", "online")
 NONFINITE_POLICIES = ("skip", "stop")
+CKPT_ERROR_POLICIES = ("stop", "continue")
+PREEMPT_SIGNALS = ("USR1", "USR2")  # signals free for this use: INT, TERM and HUP already stop a run
 
 
 @dataclass
@@ -130,6 +132,11 @@ class TrainConfig:
     ckpt_every_min: float = 30.0
     keep_last: int = 2  # checkpoints kept; older ones are removed once a newer one is complete
     ckpt_async: bool = False  # write checkpoints in the background while training goes on
+    on_ckpt_error: str = "stop"  # a checkpoint that cannot be written: stop the run, or continue without it
+    # the scheduler's early warning before preemption or the time limit (sbatch --signal=USR1@120):
+    # stop at the next step with a checkpoint; under Slurm with requeue, `scontrol requeue` the job
+    preempt_signal: str = "USR1"
+    requeue: bool = False
     on_nonfinite: str = "skip"  # a NaN/Inf loss or gradient norm: skip the update, or stop the run
     collective_timeout_s: float = 600.0  # a collective waiting longer fails, naming who did not arrive
     log_to: list[str] = field(default_factory=list)  # any of "tensorboard", "wandb" (rank 0 writes)
@@ -366,6 +373,8 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
     _choice("train.optimizer_impl", t.optimizer_impl, OPTIMIZER_IMPLS)
     _choice("train.device", t.device, DEVICES)
     _choice("train.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
+    _choice("train.on_ckpt_error", t.on_ckpt_error, CKPT_ERROR_POLICIES)
+    _choice("train.preempt_signal", t.preempt_signal, PREEMPT_SIGNALS)
     if d.tokenizer in TOKENIZERS or not d.tokenizer.endswith(".json"):
         _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
     elif this_machine and not Path(d.tokenizer).expanduser().is_file():

@@ -7,3 +7,8 @@ class LoomError(Exception):
 
 class ConfigError(LoomError):
     """A bad configuration value, found before any process group starts."""
+
+
+class AgreedError(LoomError):
+    """An error every rank raises at the same point (the ranks agreed on it): the launcher reports
+    it once, as one line, instead of as a failed rank."""

@@ -33,9 +33,10 @@ class LaunchSpec:
         return self.nproc * self.nnodes
 
 
-def under_launcher() -> bool:
-    """True inside a rank started by torchrun or srun (then we just join the group)."""
-    return "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+def under_launcher(launching: bool = False) -> bool:
+    """True inside a rank started by torchrun or srun (then we just join the group). `launching`:
+    the command asks to start ranks itself (--nproc/--nnodes: torchrun per node under srun)."""
+    return "RANK" in os.environ or (int(os.environ.get("SLURM_NTASKS", "1")) > 1 and not launching)
 
 
 def adopt_slurm_env() -> None:
@@ -46,7 +47,8 @@ def adopt_slurm_env() -> None:
         nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
                                capture_output=True, text=True, check=True).stdout.split()
         os.environ["MASTER_ADDR"] = nodes[0]
-    os.environ.setdefault("MASTER_PORT", "29500")
+    # one port per job: two jobs sharing a node must not meet at the same store
+    os.environ.setdefault("MASTER_PORT", str(15000 + int(os.environ.get("SLURM_JOB_ID", "14500")) % 20000))
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
@@ -137,7 +139,18 @@ def torchrun_command(spec: LaunchSpec, loom_args: list[str]) -> list[str]:
 
 
 STOP_FILE_ENV = "LOOM_STOP_FILE"  # the launcher's stop request to its ranks: the signal's number
+REPORT_FILE_ENV = "LOOM_REPORT_FILE"  # an error every rank agreed on, for the launcher to print once
 PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Ended:
+    """How a launch ended: torchrun's exit code, the signal that asked the launcher to stop (0:
+    none), and the one-line error the ranks left for it (None: none)."""
+
+    code: int
+    asked: int
+    report: str | None
 
 
 def exit_code(signum: int) -> int:
@@ -157,23 +170,40 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def relaunch(spec: LaunchSpec, loom_args: list[str]) -> tuple[int, int]:
-    """Run the same loom command on every rank under torchrun: (its exit code, the signal that
-    asked the launcher to stop, or 0).
+def report_to_launcher(message: str) -> bool:
+    """A rank under loom's launcher leaves an agreed error for it to print (once per node);
+    False when there is no such launcher (srun started the rank): the rank prints it itself."""
+    path = os.environ.get(REPORT_FILE_ENV)
+    if not path:
+        return False
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        Path(path).write_text(message)
+    return True
+
+
+def relaunch(spec: LaunchSpec, loom_args: list[str], preempt: int = signal.SIGUSR1) -> Ended:
+    """Run the same loom command on every rank under torchrun.
 
     torchrun runs in its own session, so a terminal's Ctrl-C reaches this launcher only: SIGINT,
-    SIGTERM or SIGHUP write the stop file the ranks read at each step (they checkpoint and leave
-    together); a second Ctrl-C kills torchrun, and the ranks die with it."""
+    SIGTERM, SIGHUP or the preemption signal write the stop file the ranks read at each step
+    (they checkpoint and leave together); a second Ctrl-C kills torchrun, and the ranks die with
+    it. torchrun ignores the preemption signal (a scheduler may send it to every process of the
+    job: by default it would end torchrun, and the ranks with it); the ranks keep their handler."""
     env = dict(os.environ)
     # One rank per core share: avoids oversubscribing CPU threads (and torchrun's warning).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc)))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    folder = Path(tempfile.mkdtemp(prefix="loom-stop-"))
-    stop_file = folder / "stop"
-    env[STOP_FILE_ENV] = str(stop_file)
+    folder = Path(tempfile.mkdtemp(prefix="loom-launch-"))
+    stop_file, report_file = folder / "stop", folder / "report"
+    env[STOP_FILE_ENV], env[REPORT_FILE_ENV] = str(stop_file), str(report_file)
     asked = 0
+
+    def start_torchrun() -> None:
+        die_with_parent()
+        signal.signal(preempt, signal.SIG_IGN)
+
     proc = subprocess.Popen(torchrun_command(spec, loom_args), env=env, start_new_session=True,
-                            preexec_fn=die_with_parent)
+                            preexec_fn=start_torchrun)
 
     def ask(signum, frame) -> None:
         nonlocal asked
@@ -185,9 +215,12 @@ def relaunch(spec: LaunchSpec, loom_args: list[str]) -> tuple[int, int]:
         tmp.write_text(str(asked))
         tmp.replace(stop_file)
 
-    previous = {sig: signal.signal(sig, ask) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, preempt)
+    previous = {sig: signal.signal(sig, ask) for sig in stops}
     try:
-        return proc.wait(), asked
+        code = proc.wait()
+        report = report_file.read_text() if report_file.is_file() else None
+        return Ended(code, asked, report)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

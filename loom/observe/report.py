@@ -115,7 +115,7 @@ def _pct(share: float) -> str:
     return f"{share * 100:.0f}%" if share >= 0.1 else f"{share * 100:.1f}%"
 
 
-def _bytes(v: Any) -> str:
+def size_text(v: Any) -> str:
     v = _num(v)
     if v is None:
         return "—"
@@ -520,7 +520,7 @@ def _kinds_table(ranks: list[tuple[str, dict]], matched: list[dict]) -> str:
             n = len(per)
             slow_rank, slow = max(per.items(), key=lambda kv: kv[1][2])
             rows.append(([(_e(kind), ""), (f"{sum(a[0] for a in per.values()) / n:,.0f}", "n"),
-                          (_bytes(sum(a[1] for a in per.values()) / n), "n"),
+                          (size_text(sum(a[1] for a in per.values()) / n), "n"),
                           (_ms(sum(a[2] for a in per.values()) / n), "n"),
                           (f"{_ms(slow[2])} (rank {_e(slow_rank)})", "n")], ""))
         return _table(head, rows)
@@ -529,7 +529,8 @@ def _kinds_table(ranks: list[tuple[str, dict]], matched: list[dict]) -> str:
         acc = kinds.setdefault(str(c.get("kind") or "?"), [0.0, 0.0])
         acc[0] += 1
         acc[1] += _num(c.get("bytes")) or 0.0
-    rows = [([(_e(k), ""), (f"{a[0]:,.0f}", "n"), (_bytes(a[1]), "n")], "") for k, a in sorted(kinds.items())]
+    rows = [([(_e(k), ""), (f"{a[0]:,.0f}", "n"), (size_text(a[1]), "n")], "")
+            for k, a in sorted(kinds.items())]
     return _table([("kind", False), ("calls", True), ("bytes", True)], rows) if rows else ""
 
 
@@ -574,7 +575,7 @@ def _collective_table(per_rank: list[dict], order: list[str], stragglers: dict[s
     for c in top:
         last = None if c.get("last_rank") is None else str(c["last_rank"])
         cells = [(_e(c.get("index", "—")), "n"), (_e(c.get("kind") or "?"), ""),
-                 (_bytes(c.get("bytes")), "n"),
+                 (size_text(c.get("bytes")), "n"),
                  ("—" if last is None else _e(last), "n straggler" if last in stragglers else "n")]
         pr = {str(k): v for k, v in c["per_rank"].items() if isinstance(v, dict)}
         if wide:
@@ -617,7 +618,7 @@ def _planned(analysis: dict, ranks: list[tuple[str, dict]]) -> str:
                 continue
             m, p = _num(pair[0]), _num(pair[1])
             ratio = f"{m / p:.2f}×" if m is not None and p else "—"
-            fmt = _count if is_count else _bytes
+            fmt = _count if is_count else size_text
             rows.append(([(_e(entry.get("rank", "—")), "n"), (_e(label), ""), (fmt(m), "n"),
                           (fmt(p), "n"), (ratio, "n"), (_pair_bar(m, p), "")], ""))
     plan = analysis.get("plan") if isinstance(analysis.get("plan"), dict) else {}
@@ -626,11 +627,11 @@ def _planned(analysis: dict, ranks: list[tuple[str, dict]]) -> str:
         mem = plan.get("memory_bytes")
         mem_total = mem.get("total") if isinstance(mem, dict) else mem
         if _num(mem_total) is not None:
-            facts.append(("memory per rank", _bytes(mem_total)))
+            facts.append(("memory per rank", size_text(mem_total)))
         if _num(plan.get("comm_payload_bytes_per_step")) is not None:
-            facts.append(("collective payload per step", _bytes(plan["comm_payload_bytes_per_step"])))
+            facts.append(("collective payload per step", size_text(plan["comm_payload_bytes_per_step"])))
         if _num(plan.get("comm_bytes_per_step")) is not None:
-            facts.append(("wire bytes per step (ring model)", _bytes(plan["comm_bytes_per_step"])))
+            facts.append(("wire bytes per step (ring model)", size_text(plan["comm_bytes_per_step"])))
         planned_s = _num(plan.get("step_time_s"))
         measured = _mean(_wall(s) for _, r in ranks for s in _steps(r))
         planned = "not predicted" if planned_s is None else f"{_ms(planned_s * 1000)} ms"

@@ -16,11 +16,14 @@ allow-list and checked entry by entry before any tensor is read; non-tensor stat
 from __future__ import annotations
 
 import base64
+import errno
 import json
+import math
 import os
 import random
 import re
 import shutil
+import sys
 import time
 import warnings
 from concurrent.futures import Future
@@ -42,9 +45,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from loom.config import Config, load_config_text, shape_overrides, to_toml
-from loom.errors import LoomError
+from loom.errors import AgreedError, LoomError
 from loom.files import atomic_write, fsync_dir
 from loom.models.gpt.config import preset
+from loom.observe.report import size_text
 from loom.parallel import deepspeed_engine
 from loom.parallel.zero1 import is_zero1, local_optimizer, owned_states
 from loom.train import faults, safe_load
@@ -231,6 +235,7 @@ class Checkpointer:
         self.root = run_dir / CHECKPOINTS
         self.cfg, self.d, self.keep_last, self.async_save = cfg, d, keep_last, async_save
         self.pending: tuple[Future, int] | None = None
+        self.needed = 0  # bytes of the checkpoint being written
         self.group = dist.new_group(backend="gloo") if async_save else None
         self.stall_s: list[float] = []  # training time spent in each save call
         if d.is_main:
@@ -243,27 +248,48 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait()  # one write in flight at a time
         tmp = self.root / f"{TMP_PREFIX}{step_name(step)}"
-        tmp.mkdir(parents=True, exist_ok=True)
         if deepspeed_engine.is_engine(model):
             flat = deepspeed_engine.full_states(model, optimizer, self.d.rank, self.d.world_size)
         else:
             flat, _, _ = _state(model, optimizer, self.d)
-        (tmp / f"rng_rank{self.d.rank}.json").write_text(json.dumps(_rng_state()))
-        if self.d.is_main:
-            meta = {**meta, "step": step, "scheduler": scheduler.state_dict(),
-                    "world_size": self.d.world_size, "config": to_toml(self.cfg), "saved_at": time.time()}
-            (tmp / META).write_text(json.dumps(meta, indent=1))
-        if self.async_save:
-            future = dcp.async_save(flat, checkpoint_id=tmp, process_group=self.group)
-            self.pending = (future, step)
-        else:
-            dcp.save(flat, checkpoint_id=tmp)
+        local_error = None
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            (tmp / f"rng_rank{self.d.rank}.json").write_text(json.dumps(_rng_state()))
+            if self.d.is_main:
+                meta = {**meta, "step": step, "scheduler": scheduler.state_dict(),
+                        "world_size": self.d.world_size, "config": to_toml(self.cfg), "saved_at": time.time()}
+                (tmp / META).write_text(json.dumps(meta, indent=1))
+        except OSError as e:
+            local_error = e
+        # Agreed before DCP starts: every rank's bytes and free space, and its small files' fate.
+        views: list = [None] * self.d.world_size
+        dist.all_gather_object(views, (_bytes_to_write(flat), _free_bytes(self.root), _errno_of(local_error)))
+        self.needed = _checkpoint_bytes([v[0] for v in views])
+        free = min(v[1] for v in views)
+        failed = next((v[2] for v in views if v[2] is not None), None)
+        if failed is not None or self.needed > free:
+            return self._failed(step, failed if failed is not None else errno.ENOSPC, free)
+        try:
+            writer = faults.checkpoint_writer(step, self.d.rank, tmp)
+            if self.async_save:
+                self.pending = (dcp.async_save(flat, storage_writer=writer, process_group=self.group), step)
+            else:
+                dcp.save(flat, storage_writer=writer)
+        except (CheckpointException, OSError, RuntimeError) as e:  # DCP raises it on every rank
+            return self._failed(step, _errno_of(e), _free_bytes(self.root), e)
+        if not self.async_save:
             self._publish(step)
         self.stall_s.append(time.perf_counter() - start)
 
+    def write_failed(self) -> bool:
+        """Whether this rank's background write has failed (the ranks agree on it at each step)."""
+        return self.pending is not None and self.pending[0].done() and self.pending[0].exception() is not None
+
     def poll(self) -> None:
-        """Publish a finished background write (cheap: no waiting)."""
-        if self.pending is not None and self.pending[0].done():
+        """Publish a finished background write (cheap: no waiting). A failed one waits for the
+        ranks' agreement (write_failed), so that they all handle it at the same step."""
+        if self.pending is not None and self.pending[0].done() and self.pending[0].exception() is None:
             self.wait()
 
     def wait(self) -> None:
@@ -271,8 +297,40 @@ class Checkpointer:
             return
         future, step = self.pending
         self.pending = None
-        future.result()
+        try:
+            future.result()
+        except (CheckpointException, OSError, RuntimeError) as e:
+            return self._failed(step, _errno_of(e), _free_bytes(self.root), e)
         self._publish(step)
+
+    def _failed(self, step: int, code: int | None, free: int, error: BaseException | None = None) -> None:
+        """Every rank, together: remove the partial folder; a storage fault then stops the run with
+        one line (or, under train.on_ckpt_error = "continue", a warning, and training goes on);
+        anything else is re-raised as it is."""
+        tmp = self.root / f"{TMP_PREFIX}{step_name(step)}"
+        if code is None and free < _NEARLY_FULL:
+            code = errno.ENOSPC  # DCP's own message hides it ("unexpected pos …"); the file system says it
+        dist.barrier()  # every rank has stopped writing into the folder
+        if self.d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        if code not in _STORAGE_ERRORS and error is not None:
+            raise error
+        previous = latest_checkpoint(self.root.parent)
+        intact = f"the previous checkpoint {previous.name} is intact" if previous \
+            else "there is none before it"
+        message = (f"checkpoint {step_name(step)} could not be written to {self.root}: "
+                   f"{_STORAGE_ERRORS.get(code, os.strerror(code))}; it needs {size_text(self.needed)}, "
+                   f"the file system has {size_text(_free_bytes(self.root))} free; nothing of it is left, "
+                   f"and {intact}")
+        if self.cfg.train.on_ckpt_error == "continue":
+            if self.d.is_main:
+                print(f"loom: warning: {message}; training goes on without it (train.on_ckpt_error = "
+                      f"\"continue\")", file=sys.stderr, flush=True)
+            return
+        raise CheckpointWriteError(f"{message}; free space (or lower train.keep_last, or --out elsewhere) "
+                                   f"and continue with --resume auto, or set train.on_ckpt_error = "
+                                   f"\"continue\" to train on without checkpoints")
 
     def _publish(self, step: int) -> None:
         """Rank 0, after DCP wrote `.metadata` (which it does only once every rank has written)."""
@@ -284,7 +342,10 @@ class Checkpointer:
             self._remove(final)
         os.rename(tmp, final)
         fsync_dir(self.root)
-        atomic_write(self.root / LATEST, (final.name + "\n").encode(), durable=True)
+        try:
+            atomic_write(self.root / LATEST, (final.name + "\n").encode(), durable=True)
+        except OSError:  # a full disk: without the marker, the newest step_N is found by a scan
+            (self.root / LATEST).unlink(missing_ok=True)
         steps = checkpoint_steps(self.root)
         for _, old in steps[:max(len(steps) - self.keep_last, 0)]:
             self._remove(old)
@@ -300,6 +361,54 @@ class Checkpointer:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+class CheckpointWriteError(AgreedError):
+    """A checkpoint could not be written (every rank raises it at the same step)."""
+
+
+_STORAGE_ERRORS = {errno.ENOSPC: "no space left on the device (ENOSPC)", errno.EDQUOT: "disk quota exceeded "
+                   "(EDQUOT)", errno.EROFS: "read-only file system (EROFS)", errno.EIO: "I/O error (EIO)"}
+_NEARLY_FULL = 1 << 20  # bytes free after a failed write below which the failure was the full disk
+_PIECE_OVERHEAD = 2048  # bytes around each rank's piece of a tensor: DCP's record, its index entry
+_RANK_OVERHEAD = 64 << 10  # each rank's RNG states (and rank 0's meta.json)
+
+
+def _bytes_to_write(flat: dict) -> dict[str, int]:
+    """Each tensor's bytes in the checkpoint by name: a DTensor's whole size (its shards are written
+    once between them), a replicated tensor's once (the same name on every rank)."""
+    return {k: math.prod(t.shape) * t.element_size() for k, t in flat.items() if torch.is_tensor(t)}
+
+
+def _checkpoint_bytes(per_rank: list[dict[str, int]]) -> int:
+    sizes = {k: n for rank in per_rank for k, n in rank.items()}
+    return sum(sizes.values()) + _PIECE_OVERHEAD * sum(map(len, per_rank)) + _RANK_OVERHEAD * len(per_rank)
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def _errno_of(e: BaseException | None) -> int | None:
+    """The storage errno behind a failed write, wherever DCP wrapped it: the exception's chain, or
+    '[Errno N]' in the text another rank's failure was pickled to."""
+    if e is None:
+        return None
+    found = [e]
+    if isinstance(e, CheckpointException):
+        found += [exc for exc, _ in e.failures.values()]
+    texts = []
+    for exc in found:
+        while exc is not None:
+            if isinstance(exc, OSError) and exc.errno:
+                return exc.errno
+            texts.append(str(exc))
+            exc = exc.__cause__ or exc.__context__
+    m = re.search(r"\[Errno (\d+)\]", " ".join(texts))
+    return int(m.group(1)) if m else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torch import nn
 from loom import strategies
 from loom.config import Config, pipeline_microbatches, validate
 from loom.data.loader import build_loaders
-from loom.errors import LoomError
+from loom.errors import AgreedError
 from loom.files import atomic_write
 from loom.models.registry import adapter_for
 from loom.observe import flight
@@ -48,7 +48,7 @@ from loom.train import checkpoint, faults, record
 from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
 from loom.train.optim import build_optimizer, build_scheduler
 from loom.train.step import Pipeline, build_pipeline, deepspeed_train_step, evaluate, train_step
-from loom.train.stop import Stopped, StopRequest
+from loom.train.stop import Stopped, StopRequest, preempt_signal, slurm_requeue
 from loom.train.task import Task, config_task
 from loom.train.tracking import Trackers, require_trackers
 
@@ -205,7 +205,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     timer = PhaseTimer(d.device)
     profiler = _start_profiler(cfg, run_dir, d)
     batches = iter(loaders.train)
-    stop = StopRequest(d.world_size)  # SIGINT/SIGTERM/SIGUSR1 or the launcher's stop file
+    stop = StopRequest(d.world_size, preempt_signal(cfg))  # a signal, or the launcher's stop file
     start = last_save = time.perf_counter()
     for step in range(start_step + 1, t.steps + 1):
         step_start = time.perf_counter()
@@ -236,8 +236,11 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
             log.eval(step, evaluate(b.model, loaders.eval, d, cfg, task.loss_fn, b.pipe))
         timed = ckpt is not None and t.ckpt_every_min > 0 and \
             time.perf_counter() - last_save >= 60 * t.ckpt_every_min
-        signum, timed = stop.agreed(timed)  # every rank decides alike
+        failed = ckpt is not None and ckpt.write_failed()
+        signum, timed, failed = stop.agreed(timed, failed)  # every rank decides alike
         if ckpt is not None:
+            if failed:  # a background write failed on some rank: all handle it now
+                ckpt.wait()
             ckpt.poll()
             if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.steps or timed or signum:
                 log.flush()  # the metrics reach step k before checkpoint k exists (saving syncs anyway)
@@ -246,7 +249,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
                 last_save = time.perf_counter()
         if signum:  # asked to stop: every rank is here at the same step, its checkpoint saved
             log.flush()
-            _stop_here(signum, step, ckpt, run_dir, d, profiler, stop)
+            _stop_here(signum, step, ckpt, run_dir, d, profiler, stop, cfg)
     stop.close()
     log.flush()
     if profiler is not None:
@@ -338,8 +341,10 @@ def _start_profiler(cfg: Config, run_dir: Path | None, d: Dist):
     return profiler
 
 
-def _stop_here(signum: int, step: int, ckpt, run_dir: Path | None, d: Dist, profiler, stop: StopRequest):
-    """The agreed stop: the checkpoint of this step published, rank 0's record for the launcher."""
+def _stop_here(signum: int, step: int, ckpt, run_dir: Path | None, d: Dist, profiler, stop: StopRequest,
+               cfg: Config):
+    """The agreed stop: the checkpoint of this step published; on the scheduler's early warning
+    under train.requeue, the Slurm job requeued; rank 0's record for the launcher."""
     if profiler is not None:
         profiler.__exit__(None, None, None)
     path = None
@@ -347,11 +352,14 @@ def _stop_here(signum: int, step: int, ckpt, run_dir: Path | None, d: Dist, prof
         ckpt.close()  # waits for an async write: the checkpoint is complete before anyone leaves
         path = checkpoint.latest_checkpoint(run_dir)
     stop.close()
+    note = None
+    if d.is_main and cfg.train.requeue and signum == preempt_signal(cfg):
+        note = slurm_requeue()  # the checkpoint is published: Slurm may end this job's steps from now on
     if d.is_main and run_dir is not None:
-        atomic_write(run_dir / "stopped.json", json.dumps(
-            {"signal": signum, "step": step, "checkpoint": str(path) if path else None}).encode())
+        record = {"signal": signum, "step": step, "checkpoint": str(path) if path else None, "note": note}
+        atomic_write(run_dir / "stopped.json", json.dumps(record).encode())
     dist.barrier()
-    raise Stopped(signum, step, path)
+    raise Stopped(signum, step, path, note)
 
 
 class StepLog:
@@ -431,7 +439,7 @@ class StepLog:
                 self.trackers = None
             last = checkpoint.latest_checkpoint(self.run_dir) if self.run_dir is not None else None
             resume = f"; the last checkpoint is {last}" if last else ""
-            raise LoomError(f"{what} are not finite; stopped (train.on_nonfinite = stop){resume}; "
+            raise AgreedError(f"{what} are not finite; stopped (train.on_nonfinite = stop){resume}; "
                             f"lower train.lr or raise train.warmup_steps, or set train.on_nonfinite=skip to "
                             f"skip such steps")
         if self.say:

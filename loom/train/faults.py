@@ -6,22 +6,25 @@ LOOM_FAULTS is a comma-separated list of KIND@STEP or KIND@STEP:RANK (rank 0 if 
                            before the checkpoint is made visible
   hang@3:1                 rank 1 stops responding at the start of step 3
   nan@3                    rank 0's loss at step 3 becomes NaN
+  enospc@4:1               rank 1's writes of step 4's checkpoint fail, part written, as on a full disk
 Kills fire only in the first attempt (TORCHELASTIC_RESTART_COUNT 0), so a restarted group can
 recover. Unset, every hook is a no-op.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
 from loom.errors import LoomError
 
-KINDS = ("kill", "kill_in_checkpoint", "hang", "nan")
+KINDS = ("kill", "kill_in_checkpoint", "hang", "nan", "enospc")
 
 
 @functools.cache
@@ -65,3 +68,19 @@ def after_forward(step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:
 def maybe_kill_in_checkpoint(step: int, rank: int) -> None:
     if _fires("kill_in_checkpoint", step, rank):
         _kill()
+
+
+def checkpoint_writer(step: int, rank: int, path: Path):
+    """DCP's file writer for checkpoint `step`; under enospc@STEP, one that writes this rank's
+    files and then fails as a full disk does."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if not _fires("enospc", step, rank):
+        return FileSystemWriter(path)
+
+    class FullDisk(FileSystemWriter):
+        def write_data(self, plan, planner):
+            super().write_data(plan, planner).wait()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    return FullDisk(path)

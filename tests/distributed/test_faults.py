@@ -76,3 +76,15 @@ def test_hung_rank_ends_in_an_error_naming_the_collective_and_the_rank(tmp_path)
     assert "gloo:" in errors[0]  # the stuck collective, by name
     assert {p.name for p in (run / "flight_recorder").iterdir()} >= {"rank0.json", "rank1.json"}
     assert elapsed < 60  # start-up + the 4 s timeout + the dumps, never the hang's hour
+
+
+def test_an_error_every_rank_raises_is_one_line_from_the_launcher(tmp_path):
+    """train.on_nonfinite = stop: both ranks stop at the NaN step with the same error, which the
+    launcher prints once; no rank's traceback, no torchrun failure report."""
+    run = tmp_path / "run"
+    r = loom("train", *ARGS, "--out", str(run), "--set", "train.on_nonfinite=stop", faults="nan@3")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("loom: error:")]
+    assert len(errors) == 1 and errors[0].startswith("loom: error: step 3: loss nan"), r.stderr[-3000:]
+    assert "the last checkpoint is" in errors[0] and "step_2" in errors[0]

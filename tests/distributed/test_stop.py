@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm import job_with_free_port, srun_task, stub_scontrol
+
+from loom.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 300
@@ -47,16 +50,16 @@ def _started(run: Path, proc: subprocess.Popen, steps: int = 2) -> None:
     raise AssertionError(f"the run did not reach step {steps}: {proc.poll()}")
 
 
-def _alive(run: Path) -> list[str]:
-    """Command lines of processes that still name the run directory."""
-    found = []
+def _alive(run: Path) -> dict[int, str]:
+    """The processes that still name the run directory: pid → command line."""
+    found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
         if str(run) in cmd and int(pid) != os.getpid():
-            found.append(cmd)
+            found[int(pid)] = cmd
     return found
 
 
@@ -123,3 +126,50 @@ def test_checkpoints_by_wall_clock_time(tmp_path, minutes, saved):
     assert done.returncode == 0, done.stderr[-3000:]
     steps = sorted(int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*"))
     assert steps == saved
+
+
+@pytest.mark.parametrize("launch", ["srun-tasks", "torchrun-per-node"])
+def test_slurm_early_warning_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path, reference, launch):
+    """sbatch --signal=USR1@T: Slurm signals every process of the job's step (here: the loom
+    launchers and torchrun too, which must not die of it). The ranks stop at one step with a
+    checkpoint, rank 0 calls `scontrol requeue JOB` (a stub), and the same job script run again
+    continues to the losses of a run never stopped."""
+    run, path, job = tmp_path / "run", stub_scontrol(tmp_path / "bin"), job_with_free_port()
+    args = [a for a in ARGS if a not in ("--nproc", "2")]
+    args += ["--set", "train.requeue=true", "--resume", "auto"]
+    if launch == "torchrun-per-node":  # one task per node, each starting torchrun for its GPUs
+        endpoint = f"127.0.0.1:{free_port()}"
+        args += ["--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint]
+
+    def job_script() -> list[subprocess.Popen]:
+        return [subprocess.Popen([sys.executable, "-m", "loom.cli", "train", "--out", str(run), *args],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env={**_env(), **path, **srun_task(r, 2, job)})
+                for r in range(2)]
+
+    tasks = job_script()
+    _started(run, tasks[0])
+    for pid in _alive(run):
+        os.kill(pid, signal.SIGUSR1)
+    errs = [t.communicate(timeout=120)[1] for t in tasks]
+    for t, err in zip(tasks, errs):
+        assert "Traceback" not in err, err[-3000:]
+        assert t.returncode == 128 + signal.SIGUSR1, err[-3000:]
+    lines = errs[0].strip().splitlines()
+    assert re.fullmatch(r"loom: interrupted \(SIGUSR1\) at step \d+; checkpoint \S+; continue with: .*",
+                        lines[-2])
+    assert lines[-1] == f"loom: requeued Slurm job {job}: it continues from this checkpoint when it runs " \
+                        f"again"
+    assert f"requeue {job}" in (tmp_path / "bin" / "scontrol.log").read_text().splitlines()
+    stopped = json.loads((run / "stopped.json").read_text())
+    assert (run / "checkpoints" / f"step_{stopped['step']}" / "meta.json").is_file()
+    assert not _alive(run)
+
+    again = job_script()
+    for t in again:
+        _, err = t.communicate(timeout=600)
+        assert t.returncode == 0, err[-3000:]
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7), s

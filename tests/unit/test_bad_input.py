@@ -233,6 +233,16 @@ def _(c: Ctx) -> str:
     return c.config("train.precision=bf61")
 
 
+@case("config-preempt-signal")
+def _(c: Ctx) -> str:
+    return c.config("train.preempt_signal=TERM")
+
+
+@case("config-on-ckpt-error")
+def _(c: Ctx) -> str:
+    return c.train("--set", "train.on_ckpt_error=ignore")
+
+
 @case("config-zero-steps")
 def _(c: Ctx) -> str:
     return c.train("--set", "train.steps=0")
@@ -729,6 +739,11 @@ def _(c: Ctx) -> str:
     (c.tmp / "run").mkdir()
     (c.tmp / "run" / "metrics.jsonl").write_text("{}\n")
     return c.train()
+
+
+@case("run-dir-overwrite-elastic-nodes")
+def _(c: Ctx) -> str:
+    return c.train("--overwrite", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{loom.launch.free_port()}")
 
 
 @case("run-dir-overwrite-with-resume-auto")
