@@ -227,7 +227,29 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    return _analyze_and_print(args.trace_dir, args.format, args.out)
+    if args.compare is None:
+        if args.trace_dir is None:
+            raise LoomError("loom analyze needs traces: pass TRACE_DIR or --compare RUN_A RUN_B")
+        return _analyze_and_print(args.trace_dir, args.format, args.out)
+    import json
+
+    from loom.observe.compare import compare_runs, render_compare, write_compare
+
+    if args.trace_dir is not None:
+        raise LoomError(f"pass TRACE_DIR ({args.trace_dir}) or --compare RUN_A RUN_B, not both")
+    if args.format == "html" and args.out is None:
+        raise LoomError("--compare --format html writes a page: pass --out DIR (compare.html goes there)")
+    result = compare_runs(*args.compare)
+    written = write_compare(result, args.out) if args.out is not None else None
+    if args.format == "json":
+        print(json.dumps(result, indent=1))
+    elif args.format == "html":
+        print(written[1])
+    else:
+        print(render_compare(result))
+        if written:
+            print(f"\ncompare: {written[0]}\nreport:  {written[1]}")
+    return 0
 
 
 def _analyze_and_print(trace_dir: Path, fmt: str, out: Path | None) -> int:
@@ -333,6 +355,18 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The benchmark suite lives beside the package, in the repository's bench/ (a source checkout)."""
+    import importlib
+
+    folder = Path(__file__).resolve().parent.parent / "bench"
+    if not (folder / "suite.py").is_file():
+        raise LoomError(f"loom bench runs from a source checkout of loom ({folder}/suite.py not found); "
+                        f"clone the repository and install it with pip install -e .")
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("suite").main(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="PyTorch-native distributed training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -343,10 +377,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(profile)
     profile.set_defaults(func=cmd_profile)
     analyze = sub.add_parser("analyze", help="the step ledger and a diagnosis from torch.profiler traces")
-    analyze.add_argument("trace_dir", type=Path, help="folder of per-rank Chrome traces (.json or .json.gz)")
-    analyze.add_argument("--format", choices=("table", "json", "html"), default="table")
+    analyze.add_argument("trace_dir", type=Path, nargs="?",
+                         help="folder of per-rank Chrome traces (.json or .json.gz)")
+    analyze.add_argument("--compare", nargs=2, type=Path, metavar=("RUN_A", "RUN_B"),
+                         help="two runs side by side (each a folder of traces or a run directory with "
+                              "traces/): ledger shares, phases, collectives, the ops that changed most and "
+                              "why B's step differs; writes nothing into the runs")
+    analyze.add_argument("--format", choices=("table", "json", "html"), default="table",
+                         help="with --compare, html needs --out")
     analyze.add_argument("--out", type=Path,
-                         help="where ledger.json and report.html go (default: the run directory)")
+                         help="where ledger.json and report.html go (default: the run directory); with "
+                              "--compare: compare.json and compare.html, written only when given")
     analyze.set_defaults(func=cmd_analyze)
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
     export.add_argument("checkpoint", type=Path,
@@ -379,11 +420,19 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--cache-dir", type=Path, default=Path("~/.cache/loom"),
                       help="where the datasets library converts records to Arrow (default ~/.cache/loom)")
     prep.set_defaults(func=cmd_data_prepare)
+    bench = sub.add_parser("bench", add_help=False, help="every performance claim measured side by side "
+                           "(bench/results.md); loom bench --help for its options")
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its options are the suite's own (bench/suite.py)
+        args = argparse.Namespace(func=cmd_bench, args=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except LoomError as e:

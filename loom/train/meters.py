@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -96,9 +97,14 @@ class PhaseTimer:
         self.cuda = device.type == "cuda"
         self._host: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._events: list[tuple[str, object, object]] = []
+        # LOOM_LEDGER=off: no timing at all, to measure what the ledger costs (`loom bench`)
+        self.enabled = os.environ.get("LOOM_LEDGER", "on") != "off"
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
         with torch.profiler.record_function(f"loom/{name}"):
             if self.cuda and name != "data":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
