@@ -649,7 +649,6 @@ def gpu(ctx: Context) -> None:
     losses = [json.loads(line)["loss"] for line in (saved.out / "metrics.jsonl").read_text().splitlines()]
     ctx.row(
         setting="async checkpoint from CUDA memory, resumed",
-        checkpoint_stall_s=saved.summary.get("checkpoint_stall_s"),
         resumed_steps=len(losses),
         command=saved.command,
     )

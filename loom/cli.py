@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where the datasets library converts records to Arrow (default ~/.cache/loom)")
     prep.set_defaults(func=cmd_data_prepare)
     bench = sub.add_parser("bench", add_help=False, help="every performance claim measured side by side "
-                           "(bench/results.md); loom bench --help for its options")
+                           "(written into the checkout's bench/); loom bench --help for its options")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
     return parser
