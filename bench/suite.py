@@ -248,6 +248,22 @@ def ledger_text(shares: dict[str, float]) -> str:
 # Writing the results
 
 
+def merge_results(path: Path, results: dict) -> dict:
+    """A partial run (--only, --gpu) replaces its benchmarks in the results already there, of the
+    same kind (full or quick), and keeps the others, each with the run that measured it."""
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return results
+    if before.get("meta", {}).get("quick") != results["meta"]["quick"]:
+        return results
+    ran = results["benches"]
+    benches = {**before.get("benches", {}), **ran}
+    order = [n for n in REGISTRY if n in benches] + [n for n in benches if n not in REGISTRY]
+    # The page's header stays the run that measured most of it; the others say what measured them.
+    return {**results, "meta": before["meta"], "benches": {n: benches[n] for n in order}}
+
+
 def write_markdown(results: dict) -> str:
     meta = results["meta"]
     lines = [
@@ -274,6 +290,9 @@ def write_markdown(results: dict) -> str:
         lines.append("")
     for name, r in results["benches"].items():
         lines += [f'<a id="{name}"></a>', f"## {r['title']}", "", f"Goal: {r['goal']}.", ""]
+        measured = r.get("measured", {})
+        if measured and measured.get("command") != meta["command"]:
+            lines += [f"Measured by `{measured['command']}`: {describe(measured['provenance'])}.", ""]
         if r.get("error"):
             lines += [f"Did not run: {r['error']}", ""]
             continue
@@ -421,11 +440,15 @@ def main(argv: list[str] | None = None) -> int:
                 results["benches"][name]["error"] = str(e)
                 print(f"   {name} did not run: {e}", flush=True)
     results["meta"]["minutes"] = (time.perf_counter() - start) / 60
+    for r in results["benches"].values():
+        r["measured"] = {k: results["meta"][k] for k in ("command", "provenance")}
+    results = merge_results(a.out / "results.json", results)
     flat = {n: r["rows"] for n, r in results["benches"].items()}  # {"overhead": [{"strategy", "ratio"}...]}
     (a.out / "results.json").write_text(json.dumps({**flat, **results}, indent=1, default=str))
     markdown = write_markdown(results)
     (a.out / "results.md").write_text(markdown)
-    if not a.only and a.out == HERE:
+    cpu_suite = {n for n in benchmarks.NAMES if not REGISTRY[n].gpu}
+    if a.out == HERE and cpu_suite <= set(results["benches"]):
         update_readme(markdown)
     print(
         f"\nwrote {a.out / 'results.json'} and {a.out / 'results.md'} ({results['meta']['minutes']:.1f} min)"

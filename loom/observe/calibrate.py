@@ -7,6 +7,9 @@ rank, so the rates include what ranks share (cores, memory bandwidth):
   - causal attention's forward + backward (scaled_dot_product_attention): FLOP/s;
   - elementwise kernels (add, mul, silu, casts) on tensors of a few sizes: bytes/s moved;
   - the fixed cost of one small op under autograd (dispatch + launch): seconds;
+  - two of loom's decoder blocks forward + backward against the sum of their parts above: how
+    much slower kernels run one after another than each repeated alone (the in-situ factor);
+  - the optimizer step (gradient clipping + AdamW) per parameter: seconds;
   - the collectives loom issues (all-reduce, all-gather, reduce-scatter, broadcast, send/recv)
     at sizes from 4 KB to 16 MB, fitted to t = α + bytes/β per kind (gloo on CPU, NCCL on GPU).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 import time
 import warnings
 
@@ -36,27 +40,48 @@ from loom.plan.device import (
 )
 
 BLOCK_SHAPES = ((512, 256), (2048, 256), (2048, 512), (4096, 512))  # (tokens, d_model)
+IN_SITU_SHAPES = ((1024, 256), (2048, 512))  # (tokens, d_model): the small preset's block, and wider
 MAX_FLOPS = 1e10  # skip grid points slower than a tenth of a second or so on a CPU core
 
 
 def _timed(fn, min_time: float, device: torch.device) -> float:
-    """Seconds per call: the ranks start together (they run the same work at once, as in
-    training), warm up once, then the best of three windows of at least `min_time` / 3 each
-    (at least 2 calls): what the hardware does when nothing else interferes."""
+    """Seconds per call as training sees it. Every rank makes the same number of calls at once (the
+    count agreed, the slowest rank's), a window's time is the slowest rank's (training waits for it
+    at its next collective), and the median of three windows is taken: ranks share cores and memory
+    bandwidth all along, which a best-of — or a rank timing alone after the others finished — hides."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    _barrier()
+    fn()  # warm up
+    sync()
+    calls, start = 0, time.perf_counter()
+    while calls < 2 or time.perf_counter() - start < min_time / 3:
+        fn()
+        calls += 1
+    sync()
+    calls = int(_agreed(calls, device, "min"))
+    windows = []
+    for _ in range(3):
+        _barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        windows.append(_agreed((time.perf_counter() - start) / calls, device, "max"))
+    return statistics.median(windows)
+
+
+def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-    fn()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    best = float("inf")
-    for _ in range(3):
-        calls, start = 0, time.perf_counter()
-        while calls < 2 or time.perf_counter() - start < min_time / 3:
-            fn()
-            calls += 1
-        sync()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
+
+
+def _agreed(value: float, device: torch.device, op: str) -> float:
+    """The min or max of `value` over the ranks (the value itself on one rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+    return t.item()
 
 
 def measure_compute(device: torch.device, dtype: torch.dtype, min_time: float) -> dict:
@@ -105,8 +130,12 @@ def measure_compute(device: torch.device, dtype: torch.dtype, min_time: float) -
     for tokens, d_model in BLOCK_SHAPES:
         moved, seconds = _block_elementwise(tokens, d_model, device, dtype, min_time)
         block[str(tokens * d_model * 4)] = moved / seconds
-    return {"linear_flops": linear, "attention_flops": attention, "elementwise_bytes": elementwise,
-            "block_elementwise_bytes": block, "op_overhead_s": op_overhead}
+    rates = {"linear_flops": linear, "attention_flops": attention, "elementwise_bytes": elementwise,
+             "block_elementwise_bytes": block, "op_overhead_s": op_overhead}
+    in_situ = {}
+    for tokens, d_model in IN_SITU_SHAPES:
+        in_situ[str(tokens * d_model * 4)] = _block_in_situ(tokens, d_model, device, dtype, min_time, rates)
+    return {**rates, "block_in_situ": in_situ, "optimizer_s_per_param": _optimizer_step(device, min_time)}
 
 
 MATMULS = {"mm", "addmm", "bmm", "linear", "_scaled_dot_product_flash_attention_for_cpu",
@@ -139,7 +168,7 @@ def _block_elementwise(tokens: int, d_model: int, device: torch.device, dtype: t
                        min_time: float) -> tuple[float, float]:
     """(bytes, seconds) of the elementwise part of loom's decoder block — norms, RoPE, SwiGLU,
     residuals, with their broadcasts and strides — at one shape, each op timed as it runs in the
-    block's forward + backward (the best of a few runs)."""
+    block's forward + backward (the median of a few runs, the slowest rank's)."""
     from loom.models.gpt.config import preset
     from loom.models.gpt.model import Block, rope_tables
     from loom.plan.step import BLOCK_ELEMENTWISE
@@ -151,16 +180,72 @@ def _block_elementwise(tokens: int, d_model: int, device: torch.device, dtype: t
     rope = rope_tables(cfg.head_dim, seq, cfg.rope_theta, device)
     x = torch.randn(tokens // seq, seq, d_model, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
-    best = float("inf")
+    runs = []
     for _ in range(3 if min_time < 0.1 else 5):
+        _barrier()  # the ranks run the block together, as in training; the slowest rank counts
         with _ElementwiseClock(device) as clock:
             block(x, rope).backward(grad)
         x.grad = None
         block.zero_grad(set_to_none=True)
-        best = min(best, clock.seconds)
+        runs.append(_agreed(clock.seconds, device, "max"))
+    seconds = statistics.median(runs[1:])  # the first run warms the allocator up
     a, b, e = BLOCK_ELEMENTWISE
     kv = cfg.n_kv_heads * cfg.head_dim
-    return 4 * tokens * (a * d_model + b * cfg.ffn_hidden + e * kv), best
+    return 4 * tokens * (a * d_model + b * cfg.ffn_hidden + e * kv), seconds
+
+
+def _block_in_situ(tokens: int, d_model: int, device: torch.device, dtype: torch.dtype, min_time: float,
+                   rates: dict) -> float:
+    """Two of loom's decoder blocks run forward + backward, per block, divided by what the parts'
+    rates just measured add up to for that block (plan/step.block_seconds): the factor by which
+    kernels run slower one after another in training than each repeated alone."""
+    from loom.models.gpt.config import preset
+    from loom.models.gpt.model import Block, rope_tables
+    from loom.plan.device import DeviceProfile
+    from loom.plan.shapes import from_gpt_config
+    from loom.plan.step import block_seconds
+
+    seq = 128
+    cfg = preset("small", d_model=d_model, n_heads=d_model // 32, n_kv_heads=d_model // 64,
+                 ffn_hidden=3 * d_model, max_seq_len=seq)
+    blocks = [Block(cfg).to(device=device, dtype=dtype) for _ in range(2)]
+    rope = rope_tables(cfg.head_dim, seq, cfg.rope_theta, device)
+    x = torch.randn(tokens // seq, seq, d_model, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def step():
+        h = x
+        for block in blocks:
+            h = block(h, rope)
+        h.backward(grad)
+        x.grad = None
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+
+    measured = _timed(step, min_time, device) / len(blocks)
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    parts = DeviceProfile("", "", 0, 0, "", "", {str(ranks): rates})
+    return measured / block_seconds(parts, ranks, from_gpt_config(cfg, "calibration"), seq, tokens, 1)
+
+
+def _optimizer_step(device: torch.device, min_time: float) -> float:
+    """Seconds per parameter of loom's optimizer step: gradient clipping and AdamW (foreach on a
+    CPU, fused on a GPU) over fp32 parameters shaped like two decoder blocks of width 512."""
+    from loom.models.gpt.config import preset
+    from loom.models.gpt.model import Block
+
+    cfg = preset("small", d_model=512, n_heads=16, n_kv_heads=8, ffn_hidden=1536)
+    params = [p for _ in range(2) for p in Block(cfg).to(device).parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=not fused, fused=fused)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        optimizer.step()
+
+    return _timed(step, min_time, device) / sum(p.numel() for p in params)
 
 
 def measure_collectives(device: torch.device, min_time: float) -> dict:

@@ -75,6 +75,21 @@ class DeviceProfile:
         table = {int(k): v for k, v in self.ranks_entry(ranks)["block_elementwise_bytes"].items()}
         return _interpolate_1d(table, tensor_bytes)
 
+    def block_in_situ(self, ranks: int, tensor_bytes: float) -> float:
+        """How much slower loom's decoder block runs forward + backward as a whole than the sum of
+        its parts timed alone (plan/step.block_seconds): the caches and allocator between kernels,
+        autograd. Measured on two blocks, by the size of one [tokens, d_model] fp32 tensor; 1 for
+        a profile measured before the factor was."""
+        table = self.ranks_entry(ranks).get("block_in_situ")
+        if not table:
+            return 1.0
+        return _interpolate_1d({int(k): v for k, v in table.items()}, tensor_bytes)
+
+    def optimizer_seconds(self, ranks: int, params: float) -> float | None:
+        """Clipping + AdamW over `params` parameters at the measured rate (None: not measured)."""
+        per_param = self.ranks_entry(ranks).get("optimizer_s_per_param")
+        return per_param * params if per_param else None
+
     def op_overhead(self, ranks: int) -> float:
         return self.ranks_entry(ranks)["op_overhead_s"]
 

@@ -219,7 +219,8 @@ MOMENTS = {
     "backward's start": "saved | what backward holds from its start",
     "head backward": "the loss's tensors gone: the logits' and the head weight's gradients",
     "head reduce-scatter": "the head's own unit reduce-scatters its gradient, resharded first",
-    "recompute": "the topmost checkpointed block rebuilt, its unit gathered again",
+    "recompute": "the topmost checkpointed block rebuilt, with its backward's first gradients (SwiGLU "
+                 "gate and up); its unit gathered again",
     "pipeline": "a micro-batch's backward done, the others in flight, every unit gathered",
     "reduce-scatter": "the end of backward: the last unit's reduce-scatter",
     "tied embedding": "the embedding's gradient added to the head's",
@@ -271,6 +272,9 @@ def _memory(out: _Out, record: dict, w, c: Candidate, cluster) -> None:
         if not moments:  # DeepSpeed's engine: one moment, its buffers and its activations
             moments = [("DeepSpeed's step", activations, mem.buffers - moved)]
         peak = _moment_lines(out, moments)
+        if w.recipe == "torch" and not deepspeed and not c.strategy_info.uses_fsdp(c.tp) and c.grad_accum > 1:
+            out.note(f"  buffers include DDP's gradients of the no_sync micro-steps, beside its buckets: "
+                     f"grads = {gb(mem.grads)}")
         activations = peak[1]
         buffers.insert(0, ("the peak's buffers", peak[2]))
     else:
@@ -831,6 +835,11 @@ def _measured_time(out: _Out, record: dict, w, c: Candidate, cluster, comm) -> N
                  f"{gb(moved)} / {num(block_bandwidth / 1e9)} GB/s", sec(t))
         layer += t
         out.item("block", "linears + attention + elementwise", None, sec(layer))
+        in_situ = profile.block_in_situ(ranks, tokens * d * 4)
+        if in_situ != 1.0:
+            out.item("block as run", "block × in-situ factor (two blocks run whole ÷ their parts, measured)",
+                     f"{sec(layer)} × {num(in_situ)}", sec(layer * in_situ))
+            layer *= in_situ
         layers = layers_of_stage(shape.n_layers, 0, c.pp)
         last_layers = layers_of_stage(shape.n_layers, c.pp - 1, c.pp)
         vocab = shape.vocab_size / tp
@@ -899,10 +908,15 @@ def _measured_time(out: _Out, record: dict, w, c: Candidate, cluster, comm) -> N
     exposed = sum(parts)
     out.item("comm exposed", "sum of the above", None, sec(exposed))
     local = steps.local_params(w, c)
-    big = profile.elementwise_bytes(ranks, 4 * local)
-    ops = 2 * (shape.n_layers if shape.known else 1) * 9 // max(c.pp, 1)
-    optimizer = (steps.ADAM_BYTES + steps.CLIP_BYTES) * local / big + 2 * overhead * ops
-    out.item("optimizer", "40·Ψ/bandwidth + 2·overhead·(2·L·9/p) (per-tensor ops)",
-             f"40 × {num(local)} / {num(big / 1e9)} GB/s + 2 × {sec(overhead)} × {ops}", sec(optimizer))
+    optimizer = profile.optimizer_seconds(ranks, local)
+    if optimizer is not None:
+        out.item("optimizer", "Ψ_local × measured clipping + AdamW seconds per parameter",
+                 f"{num(local)} × {num(optimizer / local)} s", sec(optimizer))
+    else:
+        big = profile.elementwise_bytes(ranks, 4 * local)
+        ops = 2 * (shape.n_layers if shape.known else 1) * 9 // max(c.pp, 1)
+        optimizer = (steps.ADAM_BYTES + steps.CLIP_BYTES) * local / big + 2 * overhead * ops
+        out.item("optimizer", "40·Ψ/bandwidth + 2·overhead·(2·L·9/p) (per-tensor ops)",
+                 f"40 × {num(local)} / {num(big / 1e9)} GB/s + 2 × {sec(overhead)} × {ops}", sec(optimizer))
     offload = _offload_lines(out, w, c, cluster)
     _finish(out, record, compute, recompute, bubble, exposed, optimizer, offload)

@@ -235,6 +235,10 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         # Micro-steps without gradient sync accumulate the unsharded gradients (FSDP2 no_sync;
         # pipelining does the same between micro-batches): the stage's whole gradient.
         held += GRAD_COMM_BYTES[w.recipe] * (stage_params - replicated) / tp + replicated * 4
+    if w.recipe == "torch" and not deepspeed and not strategy.uses_fsdp(tp) and c.grad_accum > 1:
+        # DDP's micro-steps under no_sync accumulate into gradients of their own, beside the buckets
+        # (the states' gradients); the last micro-step's backward copies them in (measured: +4Ψ).
+        held += grads
     if c.offload != "none":
         held += 2 * e * local(shape.layer_params)  # parameters staged in from the host
     if autocast:
@@ -287,6 +291,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         selective = c.activation_checkpointing == "selective"
         top = (layers - 1) // c.ac_every * c.ac_every if selective else layers - 1
         rebuilt = one_micro - head - (layers - 1 - top) * per_layer + per_layer
+        # its backward then begins with the SwiGLU's two hidden-sized gradients (gate and up) beside
+        # the rebuilt activations (measured on the small preset: the 1.23 of the plan without them)
+        rebuilt += 2 * seq * mb * shape.ffn_hidden / tp * e
         gathered = e * (units[-1] + vh) if tied_root else 0.0
         gathered += e * local(shape.layer_params) if len(units) > 1 else 0.0
         if not strategy.reshard_after_forward:

@@ -125,15 +125,9 @@ def measured_step_time(w, c, cluster, comm: CommAccount) -> StepTime:
     bandwidth = profile.elementwise_bytes(ranks, tokens * max(shape.d_model, 1) * 4)
     overhead = profile.op_overhead(ranks)
     if shape.known:
-        d, tp, kv, f = shape.d_model, c.tp, shape.kv_dim, shape.ffn_hidden
-        linears = [(d, d / tp), (d, kv / tp), (d, kv / tp), (d / tp, d),  # q, k, v, o
-                   (d, f / tp), (d, f / tp), (f / tp, d)]  # gate, up, down
-        layer = sum(6 * tokens * k * n / profile.linear_flops(ranks, tokens, k, n) for k, n in linears)
-        attention = 12 * (shape.n_heads / tp) * shape.head_dim * w.seq_len * tokens
-        layer += attention / profile.attention_flops(ranks, w.seq_len, shape.head_dim)
-        a, b, e = BLOCK_ELEMENTWISE
-        block_bandwidth = profile.block_elementwise_bytes(ranks, tokens * d * 4)
-        layer += 4 * tokens * (a * d + b * f / tp + e * kv / tp) / block_bandwidth
+        d, tp = shape.d_model, c.tp
+        layer = block_seconds(profile, ranks, shape, w.seq_len, tokens, tp)
+        layer *= profile.block_in_situ(ranks, tokens * d * 4)
         layers = layers_of_stage(shape.n_layers, 0, c.pp)
         vocab = shape.vocab_size / tp
         head = 6 * tokens * d * vocab / profile.linear_flops(ranks, tokens, d, vocab)
@@ -162,10 +156,27 @@ def measured_step_time(w, c, cluster, comm: CommAccount) -> StepTime:
     if not c.strategy_info.shards_params and c.dp > 1:  # gradients into DDP's buckets and back
         grads = 4 * local_params(w, c) * c.shard_size
         exposed += 4 * grads / profile.elementwise_bytes(ranks, min(grads, DDP_BUCKET))
-    big = profile.elementwise_bytes(ranks, 4 * local_params(w, c))
-    optimizer = (ADAM_BYTES + CLIP_BYTES) * local_params(w, c) / big
-    optimizer += 2 * overhead * (2 * (shape.n_layers if shape.known else 1) * 9 // max(c.pp, 1))
+    optimizer = profile.optimizer_seconds(ranks, local_params(w, c))
+    if optimizer is None:  # a profile from before the optimizer was measured: its bytes and ops
+        big = profile.elementwise_bytes(ranks, 4 * local_params(w, c))
+        optimizer = (ADAM_BYTES + CLIP_BYTES) * local_params(w, c) / big
+        optimizer += 2 * overhead * (2 * (shape.n_layers if shape.known else 1) * 9 // max(c.pp, 1))
     return StepTime(compute, recompute, bubble, exposed, optimizer, _offload(w, c, cluster))
+
+
+def block_seconds(profile, ranks: int, shape, seq: int, tokens: int, tp: int) -> float:
+    """One decoder block's forward + backward over `tokens` tokens at the rates `profile` measured
+    for its parts alone: the linears, attention and the elementwise work. How much slower the block
+    runs as a whole is the profile's block_in_situ factor, applied by the caller."""
+    d, kv, f = shape.d_model, shape.kv_dim, shape.ffn_hidden
+    linears = [(d, d / tp), (d, kv / tp), (d, kv / tp), (d / tp, d),  # q, k, v, o
+               (d, f / tp), (d, f / tp), (f / tp, d)]  # gate, up, down
+    layer = sum(6 * tokens * k * n / profile.linear_flops(ranks, tokens, k, n) for k, n in linears)
+    attention = 12 * (shape.n_heads / tp) * shape.head_dim * seq * tokens
+    layer += attention / profile.attention_flops(ranks, seq, shape.head_dim)
+    a, b, e = BLOCK_ELEMENTWISE
+    block_bandwidth = profile.block_elementwise_bytes(ranks, tokens * d * 4)
+    return layer + 4 * tokens * (a * d + b * f / tp + e * kv / tp) / block_bandwidth
 
 
 def _count(comm: CommAccount, kind: str, payload: float) -> int:

@@ -32,7 +32,7 @@ def plain_losses(strategy: str, nproc: int, replicate: int, out: Path) -> list[f
 
 
 def loom_losses(strategy: str, nproc: int, replicate: int, out: Path) -> list[float]:
-    # bench/overhead.py's run_loom settings (there with data.num_workers=1)
+    # loom bench's overhead settings (there with data.num_workers=1)
     sets = [f"parallel.strategy={strategy}", f"parallel.dp_replicate={replicate}", "model.preset=tiny",
             f"train.steps={SETTINGS['steps']}", f"train.batch_size={SETTINGS['batch_size']}",
             f"data.seq_len={SETTINGS['seq_len']}", "data.num_workers=0", "data.eval_fraction=0.02",

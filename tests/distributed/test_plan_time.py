@@ -26,6 +26,9 @@ def test_calibrate_then_train_prints_measured_vs_planned_step_time(tmp_path):
     assert profile["device"] == "cpu" and {"1", "2"} <= set(profile["by_ranks"])
     two = profile["by_ranks"]["2"]
     assert min(two["linear_flops"].values()) > 0 and two["collectives"]["all_reduce"]["bytes_per_s"] > 0
+    # the block run whole is within a factor of 2 of its parts' sum; AdamW + clipping: 1-100 ns/param
+    assert all(0.5 < f < 2.0 for f in two["block_in_situ"].values()), two["block_in_situ"]
+    assert 1e-9 < two["optimizer_s_per_param"] < 1e-7
     assert "recommended (*)" in r.stdout  # then it plans the config on this machine
 
     out = tmp_path / "run"

@@ -96,6 +96,29 @@ def test_the_readme_section_is_replaced_from_results_md(tmp_path):
     assert other.read_text() == "no markers\n"
 
 
+def test_a_partial_run_replaces_its_benchmarks_and_keeps_the_others(tmp_path):
+    import json
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_results()))
+    rerun = _results()
+    rerun["meta"] = {**rerun["meta"], "command": "loom bench --only gpu",
+                     "provenance": {**rerun["meta"]["provenance"], "commit": "def5678"}}
+    gpu = {**rerun["benches"]["gpu"], "error": None, "rows": [{"tokens_per_s": 1.0}],
+           "measured": {"command": "loom bench --only gpu", "provenance": rerun["meta"]["provenance"]}}
+    rerun["benches"] = {"gpu": gpu}
+    merged = suite.merge_results(path, rerun)
+    assert list(merged["benches"]) == ["overhead", "gpu"]  # the suite's order
+    assert merged["benches"]["overhead"] == _results()["benches"]["overhead"]
+    assert merged["benches"]["gpu"]["rows"] == [{"tokens_per_s": 1.0}]
+    md = suite.write_markdown(merged)
+    assert md.count("at commit abc1234") == 1  # the page's header: the run that measured the rest
+    assert "Measured by `loom bench --only gpu`: measured 2026-12-01 06:00 UTC at commit def5678" in md
+    quick = {**rerun, "meta": {**rerun["meta"], "quick": True}}
+    assert list(suite.merge_results(path, quick)["benches"]) == ["gpu"]  # quick never mixes with full
+    assert suite.merge_results(tmp_path / "none.json", rerun) is rerun
+
+
 def test_the_plot_is_svg_with_a_line_per_series():
     svg = benchmarks.svg_lines(
         {"ddp": [(1, 50), (2, 50), (4, 50)], "zero3": [(1, 50), (2, 25), (4, 12.5)]},

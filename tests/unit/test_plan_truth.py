@@ -161,6 +161,35 @@ def test_measured_device_prices_every_term():
     assert plan.candidates[plan.recommended]["fits"]
 
 
+def test_in_situ_factor_and_measured_optimizer_price_the_step():
+    """A profile measured with the block's in-situ factor and the optimizer's rate: compute scales
+    with the factor (interpolated by tensor size), the optimizer is Ψ_local × the rate; a profile
+    from before either was measured prices as it did."""
+    import copy
+
+    from loom.plan.command import local_cluster
+
+    w = Workload(from_preset("small"), 128, 16, "fp32")
+    ddp, zero3 = Candidate("ddp", 2, micro_batch=8), Candidate("zero3", 2, micro_batch=8)
+    old = _profile()
+    assert "block_in_situ" not in old.ranks_entry(2) and old.block_in_situ(2, 1e6) == 1.0
+    assert old.optimizer_seconds(2, 1e6) is None
+    new = copy.deepcopy(old)
+    new.ranks_entry(2).update(block_in_situ={"1048576": 1.5, "4194304": 1.5}, optimizer_s_per_param=1e-8)
+    before = estimate(w, ddp, local_cluster(old, 2))["step_time_breakdown_s"]
+    after = estimate(w, ddp, local_cluster(new, 2))["step_time_breakdown_s"]
+    blocks = after["compute"] - before["compute"]  # only the blocks scale, not the head
+    assert 0.4 * before["compute"] < blocks < 0.5 * before["compute"]
+    assert after["optimizer"] == pytest.approx(1e-8 * 3_279_104)
+    sharded = estimate(w, zero3, local_cluster(new, 2))["step_time_breakdown_s"]
+    assert sharded["optimizer"] == pytest.approx(after["optimizer"] / 2, rel=1e-3)  # its shard
+    assert before["optimizer"] != after["optimizer"]
+    new.ranks_entry(2)["block_in_situ"] = {"1048576": 1.0, "4194304": 2.0}
+    assert new.block_in_situ(2, 1048576) == 1.0 and new.block_in_situ(2, 4194304) == 2.0
+    assert 1.0 < new.block_in_situ(2, 2097152) < 2.0
+    assert new.block_in_situ(2, 1e9) == 2.0  # clamped at the grid's edge
+
+
 def test_block_elementwise_count_matches_the_block():
     """BLOCK_ELEMENTWISE recounted: bytes in and out of every non-matmul op of loom's block's
     forward + backward, per token, against the formula, for two shapes."""
