@@ -238,15 +238,14 @@ def engines(ctx: Context) -> None:
 def _compare_traces(ctx: Context, stage: str) -> None:
     """Why torch vs deepspeed came out as it did: both profiled, compared by `loom analyze --compare`."""
     try:
-        from loom.observe.compare import compare_runs, render_compare
+        from loom.observe.compare import compare_runs
     except ImportError:
         return
     base = workload(ctx) + [f"parallel.strategy={stage}"]
     a = ctx.train(base + ["parallel.engine=torch"], 2, f"profile torch {stage}", command="profile")
     b = ctx.train(base + ["parallel.engine=deepspeed"], 2, f"profile deepspeed {stage}", command="profile")
-    text = render_compare(compare_runs(a.out, b.out))
-    why = [line for line in text.splitlines() if line.strip()][-3:]
-    ctx.note(f"`loom analyze --compare` torch vs deepspeed {stage}: " + " ".join(s.strip() for s in why))
+    why = compare_runs(a.out, b.out)["why"]["text"]
+    ctx.note(f"`loom analyze --compare` torch (A) vs deepspeed (B) at {stage}: {why}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,6 +113,8 @@ def test_a_partial_run_replaces_its_benchmarks_and_keeps_the_others(tmp_path):
     assert merged["benches"]["gpu"]["rows"] == [{"tokens_per_s": 1.0}]
     md = suite.write_markdown(merged)
     assert md.count("at commit abc1234") == 1  # the page's header: the run that measured the rest
+    header = md.split("\n")[2]
+    assert "Measured since by `loom bench --only gpu`" in header and header.endswith(": GPU.")
     assert "Measured by `loom bench --only gpu`: measured 2026-12-01 06:00 UTC at commit def5678" in md
     quick = {**rerun, "meta": {**rerun["meta"], "quick": True}}
     assert list(suite.merge_results(path, quick)["benches"]) == ["gpu"]  # quick never mixes with full
