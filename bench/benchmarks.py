@@ -599,6 +599,20 @@ def compile_(ctx: Context) -> None:
 # 10. GPU
 
 
+GPU_WORKLOAD = [  # the GPU benchmark's run (tests/distributed/test_bench_gpu.py runs it small on a CPU)
+    "model.preset=1b",
+    "train.precision=bf16",
+    "train.device=cuda",
+    "train.batch_size=8",
+    "data.seq_len=1024",
+    "train.steps=20",
+    "train.eval_batches=0",
+    "parallel.strategy=ddp",
+    "train.optimizer_impl=fused",
+    "data.num_workers=2",
+]
+
+
 @bench(
     "gpu",
     "GPU: a ~1B GPT on one NVIDIA GPU",
@@ -608,18 +622,7 @@ def compile_(ctx: Context) -> None:
 def gpu(ctx: Context) -> None:
     """World size 1 (NCCL): a ~1B GPT in bf16 with fused AdamW, eager vs compile, AC none vs full;
     a profiled run analyzed from its CUDA trace; an async checkpoint from CUDA memory, resumed."""
-    base = [
-        "model.preset=1b",
-        "train.precision=bf16",
-        "train.device=cuda",
-        "train.batch_size=8",
-        "data.seq_len=1024",
-        "train.steps=20",
-        "train.eval_batches=0",
-        "parallel.strategy=ddp",
-        "train.optimizer_impl=fused",
-        "data.num_workers=2",
-    ]
+    base = list(GPU_WORKLOAD)
     for label, sets in (
         ("eager", []),
         ("compile", ["train.compile=true"]),
