@@ -61,6 +61,7 @@ def _rank(rank: int, world: int, port: int, a, out_dir: str) -> None:
 
     torch.set_num_threads(1)  # the ranks share the machine's cores
     from loom.config import validate
+    from loom.launch import exit_rank
     from loom.models.gpt.model import build_model
     from loom.parallel.mesh import init_distributed
     from loom.train import checkpoint
@@ -162,11 +163,7 @@ def _rank(rank: int, world: int, port: int, a, out_dir: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # Done: skip the interpreter's teardown, as loom's ranks do (loom.cli._exit_rank); destroying
-    # the DeviceMesh's gloo groups there occasionally aborts a finished rank.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank(0)  # as loom's ranks end: no interpreter teardown of the DeviceMesh's gloo groups
 
 
 def _median(xs: list[float]) -> float:

@@ -24,7 +24,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import time
 
 import torch
@@ -40,6 +39,7 @@ from torch.utils.data import DataLoader
 
 from loom.data.corpus import load_tokens
 from loom.data.loader import GlobalBatchSampler, split_train_eval
+from loom.launch import exit_rank
 from loom.models.gpt.config import preset
 from loom.models.gpt.model import build_model
 from loom.models.gpt.pipeline import build_stage
@@ -170,8 +170,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
-    # As loom's ranks (loom.cli._exit_rank): skip the interpreter's teardown, whose destruction of
-    # the DeviceMesh's gloo groups occasionally aborts a finished run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank(0)  # as loom's ranks end: no interpreter teardown of the DeviceMesh's gloo groups

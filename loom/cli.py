@@ -442,22 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _exit_rank(code: int) -> None:
-    """End a rank started by torchrun without the interpreter's teardown. torch keeps each
-    process group (gloo: a dozen native threads) alive past destroy_process_group through its
-    DeviceMesh registry; tearing those down during interpreter finalization occasionally aborts
-    ("terminate called without an active exception"), turning a finished run into a failure.
-    Everything loom writes is closed (and checkpoints fsynced) by now; only stdio needs a flush."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    from loom.launch import under_launcher
+    from loom.launch import exit_rank, under_launcher
 
     started_as_rank = under_launcher()  # decided now: an in-process run sets RANK itself
     code = main()
     if started_as_rank:
-        _exit_rank(code)
+        exit_rank(code)
     sys.exit(code)

@@ -225,3 +225,14 @@ def relaunch(spec: LaunchSpec, loom_args: list[str], preempt: int = signal.SIGUS
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def exit_rank(code: int) -> None:
+    """End a rank started by torchrun (or spawned) without the interpreter's teardown. torch keeps
+    each process group (gloo: a dozen native threads) alive past destroy_process_group through its
+    DeviceMesh registry; tearing those down during interpreter finalization occasionally aborts
+    ("terminate called without an active exception"), turning a finished run into a failure.
+    Everything the caller wrote must be closed by now; only stdio needs a flush."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -164,22 +164,29 @@ class _ElementwiseClock(TorchDispatchMode):
         return out
 
 
+def _blocks(count: int, tokens: int, d_model: int, device: torch.device, dtype: torch.dtype):
+    """`count` of loom's decoder blocks at width `d_model` (heads of 32, GQA 2:1, SwiGLU 3×), their
+    RoPE tables, an input of `tokens` tokens (sequences of 128) and a gradient for the output."""
+    from loom.models.gpt.config import preset
+    from loom.models.gpt.model import Block, rope_tables
+
+    seq = 128
+    cfg = preset("small", d_model=d_model, n_heads=d_model // 32, n_kv_heads=d_model // 64,
+                 ffn_hidden=3 * d_model, max_seq_len=seq)
+    blocks = [Block(cfg).to(device=device, dtype=dtype) for _ in range(count)]
+    rope = rope_tables(cfg.head_dim, seq, cfg.rope_theta, device)
+    x = torch.randn(tokens // seq, seq, d_model, device=device, dtype=dtype, requires_grad=True)
+    return cfg, blocks, rope, x, torch.randn_like(x)
+
+
 def _block_elementwise(tokens: int, d_model: int, device: torch.device, dtype: torch.dtype,
                        min_time: float) -> tuple[float, float]:
     """(bytes, seconds) of the elementwise part of loom's decoder block — norms, RoPE, SwiGLU,
     residuals, with their broadcasts and strides — at one shape, each op timed as it runs in the
     block's forward + backward (the median of a few runs, the slowest rank's)."""
-    from loom.models.gpt.config import preset
-    from loom.models.gpt.model import Block, rope_tables
     from loom.plan.step import BLOCK_ELEMENTWISE
 
-    seq = 128
-    cfg = preset("small", d_model=d_model, n_heads=d_model // 32, n_kv_heads=d_model // 64,
-                 ffn_hidden=3 * d_model, max_seq_len=seq)
-    block = Block(cfg).to(device=device, dtype=dtype)
-    rope = rope_tables(cfg.head_dim, seq, cfg.rope_theta, device)
-    x = torch.randn(tokens // seq, seq, d_model, device=device, dtype=dtype, requires_grad=True)
-    grad = torch.randn_like(x)
+    cfg, (block,), rope, x, grad = _blocks(1, tokens, d_model, device, dtype)
     runs = []
     for _ in range(3 if min_time < 0.1 else 5):
         _barrier()  # the ranks run the block together, as in training; the slowest rank counts
@@ -199,19 +206,11 @@ def _block_in_situ(tokens: int, d_model: int, device: torch.device, dtype: torch
     """Two of loom's decoder blocks run forward + backward, per block, divided by what the parts'
     rates just measured add up to for that block (plan/step.block_seconds): the factor by which
     kernels run slower one after another in training than each repeated alone."""
-    from loom.models.gpt.config import preset
-    from loom.models.gpt.model import Block, rope_tables
     from loom.plan.device import DeviceProfile
     from loom.plan.shapes import from_gpt_config
     from loom.plan.step import block_seconds
 
-    seq = 128
-    cfg = preset("small", d_model=d_model, n_heads=d_model // 32, n_kv_heads=d_model // 64,
-                 ffn_hidden=3 * d_model, max_seq_len=seq)
-    blocks = [Block(cfg).to(device=device, dtype=dtype) for _ in range(2)]
-    rope = rope_tables(cfg.head_dim, seq, cfg.rope_theta, device)
-    x = torch.randn(tokens // seq, seq, d_model, device=device, dtype=dtype, requires_grad=True)
-    grad = torch.randn_like(x)
+    cfg, blocks, rope, x, grad = _blocks(2, tokens, d_model, device, dtype)
 
     def step():
         h = x
@@ -225,6 +224,7 @@ def _block_in_situ(tokens: int, d_model: int, device: torch.device, dtype: torch
     measured = _timed(step, min_time, device) / len(blocks)
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     parts = DeviceProfile("", "", 0, 0, "", "", {str(ranks): rates})
+    seq = x.shape[1]
     return measured / block_seconds(parts, ranks, from_gpt_config(cfg, "calibration"), seq, tokens, 1)
 
 

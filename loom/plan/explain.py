@@ -26,6 +26,7 @@ from loom.plan.memory import (
     GRAD_COMM_BYTES,
     RECIPES,
     _micro_batches_in_flight,
+    ddp_accumulates_apart,
     engine_recipe,
     gpu_memory,
     model_state_bytes,
@@ -272,7 +273,7 @@ def _memory(out: _Out, record: dict, w, c: Candidate, cluster) -> None:
         if not moments:  # DeepSpeed's engine: one moment, its buffers and its activations
             moments = [("DeepSpeed's step", activations, mem.buffers - moved)]
         peak = _moment_lines(out, moments)
-        if w.recipe == "torch" and not deepspeed and not c.strategy_info.uses_fsdp(c.tp) and c.grad_accum > 1:
+        if ddp_accumulates_apart(w, c):
             out.note(f"  buffers include DDP's gradients of the no_sync micro-steps, beside its buckets: "
                      f"grads = {gb(mem.grads)}")
         activations = peak[1]

@@ -170,6 +170,14 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
                          host, nvme, stage)
 
 
+def ddp_accumulates_apart(w, c) -> bool:
+    """Whether the step holds a second copy of the gradients: DDP's micro-steps under no_sync
+    accumulate into gradients of their own, beside its buckets (the states' gradients), until the
+    last micro-step's backward copies them in (measured: +4Ψ)."""
+    return (w.recipe == "torch" and c.engine != "deepspeed" and not c.strategy_info.uses_fsdp(c.tp)
+            and c.grad_accum > 1)
+
+
 def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int, grads: float,
                optimizer: float, device: str, named: list | None = None) -> tuple[float, float]:
     """(activations, buffers) of a stage at the step's peak: the largest, over the moments of the
@@ -235,9 +243,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         # Micro-steps without gradient sync accumulate the unsharded gradients (FSDP2 no_sync;
         # pipelining does the same between micro-batches): the stage's whole gradient.
         held += GRAD_COMM_BYTES[w.recipe] * (stage_params - replicated) / tp + replicated * 4
-    if w.recipe == "torch" and not deepspeed and not strategy.uses_fsdp(tp) and c.grad_accum > 1:
-        # DDP's micro-steps under no_sync accumulate into gradients of their own, beside the buckets
-        # (the states' gradients); the last micro-step's backward copies them in (measured: +4Ψ).
+    if ddp_accumulates_apart(w, c):
         held += grads
     if c.offload != "none":
         held += 2 * e * local(shape.layer_params)  # parameters staged in from the host
