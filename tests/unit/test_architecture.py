@@ -19,7 +19,7 @@ PACKAGE = ROOT / "loom"
 # docs/architecture.md's floors: a module imports from its own floor or below. The longest
 # matching prefix decides a module's floor.
 FLOORS = {
-    "loom.errors": 0, "loom.files": 0, "loom.heap": 0,
+    "loom.errors": 0, "loom.files": 0, "loom.heap": 0, "loom.checked": 0,
     "loom.config": 1, "loom.strategies": 1, "loom.launch": 1, "loom.models.gpt.config": 1,
     "loom.plan": 2,
     "loom.data": 3, "loom.parallel": 3,
@@ -28,8 +28,8 @@ FLOORS = {
     "loom.train": 6,
     "loom.cli": 7,
 }
-TORCH_FREE = ("loom.errors", "loom.files", "loom.heap", "loom.config", "loom.strategies", "loom.launch",
-              "loom.models.gpt.config", "loom.plan")
+TORCH_FREE = ("loom.errors", "loom.files", "loom.heap", "loom.checked", "loom.config", "loom.strategies",
+              "loom.launch", "loom.models.gpt.config", "loom.plan")
 THIRD_PARTY_HEAVY = ("torch", "numpy", "transformers", "safetensors", "tokenizers")
 
 
