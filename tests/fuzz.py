@@ -133,8 +133,8 @@ def bounded(seconds: float = 10.0, extra_bytes: int = 2 << 30) -> Iterator[None]
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     with open("/proc/self/statm") as f:
         mapped = int(f.read().split()[0]) * resource.getpagesize()
-    limit = mapped + extra_bytes
-    resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    limit = mapped + extra_bytes if hard == resource.RLIM_INFINITY else min(mapped + extra_bytes, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
