@@ -3,6 +3,7 @@
     python bench/calibration_table.py          # print the table, write docs/calibration.md
     python bench/calibration_table.py --check  # exit 1 if docs/calibration.md is stale
     python bench/calibration_table.py --fit    # refit loom/plan/efficiency.py's constants (printed)
+    python bench/calibration_table.py --held-out  # each row priced by constants fitted without it
 
 Every row of loom/plan/published.py is priced by loom's planner (search.estimate) and compared
 with its published tokens/s. --fit finds the compute fractions, the width scale d0 and the link
@@ -69,18 +70,22 @@ def apply(values: dict[str, float]) -> None:
     efficiency.DEFAULT = (h100, link)
 
 
-def fit(iterations: int = 100) -> tuple[dict[str, float], float]:
-    """Least squares on log(planned/published): bounded Gauss-Newton with Levenberg damping and
-    forward-difference derivatives. Returns the constants and the rms log ratio."""
+def fit(iterations: int = 100, rows: list[Published] | None = None,
+        start_at: dict[str, float] | None = None) -> tuple[dict[str, float], float]:
+    """Least squares on log(planned/published) over `rows` (all of them by default): bounded
+    Gauss-Newton with Levenberg damping and forward-difference derivatives, from `start_at` (the
+    current constants by default). Returns the constants and the rms log ratio."""
+    rows = ROWS if rows is None else rows
     start = constants()
     names = list(start)
     lo, hi = (np.array([BOUNDS[n][i] for n in names]) for i in (0, 1))
 
     def residuals(x: np.ndarray) -> np.ndarray:
         apply(dict(zip(names, x)))
-        return np.array([math.log(ratio(r)) for r in ROWS])
+        return np.array([math.log(ratio(r)) for r in rows])
 
-    x, damping = np.clip(np.array([start[n] for n in names]), lo, hi), 1e-3
+    first = start_at or start
+    x, damping = np.clip(np.array([first[n] for n in names]), lo, hi), 1e-3
     try:
         r = residuals(x)
         for _ in range(iterations):
@@ -100,6 +105,28 @@ def fit(iterations: int = 100) -> tuple[dict[str, float], float]:
         return dict(zip(names, x)), float(np.sqrt(np.mean(r**2)))
     finally:
         apply(start)
+
+
+# Where a fold's fit starts: mid-range values, not the constants fitted to every row.
+NEUTRAL = {"A100": 0.5, "H100": 0.5, "D0_SCALE": 1.0, "LINK": 0.7}
+
+
+def held_out(folds: int = 5) -> dict[int, float]:
+    """Out-of-sample planned/published: rows split into `folds` by position (row i in fold i mod
+    folds, so that every source is spread over the folds); each fold's rows are priced with the
+    constants fitted to the other rows alone. Row number (1-based) -> ratio."""
+    out: dict[int, float] = {}
+    saved = constants()
+    try:
+        for fold in range(folds):
+            train = [r for i, r in enumerate(ROWS) if i % folds != fold]
+            values, _ = fit(rows=train, start_at=NEUTRAL)
+            apply(values)
+            out.update({i + 1: ratio(r) for i, r in enumerate(ROWS) if i % folds == fold})
+            apply(saved)
+    finally:
+        apply(saved)
+    return dict(sorted(out.items()))
 
 
 def fraction_examples() -> list[tuple[str, float, float, float, float]]:
@@ -218,7 +245,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/calibration.md is stale")
     ap.add_argument("--fit", action="store_true", help="refit efficiency.py's constants and print them")
+    ap.add_argument("--held-out", action="store_true", help="each row priced by a fit without its fold")
     a = ap.parse_args()
+    if a.held_out:
+        out = held_out()
+        for n, q in out.items():
+            print(f"{n:3d} {ROWS[n - 1].shape.name:13s} in-sample {ratio(ROWS[n - 1]):.3f}  held out {q:.3f}")
+        worst = max(out.values(), key=lambda q: abs(q - 1))
+        rms = math.sqrt(statistics.fmean(math.log(q) ** 2 for q in out.values()))
+        print(f"held out: worst {worst:.3f}, rms log ratio {rms:.3f}")
+        return
     if a.fit:
         values, rms = fit()
         print(f"fitted (rms log ratio {rms:.4f}); paste into loom/plan/efficiency.py:")

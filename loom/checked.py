@@ -17,6 +17,7 @@ Messages look like `…/config.json: num_hidden_layers must be an integer ≥ 1,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -244,3 +245,31 @@ def inside(folder: Path, name: Any, source: str | Path, field: str, root: Path |
         raise BadFile(f"{source}: {field} = {_shown(name)} links outside {folder}; a file it names must "
                       f"stay inside that folder")
     return path
+
+
+def cause(error: BaseException) -> str:
+    """The first line of what went wrong, from the innermost exception a library wrapped, with its
+    type (`ZeroDivisionError: division by zero`; a bare Exception's message alone)."""
+    for _ in range(32):  # a chain is short; never loop on a cyclic one
+        if error.__cause__ is None and error.__context__ is None:
+            break
+        error = error.__cause__ or error.__context__
+    text = (str(error).strip().splitlines() or [""])[0]
+    kind = type(error).__name__
+    return text if kind == "Exception" and text else f"{kind}: {text}" if text else kind
+
+
+@contextlib.contextmanager
+def translated(what: str, fix: str) -> Iterator[None]:
+    """A third-party library's exceptions as one line, `what (cause); fix`, where they enter loom.
+    A Rust panic (pyo3's PanicException: tokenizers, safetensors) is a BaseException: caught too."""
+    try:
+        yield
+    except LoomError:
+        raise
+    except Exception as e:
+        raise LoomError(f"{what} ({cause(e)}); {fix}") from None
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise  # KeyboardInterrupt, SystemExit
+        raise LoomError(f"{what} (the library panicked: {cause(e)}); {fix}") from None

@@ -18,7 +18,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="TOML config file (defaults are used without one)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set parallel.strategy=ddp (repeatable)")
-    p.add_argument("--out", type=Path, help="run directory (default runs/<time>-<strategy>)")
+    # a string, not a Path: an empty --out (an unset $RUN) must be refused, not read as "."
+    p.add_argument("--out", help="run directory (default runs/<time>-<strategy>)")
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks on this machine (default: one per GPU, or 2 on a CPU-only host)")
     p.add_argument("--nnodes", type=int, default=1, help="machines in the run")
@@ -30,13 +31,17 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="auto|PATH",
                    help="continue from a checkpoint: auto (the --out run's latest) or "
                         "RUN_DIR/checkpoints/step_N")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out run directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out run directory (only one loom made, holding nothing this "
+                        "run reads; removed once every other check has passed)")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from loom.config import load_config, validate
-    from loom.launch import LaunchSpec, check_spec, default_nproc, relaunch, under_launcher
+    from loom.launch import LaunchSpec, check_spec, default_nproc, under_launcher
 
+    if args.out is not None:
+        args.out = _out_dir(args.out)
     cfg = load_config(args.config, args.set)
     launching = args.nproc is not None or args.nnodes > 1 or args.rdzv_endpoint is not None
     if under_launcher(launching):  # a rank started by torchrun/srun: join and train
@@ -51,9 +56,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                       rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
     check_spec(spec)
     validate(cfg, spec.world_size)
-    model = _preflight_data(cfg, spec.world_size)
     run_dir = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.parallel.strategy}"
-    _check_resume(cfg, run_dir, args.resume, args.overwrite, model, spec)
+    replace = _check_run_dir(cfg, run_dir, args, spec)
+    model = _preflight_data(cfg, spec.world_size)
+    _check_resume(cfg, run_dir, args.resume, model)
+    if spec.nnodes == 1 or spec.node_rank == 0:  # every check has passed: only now is anything removed
+        _take_run_dir(run_dir, replace)
     if spec.world_size == 1 and spec.nnodes == 1:
         from loom.parallel.mesh import shutdown
         from loom.train.driver import train
@@ -69,9 +77,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     forwarded = ([args.config] if args.config else []) + [a for s in args.set for a in ("--set", s)]
     if args.resume:
         forwarded += ["--resume", args.resume]
-    started = time.time()
-    ended = relaunch(spec, ["train", *forwarded, "--out", str(run_dir)], preempt_signal(cfg))
-    stopped = _stop_record(run_dir, started)
+    ended, launch = _relaunch(spec, ["train", *forwarded, "--out", str(run_dir)], preempt_signal(cfg))
+    stopped = _stop_record(run_dir, launch)
     if stopped is not None:
         return _stopped(stopped["signal"], run_dir, stopped.get("note"))
     if ended.report is not None:
@@ -90,9 +97,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _train_rank(cfg, args: argparse.Namespace) -> int:
     """One rank of a group torchrun or srun started. A stop or an error all ranks agreed on is left
     for loom's launcher to print once (the ranks exit 0, so torchrun adds no failure report of its
-    own); under srun, rank 0 prints it and every rank exits with its code."""
+    own); under srun, rank 0 prints it and every rank exits with its code. Any other LoomError
+    (one rank's, or each rank's on its own) is left for the launcher too, which then ends torchrun
+    before it reports a failed rank (launch.end_launch): the user sees one line either way."""
     from loom.errors import AgreedError
-    from loom.launch import STOP_FILE_ENV, adopt_slurm_env, die_with_parent, report_to_launcher
+    from loom.launch import STOP_FILE_ENV, adopt_slurm_env, die_with_parent, end_launch, report_to_launcher
     from loom.parallel.mesh import shutdown
     from loom.train.driver import train
     from loom.train.stop import Stopped, listen, preempt_signal
@@ -113,22 +122,53 @@ def _train_rank(cfg, args: argparse.Namespace) -> int:
         if first:
             print(f"loom: error: {e}", file=sys.stderr)
         return 1
+    except LoomError as e:
+        end_launch(str(e))  # under loom's launcher, does not return
+        print(f"loom: error: {e}", file=sys.stderr)
+        return 1
     finally:
         shutdown()
     return 0
 
 
-def _stop_record(run_dir: Path, since: float) -> dict | None:
-    """What rank 0 wrote when the ranks stopped on request during this launch (stopped.json)."""
-    import json
+def _relaunch(spec, loom_args: list[str], preempt: int):
+    """The ranks under torchrun, told this launch's id (which rank 0 writes into stopped.json)."""
+    import uuid
+
+    from loom.launch import relaunch
+    from loom.train.driver import LAUNCH_ENV
+
+    launch, before = uuid.uuid4().hex, os.environ.get(LAUNCH_ENV)
+    os.environ[LAUNCH_ENV] = launch
+    try:
+        return relaunch(spec, loom_args, preempt), launch
+    finally:
+        if before is None:
+            os.environ.pop(LAUNCH_ENV, None)
+        else:
+            os.environ[LAUNCH_ENV] = before
+
+
+def _stop_record(run_dir: Path, launch: str) -> dict | None:
+    """What rank 0 wrote when the ranks stopped on request during this launch (stopped.json, which
+    names the launch: a file left by another launch, or planted, is not this run's stop)."""
+    import signal
+
+    from loom.checked import BadFile, Fields, read_json
 
     path = run_dir / "stopped.json"
-    try:
-        if path.stat().st_mtime >= since:
-            return json.loads(path.read_text())
-    except (OSError, ValueError):
+    if not path.is_file():
         return None
-    return None
+    try:
+        doc = Fields(read_json(path, max_bytes=1 << 16), path)
+    except BadFile:  # not written by this launch: rank 0 writes it whole (atomic_write)
+        return None
+    if doc.raw.get("launch") != launch:  # whatever it holds: only this launch's id makes it ours
+        return None
+    signum = doc.int("signal", min=1, max=signal.NSIG - 1)
+    if signum not in {s.value for s in signal.Signals}:
+        raise doc.error("signal", "a signal's number", signum)
+    return {"signal": signum, "note": doc.str("note", default=None)}
 
 
 def _latest(run_dir: Path):
@@ -153,40 +193,120 @@ def _stopped(signum: int, run_dir: Path, note: str | None = None) -> int:
     return exit_code(signum)
 
 
-def _check_resume(cfg, run_dir: Path, resume: str | None, overwrite: bool, model, spec) -> None:
-    """Before any rank starts: never write over a run without --overwrite, and check that the
-    checkpoint to resume exists, is complete, matches the config and holds exactly the model's
-    and AdamW's tensors (nothing in it is read as code; see loom/train/safe_load.py).
+def _out_dir(text: str) -> Path:
+    if not str(text).strip():
+        raise LoomError("--out is empty (an unset variable, as in --out \"$RUN\"?); name the run directory, "
+                        "e.g. --out runs/first")
+    return Path(text)
+
+
+def _check_run_dir(cfg, run_dir: Path, args: argparse.Namespace, spec) -> bool:
+    """Before anything is loaded: never write over a run without --overwrite, and let --overwrite
+    replace only a run directory loom made (its marker, loom/files.py) that is not the working or
+    home directory (or holds them) and holds nothing this run reads. Returns whether the directory
+    is to be replaced, which `_take_run_dir` does once every other check has passed.
 
     Of several nodes sharing the run directory, node 0 alone owns it (the others would find the
     directory node 0 just made, or delete it); an elastic rendezvous names no node 0."""
-    import shutil
+    from loom.files import RUN_MARKER, is_loom_run
 
-    from loom.train import safe_load
-    from loom.train.checkpoint import check_resumable, read_meta, resolve_resume
-
+    resume, overwrite = args.resume, args.overwrite
     if overwrite and resume == "auto":
         raise LoomError("--overwrite deletes the run that --resume auto would continue; pass one of them")
     if overwrite and spec.nnodes > 1 and spec.node_rank is None:
         raise LoomError("--overwrite on several nodes: each would delete the run directory; delete it once "
                         "by hand, or give --node-rank (node 0 deletes it)")
     owner = spec.nnodes == 1 or spec.node_rank == 0
-    used = owner and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))
-    if used and overwrite and resume and Path(resume).resolve().is_relative_to(run_dir.resolve()):
-        raise LoomError(f"--overwrite would delete {run_dir}, which holds the checkpoint --resume {resume} "
-                        f"names; pick a new --out to start from it")
-    if used and overwrite:
-        if not run_dir.is_dir():
-            raise LoomError(f"--out {run_dir} is a file, not a run directory; pick another --out")
+    exists = run_dir.exists() or run_dir.is_symlink()
+    used = owner and exists and (not run_dir.is_dir() or any(p.name != RUN_MARKER for p in run_dir.iterdir()))
+    if not used:
+        return False
+    if not overwrite:
+        if resume != "auto":
+            raise LoomError(f"run directory {run_dir} already exists; continue it with --resume auto, "
+                            f"replace it with --overwrite, or pick a new --out")
+        return False
+    if not run_dir.is_dir():
+        raise LoomError(f"--out {run_dir} is a file, not a run directory; pick another --out")
+    if run_dir.is_symlink():
+        raise LoomError(f"--out {run_dir} is a symbolic link; --overwrite removes only a run directory "
+                        f"itself: pass the folder it points to ({run_dir.resolve()}), or pick another --out")
+    target = run_dir.resolve()
+    for what, place in _never_removed():
+        if target == place or place.is_relative_to(target):
+            which = what if target == place else f"a folder holding {what} ({place})"
+            raise LoomError(f"--overwrite would delete {run_dir}, which is {which}; loom replaces only a run "
+                            f"directory of its own: pick another --out, e.g. --out runs/NAME")
+    for what, path in _run_inputs(cfg, args):
+        if Path(os.path.realpath(path)).is_relative_to(target):
+            if what == "resume":
+                raise LoomError(f"--overwrite would delete {run_dir}, which holds the checkpoint --resume "
+                                f"{resume} names; pick a new --out to start from it")
+            raise LoomError(f"--overwrite would delete {run_dir}, which holds {what} ({path}) that this run "
+                            f"reads; move it out of the run directory, or pick another --out")
+    if not is_loom_run(run_dir):
+        raise LoomError(f"--overwrite would delete {run_dir}, which is not a run directory loom made (it has "
+                        f"no {RUN_MARKER} marker); delete it by hand if you mean to, or pick another --out")
+    return True
+
+
+def _never_removed() -> list[tuple[str, Path]]:
+    """Folders --overwrite never removes, nor any folder above them."""
+    places = [("the working directory", Path.cwd().resolve())]
+    try:
+        places.append(("your home directory", Path.home().resolve()))
+    except RuntimeError:  # no $HOME and no user entry
+        pass
+    return places
+
+
+def _run_inputs(cfg, args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """Every path this run reads (a glob by the folder it starts from), named as the user set it."""
+    d, m, p = cfg.data, cfg.model, cfg.parallel
+    named = [("the config file", args.config),
+             *((f"data.mix source {e.get('source')!r}", e.get("source")) for e in d.mix),
+             ("data.source", d.source if d.source != "stdlib" else None),
+             ("data.tokenizer", d.tokenizer if d.tokenizer not in ("auto", "byte", "bpe") else None),
+             ("model.init_from", m.init_from), ("parallel.deepspeed_config", p.deepspeed_config),
+             ("parallel.nvme_path", p.nvme_path), ("resume", args.resume if args.resume != "auto" else None)]
+    inputs = []
+    for what, value in named:
+        if isinstance(value, str | Path) and str(value):
+            parts = Path(value).expanduser().parts
+            glob = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+            inputs.append((what, Path(*parts[:glob]) if glob else Path(".")))
+    return inputs
+
+
+def _take_run_dir(run_dir: Path, replace: bool) -> None:
+    """The last moment before ranks start: --overwrite's removal, then the run directory, made and
+    marked as loom's."""
+    import shutil
+
+    from loom.files import claim_run_dir
+
+    if replace:
         shutil.rmtree(run_dir)
-    elif used and resume != "auto":
-        raise LoomError(f"run directory {run_dir} already exists; continue it with --resume auto, replace it "
-                        f"with --overwrite, or pick a new --out")
+    claim_run_dir(run_dir)
+
+
+def _check_resume(cfg, run_dir: Path, resume: str | None, model) -> None:
+    """Before any rank starts: the checkpoint to resume exists, is complete, matches the config and
+    holds exactly the model's and AdamW's tensors (nothing in it is read as code; see
+    loom/train/safe_load.py); the run's metrics.jsonl, which the resumed run keeps up to the
+    checkpoint's step, is readable."""
+    from loom.train import safe_load
+    from loom.train.checkpoint import check_resumable, check_rng_files, read_meta, resolve_resume
+    from loom.train.meters import kept_metrics
+
     path = resolve_resume(resume, run_dir) if resume else None
     if path is not None:
-        check_resumable(read_meta(path), cfg, path)
+        meta = read_meta(path)
+        check_resumable(meta, cfg, path)
+        check_rng_files(path, meta)
         expected = safe_load.adamw_entries(model.build("meta"))
         safe_load.check_entries(path, safe_load.read_metadata(path), expected)
+        kept_metrics(run_dir / "metrics.jsonl", meta["step"])
 
 
 def _preflight_data(cfg, world_size: int):
@@ -277,7 +397,7 @@ def _analyze_and_print(trace_dir: Path, fmt: str, out: Path | None) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from loom.train.export import export
 
-    written = export(args.checkpoint, args.output, args.layout)
+    written = export(args.checkpoint, args.output, args.layout, overwrite=args.overwrite)
     for path in written:
         print(f"wrote {path}")
     return 0
@@ -334,6 +454,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                         "--hw achievable_fraction=0.4")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--emit", help="write the recommended candidate as a loom config (TOML)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --emit: replace existing files (the config and its alternatives)")
     p.add_argument("--trace", action="store_true",
                    help="also trace the real model and strategy under FakeTensorMode (imports torch)")
 
@@ -394,8 +516,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="RUN_DIR/checkpoints/step_N (or a run directory: its latest)")
     export.add_argument("output", type=Path, help="the .safetensors file to write")
     export.add_argument("--layout", choices=("loom", "hf"), default="loom",
-                        help="parameter names: loom's, or Hugging Face Llama's (+ config.json beside "
-                             "the file)")
+                        help="parameter names: loom's, or Hugging Face Llama's (+ config.json and the "
+                             "run's tokenizer files beside the file)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output (--layout hf: the model folder's files, all of "
+                             "them, so that no file of the old model is left beside the new one)")
     export.set_defaults(func=cmd_export)
     plan = sub.add_parser("plan", help="predict memory, communication and step time of every strategy")
     _add_plan_args(plan)

@@ -1,7 +1,9 @@
 """The run configuration: one dataclass per TOML section, dotted `--set` overrides, validation.
 
 Everything a run does is decided here, before any process starts, so that a bad value is one
-line of error instead of a traceback from rank 3.
+line of error instead of a traceback from rank 3: every field's type (its dataclass hint) and
+range (`RULES`), their combinations (`validate`), and a user's DeepSpeed JSON
+(`read_deepspeed_json`: the keys loom derives are loom's to set).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import os
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from loom import strategies
+from loom.checked import BadFile, Fields, read_json, read_text
 from loom.errors import ConfigError
+from loom.hf_config import MAX_FFN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH
+from loom.models.gpt.config import PRESETS, preset
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
@@ -35,6 +42,8 @@ WANDB_MODES = ("offline", "online")
 NONFINITE_POLICIES = ("skip", "stop")
 CKPT_ERROR_POLICIES = ("stop", "continue")
 PREEMPT_SIGNALS = ("USR1", "USR2")  # signals free for this use: INT, TERM and HUP already stop a run
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # loom/parallel/pipeline.py's SCHEDULES
+BIN_DTYPES = ("uint16", "uint32")
 
 
 @dataclass
@@ -169,6 +178,180 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------
+# Every field's range. Its type is the dataclass hint; what else it must be is below. Both are
+# checked as a value is applied (a TOML file, --set) and again by validate (a Config built in
+# Python, a checkpoint's saved config). Fields without a rule are bools (or None).
+
+MAX_COUNT = 2**31 - 1  # steps, batch sizes, degrees, intervals: beyond this a count is a typo
+MAX_SEED = 2**32 - 1  # numpy's generators need seeds ≥ 0, torch's take up to 2**64 - 1
+MAX_MB = 1e6  # bucket and unit sizes: a terabyte
+MAX_TIMEOUT_S = 1e6  # about eleven days
+SOURCE_KINDS = 'a text file, a directory, a glob, a .bin token file or "stdlib"'
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A number in [low, high] (`above` excludes low, `below` excludes high; a float must also be
+    finite; `span` shows the whole interval in the message, not only the side broken), a string
+    among `choices` (each item of a list), or a `name` — a path or a field name, neither blank nor
+    holding a NUL (`optional`: "" means unset). `why` and `eg` go into the message."""
+
+    low: float | None = None
+    high: float | None = None
+    above: bool = False
+    below: bool = False
+    span: bool = False
+    choices: tuple[str, ...] = ()
+    name: bool = False
+    optional: bool = False
+    why: str = ""
+    eg: str = ""
+
+
+def _count(low: int = 1, high: int = MAX_COUNT, why: str = "", eg: str = "") -> Rule:
+    return Rule(low, high, why=why, eg=eg)
+
+
+def _one_of(choices: typing.Iterable[str], why: str = "") -> Rule:
+    return Rule(choices=tuple(choices), why=why)
+
+
+def _name(why: str, optional: bool = False) -> Rule:
+    return Rule(name=True, optional=optional, why=why)
+
+
+RULES: dict[str, Rule] = {
+    # model: shapes over the preset's (model.preset itself is checked by loom/models/gpt/config.py),
+    # bounded as a Hugging Face config.json's are
+    "model.vocab_size": _count(1, MAX_VOCAB), "model.d_model": _count(1, MAX_WIDTH),
+    "model.n_layers": _count(1, MAX_LAYERS), "model.n_heads": _count(1, MAX_WIDTH),
+    "model.n_kv_heads": _count(1, MAX_WIDTH), "model.ffn_hidden": _count(1, MAX_FFN),
+    "model.max_seq_len": _count(1, MAX_POSITIONS),
+    "model.init_from": _name("give a Hugging Face model folder, a loom checkpoint or a loom export, or leave "
+                             "it unset", optional=True),
+    # data
+    "data.source": _name(f"give {SOURCE_KINDS} (an empty path would read the working directory)"),
+    "data.tokenizer": _name("give auto, byte, bpe or the path of a tokenizer.json"),
+    "data.text_field": _name("name the records' text field, e.g. text"),
+    "data.format": _one_of(DATA_FORMATS),
+    "data.prompt_field": _name("name the records' prompt field, e.g. prompt"),
+    "data.completion_field": _name("name the records' completion field, e.g. completion"),
+    "data.messages_field": _name("name the records' chat field, e.g. messages"),
+    "data.bpe_vocab_size": _count(1, MAX_VOCAB),
+    "data.bin_dtype": _one_of(BIN_DTYPES),
+    "data.seq_len": _count(1, MAX_POSITIONS),
+    "data.eval_fraction": Rule(0, 1, below=True, span=True, eg="0.02"),
+    "data.num_workers": _count(0, 256, "(0 loads in the main process)"),
+    "data.prefetch_factor": _count(1, 1024),
+    "data.cache_dir": _name("give a folder for the tokenized cache, e.g. ~/.cache/loom"),
+    # parallel
+    "parallel.strategy": _one_of((*strategies.STRATEGIES, *strategies.ALIASES)),
+    "parallel.dp_replicate": _count(),
+    "parallel.dp_shard": _count(-1, why="(-1: world size / dp_replicate)"),
+    "parallel.engine": _one_of(ENGINES),
+    "parallel.offload": _one_of(OFFLOADS),
+    "parallel.offload_optimizer": _one_of(DEEPSPEED_OFFLOADS),
+    "parallel.offload_params": _one_of(DEEPSPEED_OFFLOADS),
+    "parallel.nvme_path": _name("give a directory on a local NVMe disk, or leave it unset", optional=True),
+    "parallel.deepspeed_config": _name("give a DeepSpeed JSON file, or leave it unset", optional=True),
+    "parallel.ddp_bucket_mb": Rule(0, MAX_MB, above=True),
+    "parallel.fsdp_unit_mb": Rule(0, MAX_MB, why="(0: no grouping of modules into FSDP units)"),
+    "parallel.fsdp_prefetch": _count(0, 1024),
+    "parallel.pp": _count(), "parallel.pp_schedule": _one_of(PP_SCHEDULES),
+    "parallel.pp_virtual_stages": _count(1, MAX_LAYERS),
+    "parallel.microbatches": _count(0, why="(0: one per stage)"),
+    "parallel.tp": _count(),
+    "parallel.activation_checkpointing": _one_of(ACTIVATION_CHECKPOINTING),
+    "parallel.ac_every": _count(1, MAX_LAYERS),
+    # train
+    "train.steps": _count(), "train.seed": _count(0, MAX_SEED),
+    "train.batch_size": _count(), "train.grad_accum": _count(),
+    "train.precision": _one_of(PRECISIONS),
+    "train.lr": Rule(0, above=True, eg="3e-4"),
+    "train.min_lr_ratio": Rule(0, 1, span=True, why="(the final LR as a fraction of train.lr)"),
+    "train.warmup_steps": _count(0),
+    "train.weight_decay": Rule(0),
+    "train.beta1": Rule(0, 1, below=True, span=True, why="(an AdamW decay rate)"),
+    "train.beta2": Rule(0, 1, below=True, span=True, why="(an AdamW decay rate)"),
+    "train.eps": Rule(0, above=True, why="(AdamW divides by it where a gradient is 0)", eg="1e-8"),
+    "train.grad_clip": Rule(0, why="(0 turns clipping off)"),
+    "train.optimizer_impl": _one_of(OPTIMIZER_IMPLS),
+    "train.eval_every": _count(0, why="(0: only at the end)"),
+    "train.eval_batches": _count(0, why="(0 turns eval off)"),
+    "train.log_every": _count(),
+    "train.device": _one_of(DEVICES, "loom trains on CUDA GPUs or on the CPU: set train.device=auto, which "
+                                     "takes a GPU where there is one, or cpu"),
+    "train.ckpt_every": _count(0, why="(0 saves only at the end)", eg="100"),
+    "train.ckpt_every_min": Rule(0, why="(0: no checkpoints by time)"),
+    "train.keep_last": _count(),
+    "train.on_ckpt_error": _one_of(CKPT_ERROR_POLICIES),
+    "train.preempt_signal": _one_of(PREEMPT_SIGNALS),
+    "train.on_nonfinite": _one_of(NONFINITE_POLICIES),
+    "train.collective_timeout_s": Rule(0, MAX_TIMEOUT_S, above=True),
+    "train.log_to": _one_of(TRACKERS),
+    "train.wandb_project": _name("name the wandb project, e.g. loom"),
+    "train.wandb_mode": _one_of(WANDB_MODES),
+    # profile
+    "profile.wait": _count(0), "profile.warmup": _count(0), "profile.active": _count(),
+}
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+def _within(x: float, r: Rule) -> bool:
+    return (not isinstance(x, float) or math.isfinite(x)) \
+        and (r.low is None or (x > r.low if r.above else x >= r.low)) \
+        and (r.high is None or (x < r.high if r.below else x <= r.high))
+
+
+def _bounds(x: float, r: Rule) -> str:
+    """The rule's interval, or only the side `x` breaks (a cap like MAX_COUNT is noise otherwise)."""
+    low = None if r.low is None else f"{'>' if r.above else '≥'} {_number(r.low)}"
+    high = None if r.high is None else f"{'<' if r.below else '≤'} {_number(r.high)}"
+    if r.span and low and high:
+        return f"in {'(' if r.above else '['}{_number(r.low)}, {_number(r.high)}{')' if r.below else ']'}"
+    too_big = r.high is not None and (not isinstance(x, float) or math.isfinite(x)) and x > r.high
+    return (high if too_big else low) or high or ""
+
+
+def _example(path: str, rule: Rule) -> str:
+    """The rule's example, else the field's default (or the default preset's, for model shapes)."""
+    section, _, key = path.partition(".")
+    value = getattr(getattr(Config(), section), key)
+    if value is None and section == "model":
+        value = getattr(PRESETS[ModelConfig.preset], key)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return rule.eg or (_number(value) if number else _toml_value(value))
+
+
+def _check_rule(path: str, value: Any) -> None:
+    """`value` (already of the field's type) against the field's rule: one line if it breaks it."""
+    rule = RULES.get(path)
+    if rule is None or value is None:
+        return
+    if rule.choices:
+        for item in value if isinstance(value, list) else [value]:
+            _choice(path, item, rule.choices, rule.why)
+    elif rule.name:
+        if "\x00" in value:
+            raise ConfigError(f"{path} = {_shown(value)} holds a NUL character; {rule.why}")
+        if not value.strip() and (value or not rule.optional):
+            raise ConfigError(f"{path} = {_shown(value)} is {'blank' if value else 'empty'}; {rule.why}")
+    elif not _within(value, rule):
+        kind = "a finite number " if isinstance(value, float) else ""
+        why = f" {rule.why}" if rule.why else ""
+        raise ConfigError(f"{path} = {_shown(value)} must be {kind}{_bounds(value, rule)}{why}, "
+                          f"e.g. --set {path}={_example(path, rule)}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Loading and overrides
 
 
@@ -203,13 +386,19 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
     }[hint](value)
     if not ok:
         raise ConfigError(
-            f"{path} must be {hint.__name__}, got {type(value).__name__} {value!r}; "
-            f"e.g. --set {path}={_example(hint)}"
+            f"{path} must be {hint.__name__}, got {type(value).__name__} {_shown(value)}; "
+            f"e.g. --set {path}={_typed_example(hint)}"
         )
-    return float(value) if hint is float else value
+    if hint is not float:
+        return value
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float
+        raise ConfigError(f"{path} = {_shown(value)} must be a finite number, e.g. --set "
+                          f"{path}={_typed_example(float)}") from None
 
 
-def _example(hint: type) -> str:
+def _typed_example(hint: type) -> str:
     return {bool: "true", int: "2", float: "0.5", str: "value"}[hint]
 
 
@@ -226,7 +415,9 @@ def _apply(cfg: Config, path: str, value: Any) -> None:
             elsewhere = [f"{section}.{k}" for k in difflib.get_close_matches(key, list(hints), n=1)]
         hint = f"; did you mean '{elsewhere[0]}'?" if elsewhere else f"; known: {', '.join(hints)}"
         raise ConfigError(f"unknown config key '{path}'{hint}")
-    setattr(getattr(cfg, section), key, _coerce(path, value, hints[key]))
+    value = _coerce(path, value, hints[key])
+    _check_rule(path, value)
+    setattr(getattr(cfg, section), key, value)
 
 
 def _parse_value(text: str) -> Any:
@@ -244,7 +435,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass an existing .toml file")
-        _apply_toml(cfg, path.read_text(), str(path))
+        _apply_toml(cfg, read_text(path), str(path))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
@@ -254,7 +445,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     return cfg
 
 
-def load_config_text(text: str, origin: str = "config") -> Config:
+def load_config_text(text: str, origin: str = "the saved config") -> Config:
     """A Config from TOML text (a checkpoint's saved config)."""
     cfg = Config()
     _apply_toml(cfg, text, origin)
@@ -275,25 +466,38 @@ def _apply_toml(cfg: Config, text: str, origin: str) -> None:
                    f"(sections: {', '.join(f.name for f in dataclasses.fields(Config))})")
             raise ConfigError(f"{origin}: '{section}' is outside any [section] table; {fix}")
         for key, value in table.items():
-            _apply(cfg, f"{section}.{key}", value)
+            try:
+                _apply(cfg, f"{section}.{key}", value)
+            except ConfigError as e:
+                raise ConfigError(f"{origin}: {e}") from None
 
 
-def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML (None values, meaning 'the preset's', are left out)."""
-    lines: list[str] = []
-    for section, table in cfg.to_dict().items():
-        lines.append(f"[{section}]")
+def to_toml(cfg: Config | dict) -> str:
+    """The resolved config as TOML (None values, meaning 'the preset's', are left out). A dict of
+    sections is written the same way, any value that is not a table first, outside them."""
+    tables = cfg.to_dict() if isinstance(cfg, Config) else cfg
+    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in tables.items() if not isinstance(v, dict)]
+    for section, table in tables.items():
+        if not isinstance(table, dict):
+            continue
+        lines.append(f"[{_toml_key(section)}]")
         for key, value in table.items():
             if value is None:
                 continue
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
@@ -305,16 +509,11 @@ def _toml_value(value: Any) -> str:
 # Validation: everything that can be known before a process group starts
 
 
-def _choice(path: str, value: str, choices: typing.Sequence[str]) -> None:
+def _choice(path: str, value: str, choices: typing.Sequence[str], why: str = "") -> None:
     if value not in choices:
         raise ConfigError(
-            f"{path} = '{value}' is not one of {', '.join(choices)}"
+            f"{path} = '{value}' is not one of {', '.join(choices)}" + (f" ({why})" if why else "") +
             f"{_did_you_mean(value, choices) if difflib.get_close_matches(value, choices, n=1) else ''}")
-
-
-def _positive(path: str, value: float, minimum: float = 1) -> None:
-    if value < minimum:
-        raise ConfigError(f"{path} = {value} must be ≥ {minimum}; set it to {minimum} or more")
 
 
 @dataclass(frozen=True)
@@ -338,8 +537,8 @@ class ParallelDims:
 def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
     """The strategy's use of the dp ranks: replicate over them (ddp, zero1), shard over them
     (zero2, zero3) or both (hsdp: dp_replicate × dp_shard)."""
-    _positive("parallel.tp", p.tp)
-    _positive("parallel.pp", p.pp)
+    _check_rule("parallel.tp", p.tp)
+    _check_rule("parallel.pp", p.pp)
     tp, pp = p.tp, p.pp
     if world_size % (pp * tp):
         raise ConfigError(f"pp × tp = {pp} × {tp} = {pp * tp} does not divide the world size {world_size}; "
@@ -363,77 +562,18 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
              this_machine: bool = True) -> ParallelDims:
     """Check every value and their combinations for `world_size` ranks; returns the dp layout."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
-    _choice("parallel.strategy", p.strategy, (*strategies.STRATEGIES, *strategies.ALIASES))
-    _choice("parallel.offload", p.offload, OFFLOADS)
-    _choice("parallel.engine", p.engine, ENGINES)
-    _choice("parallel.offload_optimizer", p.offload_optimizer, DEEPSPEED_OFFLOADS)
-    _choice("parallel.offload_params", p.offload_params, DEEPSPEED_OFFLOADS)
-    _choice("parallel.activation_checkpointing", p.activation_checkpointing, ACTIVATION_CHECKPOINTING)
-    _choice("train.precision", t.precision, PRECISIONS)
-    _choice("train.optimizer_impl", t.optimizer_impl, OPTIMIZER_IMPLS)
-    _choice("train.device", t.device, DEVICES)
-    _choice("train.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
-    _choice("train.on_ckpt_error", t.on_ckpt_error, CKPT_ERROR_POLICIES)
-    _choice("train.preempt_signal", t.preempt_signal, PREEMPT_SIGNALS)
-    if d.tokenizer in TOKENIZERS or not d.tokenizer.endswith(".json"):
+    _check_fields(cfg)
+    if d.tokenizer not in TOKENIZERS and not d.tokenizer.endswith(".json"):  # nor a tokenizer.json
         _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
-    elif this_machine and not Path(d.tokenizer).expanduser().is_file():
+    if d.tokenizer.endswith(".json") and this_machine and not Path(d.tokenizer).expanduser().is_file():
         raise ConfigError(f"data.tokenizer = '{d.tokenizer}' does not exist; give the path of a Hugging Face "
                           f"tokenizer.json, or auto, byte or bpe")
-    _choice("data.format", d.format, DATA_FORMATS)
-    for tracker in t.log_to:
-        _choice("train.log_to", tracker, TRACKERS)
-    _choice("train.wandb_mode", t.wandb_mode, WANDB_MODES)
-    _choice("data.bin_dtype", d.bin_dtype, ("uint16", "uint32"))
-    _positive("train.grad_accum", t.grad_accum)
-    _positive("train.steps", t.steps)
-    _positive("train.batch_size", t.batch_size)
-    _positive("train.log_every", t.log_every)
-    _positive("data.seq_len", d.seq_len)
-    _positive("parallel.ac_every", p.ac_every)
-    _positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb, 0.001)
-    if p.fsdp_unit_mb < 0:
-        raise ConfigError(f"parallel.fsdp_unit_mb = {p.fsdp_unit_mb} must be ≥ 0 (0: no grouping of "
-                          f"modules into FSDP units), e.g. 25")
-    _positive("data.prefetch_factor", d.prefetch_factor)
-    _positive("train.keep_last", t.keep_last)
-    _positive("train.collective_timeout_s", t.collective_timeout_s, 0.001)
-    if not isinstance(t.ckpt_every_min, (int, float)) or isinstance(t.ckpt_every_min, bool) \
-            or t.ckpt_every_min < 0:
-        raise ConfigError(f"train.ckpt_every_min = {t.ckpt_every_min!r} must be a number ≥ 0 (0: no "
-                          f"checkpoints by time), e.g. 30")
-    if t.ckpt_every < 0:
-        raise ConfigError(f"train.ckpt_every = {t.ckpt_every} must be ≥ 0 (0 saves only at the end), "
-                          f"e.g. 100")
+    _check_mix(d.mix)
     prof = cfg.profile
-    if min(prof.wait, prof.warmup) < 0 or prof.active < 1:
-        raise ConfigError(f"profile.wait = {prof.wait}, warmup = {prof.warmup} must be ≥ 0 and "
-                          f"profile.active = {prof.active} ≥ 1, e.g. --set profile.active=3")
     if prof.enabled and prof.wait + prof.warmup + prof.active > t.steps:
         raise ConfigError(f"the profiler needs profile.wait + warmup + active = "
                           f"{prof.wait + prof.warmup + prof.active} steps but train.steps = {t.steps}; "
                           f"raise train.steps or lower profile.active")
-    if t.eval_batches < 0 or t.eval_every < 0:
-        raise ConfigError("train.eval_batches and train.eval_every must be ≥ 0 (0 turns eval off / to "
-                          "the end)")
-    if d.num_workers < 0:
-        raise ConfigError(f"data.num_workers = {d.num_workers} must be ≥ 0 (0 loads in the main process)")
-    if not 0 <= d.eval_fraction < 1:
-        raise ConfigError(f"data.eval_fraction = {d.eval_fraction} must be in [0, 1), e.g. 0.02")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr = {t.lr} must be > 0, e.g. 3e-4")
-    for name, beta in (("beta1", t.beta1), ("beta2", t.beta2)):
-        if not 0 <= beta < 1:
-            raise ConfigError(f"train.{name} = {beta} must be in [0, 1) (an AdamW decay rate), "
-                              f"e.g. --set train.{name}={0.9 if name == 'beta1' else 0.95}")
-    for name, value, example in (("eps", t.eps, "1e-8"), ("weight_decay", t.weight_decay, "0.1"),
-                                 ("warmup_steps", t.warmup_steps, "10"), ("grad_clip", t.grad_clip, "1.0")):
-        if value < 0:
-            raise ConfigError(f"train.{name} = {value} must be ≥ 0, e.g. --set train.{name}={example}"
-                              f"{' (0 turns clipping off)' if name == 'grad_clip' else ''}")
-    if not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError(f"train.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1] (the final LR as a "
-                          f"fraction of train.lr), e.g. --set train.min_lr_ratio=0.1")
     _check_engine(p, this_machine)
     fixed = sorted(set(shape_overrides(cfg.model)) - {"max_seq_len"})
     if cfg.model.init_from and fixed:
@@ -445,16 +585,20 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
                 f"parallel.offload = '{p.offload}' needs a sharded strategy (zero2, zero3 or hsdp), "
                 f"not '{p.strategy}'; set parallel.strategy=zero3 or parallel.offload=none")
         if cuda_available is None:
-            import torch
-
-            cuda_available = torch.cuda.is_available()
+            cuda_available = _cuda()[0]
         if not cuda_available or t.device == "cpu":
             raise ConfigError(
                 "parallel.offload = 'cpu' uses FSDP2's CPUOffloadPolicy, which needs an accelerator, "
                 "and this run is on CPU only; set parallel.offload=none")
-    if t.device == "cuda" and cuda_available is False:
-        raise ConfigError("train.device = 'cuda' but no CUDA device is visible; set train.device=cpu or auto")
+    if t.device == "cuda":
+        told = (cuda_available, "no CUDA device is visible")
+        cuda_available, why = _cuda() if cuda_available is None else told
+        if not cuda_available:
+            raise ConfigError(f"train.device = 'cuda' but {why}; this machine trains on the CPU: set "
+                              f"train.device=cpu (or auto, which takes a GPU where there is one)")
     dims = resolve_dims(p, world_size)
+    if this_machine:
+        _check_model_size(cfg, world_size, bool(cuda_available) and t.device != "cpu")
     if dims.tp > 1 and strategies.lookup(p.strategy).shards_optimizer_only and t.precision == "fp16":
         # GradScaler unscales the optimizer's params' grads; under TP, ZeRO-1 links them at step only.
         raise ConfigError("zero1 with parallel.tp > 1 does not take fp16 loss scaling; "
@@ -487,6 +631,9 @@ def _check_engine(p: ParallelConfig, this_machine: bool) -> None:
                 raise ConfigError(f"parallel.{key} = '{getattr(p, key)}' is DeepSpeed's offload; set "
                                   f"parallel.engine=deepspeed (the torch engine offloads with "
                                   f"parallel.offload)")
+        if p.deepspeed_config:
+            raise ConfigError(f"parallel.deepspeed_config = '{p.deepspeed_config}' is read by the deepspeed "
+                              f"engine only; set parallel.engine=deepspeed, or remove it")
         return
     if this_machine and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError('parallel.engine = \'deepspeed\' needs DeepSpeed, which is not installed; '
@@ -524,37 +671,195 @@ def _check_engine(p: ParallelConfig, this_machine: bool) -> None:
             raise ConfigError(f"parallel.nvme_path = '{p.nvme_path}' is not a writable directory; create it "
                               f"(mkdir -p {p.nvme_path}) or point at one on a local NVMe disk")
     if p.deepspeed_config:
-        path = Path(p.deepspeed_config).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"parallel.deepspeed_config = '{p.deepspeed_config}' does not exist; pass a "
-                              f"DeepSpeed JSON file")
-        try:
-            user = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"parallel.deepspeed_config {path} is not valid JSON ({e}); fix it") from None
-        if not isinstance(user, dict):
-            raise ConfigError(f"parallel.deepspeed_config {path} must hold a JSON object of DeepSpeed "
-                              f"settings")
-        _check_zero_section(path, user.get("zero_optimization"))
+        read_deepspeed_json(p)
 
 
-def _check_zero_section(path: Path, zero: object) -> None:
-    """DeepSpeed validates its zero_optimization section strictly (an unknown key is an error): ask
-    it now, before any rank starts, and say which key."""
-    if not isinstance(zero, dict):
+def _check_fields(cfg: Config) -> None:
+    """Every field's type and rule (a Config built in Python has not been through load_config)."""
+    for section in dataclasses.fields(Config):
+        values = getattr(cfg, section.name)
+        for key, hint in _hints(type(values)).items():
+            path = f"{section.name}.{key}"
+            _check_rule(path, _coerce(path, getattr(values, key), hint))
+
+
+def _check_mix(mix: list[dict]) -> None:
+    """data.mix entries' sources and weights, as data.source and the numbers above (the data's own
+    reader, loom/data/mix.py, checks the rest of an entry)."""
+    for i, entry in enumerate(mix):
+        source, weight = entry.get("source"), entry.get("weight", 1)
+        if not isinstance(source, str) or not source.strip() or "\x00" in source:
+            raise ConfigError(f"data.mix[{i}] source = {_shown(source)} must name {SOURCE_KINDS}, e.g. "
+                              f"{{source = \"a.jsonl\", weight = 3}}")
+        if not _finite_positive(weight):
+            raise ConfigError(f"data.mix[{i}] weight = {_shown(weight)} must be a finite number > 0, e.g. "
+                              f"weight = 3")
+
+
+def _finite_positive(x: Any) -> bool:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x)) and x > 0
+    except OverflowError:  # an integer beyond any float
+        return False
+
+
+def _cuda() -> tuple[bool, str]:
+    """Whether this machine can train on CUDA, and if not, why."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True, ""
+    if torch.version.cuda is None:
+        return False, f"this PyTorch ({torch.__version__}) is built without CUDA"
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return False, "no CUDA device is visible" + (f" (CUDA_VISIBLE_DEVICES={hidden!r})" if hidden is not None
+                                                 else "")
+
+
+def _check_model_size(cfg: Config, world_size: int, gpu: bool) -> None:
+    """A model whose fp32 weights alone, sharded over every rank, cannot fit this machine's memory is
+    refused now, not after a build that tries to allocate them. The shape is the preset's with the
+    config's overrides (a pretrained folder's is checked where it is read); the vocabulary may
+    still grow to the tokenizer's, so this is a lower bound."""
+    p = cfg.parallel
+    if cfg.model.init_from or "nvme" in (p.offload_params, p.offload_optimizer):
         return
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # only with a user's JSON
+    params = preset(cfg.model.preset, **shape_overrides(cfg.model)).num_params()
+    per_rank = 4 * params / world_size
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if per_rank > memory and gpu:
+        import torch
+
+        if torch.cuda.is_available():  # (a caller may say there is CUDA where this host has none)
+            memory += torch.cuda.get_device_properties(0).total_memory
+    if per_rank > memory:
+        raise ConfigError(f"the model has {params:,} parameters, {per_rank / 1e9:,.0f} GB of fp32 weights "
+                          f"per rank even sharded over all {world_size} rank(s): more than this machine's "
+                          f"{memory / 1e9:,.0f} GB of memory; shrink model.d_model, n_layers, ffn_hidden or "
+                          f"vocab_size, or add ranks")
+
+
+# ---------------------------------------------------------------------------------------------
+# A user's DeepSpeed JSON (parallel.deepspeed_config), merged over the config loom derives
+
+# What loom derives from its own keys (loom/parallel/deepspeed_engine.py::deepspeed_config), and
+# from which: set in the JSON, DeepSpeed would run something other than what loom plans, reports
+# and records (a ZeRO-3 run reported as ddp).
+DEEPSPEED_DERIVED = {
+    "train_batch_size": "train.batch_size",
+    "train_micro_batch_size_per_gpu": "train.batch_size",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "gradient_clipping": "train.grad_clip",
+    "zero_optimization.stage": "parallel.strategy",
+    "zero_optimization.cpu_offload": "parallel.offload_optimizer",
+    "zero_optimization.cpu_offload_param": "parallel.offload_params",
+    "zero_optimization.offload_optimizer.device": "parallel.offload_optimizer",
+    "zero_optimization.offload_optimizer.nvme_path": "parallel.nvme_path",
+    "zero_optimization.offload_param.device": "parallel.offload_params",
+    "zero_optimization.offload_param.nvme_path": "parallel.nvme_path",
+    "zero_optimization.reduce_bucket_size": "parallel.ddp_bucket_mb",
+    "zero_optimization.allgather_bucket_size": "parallel.ddp_bucket_mb",
+    "fp16.enabled": "train.precision", "bf16.enabled": "train.precision",
+    "bfloat16.enabled": "train.precision",
+    "amp.enabled": "train.precision", "torch_autocast.enabled": "train.precision",
+    "optimizer": "train.lr, beta1, beta2, eps and weight_decay (loom's AdamW)",
+    "scheduler": "train.lr, warmup_steps and min_lr_ratio (loom's LR schedule)",
+    "elasticity": "train.batch_size and --nproc/--nnodes",
+    # what loom does itself, inside the run directory, with nothing sent over the network
+    "tensorboard": "train.log_to", "wandb": "train.log_to", "csv_monitor": "train.log_to",
+    "comet": "train.log_to", "flops_profiler": "loom profile", "autotuning": "loom plan",
+    "compile": "train.compile", "activation_checkpointing": "parallel.activation_checkpointing",
+}
+# Top-level flags and names DeepSpeed reads without checking their type (its sections it checks).
+DEEPSPEED_FLAGS = ("wall_clock_breakdown", "memory_breakdown", "dump_state", "disable_allgather",
+                   "prescale_gradients", "sparse_gradients", "dataloader_drop_last",
+                   "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+                   "managed_gradient_accumulation")
+DEEPSPEED_NAMES = ("communication_data_type", "seq_parallel_communication_data_type", "gradient_allreduce_op")
+# DeepSpeed's other top-level keys: an unknown key close to one of them is a typo, which
+# DeepSpeed would ignore (keys far from all of them are passed on, as DeepSpeed takes them).
+DEEPSPEED_KEYS = ("steps_per_print", "gradient_predivide_factor", "zero_optimization", "fp16", "bf16",
+                  "bfloat16", "amp", "torch_autocast", "data_types", "comms_logger", "checkpoint", "aio",
+                  "pipeline", "hybrid_engine", "data_efficiency", "curriculum_learning",
+                  "compression_training", "sparse_attention", "weight_quantization", "timers",
+                  "tensor_parallel", "sequence_parallel_size", "log_level", "disable_python_gc",
+                  "use_data_before_expert_parallelism", "vocabulary_size")
+# DeepSpeed's config classes, by the JSON section each reads (to name a refused key in full)
+DEEPSPEED_MODELS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16",
+                    "DeepSpeedBF16Config": "bf16"}
+
+
+def read_deepspeed_json(p: ParallelConfig) -> dict:
+    """parallel.deepspeed_config's settings, checked before any rank starts: a JSON object, none of
+    the keys loom derives, the top-level flags typed, no near-miss of a DeepSpeed key, and
+    DeepSpeed's own config classes satisfied (its sections' keys and types, its cross-checks).
+    Anything else is one line naming the file and the key."""
+    path = Path(p.deepspeed_config).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"parallel.deepspeed_config = '{p.deepspeed_config}' does not exist; pass a "
+                          f"DeepSpeed JSON file")
+    source = f"parallel.deepspeed_config {path}"
+    try:
+        doc = Fields(read_json(path, source, max_bytes=1 << 20), source)
+        _refuse_derived(doc.raw, source)
+        doc.int("steps_per_print", default=None, min=1, max=MAX_COUNT)
+        doc.float("gradient_predivide_factor", default=None, min=0, min_open=True, max=1e6)
+        for flag in DEEPSPEED_FLAGS:
+            doc.bool(flag, default=None)
+        for name in DEEPSPEED_NAMES:
+            doc.str(name, default=None)  # DeepSpeed checks the value, once it is a string
+    except BadFile as e:
+        raise ConfigError(str(e)) from None
+    known = {*(key.split(".")[0] for key in DEEPSPEED_DERIVED), *DEEPSPEED_FLAGS, *DEEPSPEED_NAMES,
+             *DEEPSPEED_KEYS}
+    for key in doc.raw:
+        close = [] if key in known else difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"{source}: {key} is not a DeepSpeed setting; did you mean {close[0]}?")
+    _deepspeed_accepts(doc.raw, source, strategies.lookup(p.strategy).zero_stage)
+    return doc.raw
+
+
+def _refuse_derived(raw: dict, source: str) -> None:
+    for key, ours in DEEPSPEED_DERIVED.items():
+        node, parts = raw, key.split(".")
+        for depth, part in enumerate(parts, 1):
+            if part not in node:
+                break
+            node = node[part]
+            if depth == len(parts):
+                raise ConfigError(f"{source}: {key} = {_shown(node)} is loom's to set, from {ours}; remove "
+                                  f"it from the JSON and set {ours} instead")
+            if not isinstance(node, dict):  # a section given as a value (`"zero_optimization": true`)
+                raise ConfigError(f"{source}: {'.'.join(parts[:depth])} must be a JSON object of DeepSpeed "
+                                  f"settings, got {_shown(node)}")
+
+
+def _deepspeed_accepts(user: dict, source: str, stage: int) -> None:
+    """DeepSpeed's own config reading, on the user's settings over a stand-in for loom's (micro-batch
+    1, the strategy's stage; the global batch left to DeepSpeed, which counts the ranks of an
+    initialized group): its pydantic sections refuse unknown keys and wrong types."""
+    from deepspeed.runtime.config import DeepSpeedConfig  # only with a user's JSON
     from pydantic import ValidationError
 
+    trial = {**user, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+             "zero_optimization": {**user.get("zero_optimization", {}), "stage": stage}}
     try:
-        DeepSpeedZeroConfig(**zero)
+        DeepSpeedConfig(trial)
     except ValidationError as e:
         error = e.errors()[0]
-        where = ".".join(str(x) for x in ("zero_optimization", *error["loc"]))
+        section = DEEPSPEED_MODELS.get(e.title)
+        where = ".".join(str(x) for x in ((section,) if section else ()) + tuple(error["loc"]))
         what = ("is not a DeepSpeed setting" if error["type"] == "extra_forbidden"
                 else f"is invalid: {error['msg']}")
-        raise ConfigError(f"parallel.deepspeed_config {path}: {where} {what}; see DeepSpeed's config "
-                          f"documentation for the section's keys") from None
+        raise ConfigError(f"{source}: {where} {what}; see DeepSpeed's config documentation for the section's "
+                          f"keys") from None
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's other checks raise assertions, TypeErrors, …
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"{source}: DeepSpeed refuses it ({type(e).__name__}: {first}); fix that "
+                          f"setting") from None
 
 
 def shape_overrides(m: ModelConfig) -> dict[str, Any]:

@@ -1,4 +1,7 @@
-"""Writing files so that a reader never sees half of one: a temporary file, then one rename."""
+"""Writing files without losing anyone's: a reader never sees half of one (a temporary file,
+then one rename, which replaces a symbolic link at the path instead of writing through it), appends
+that refuse a link, and the marker by which loom knows a run directory is its own (the only kind
+`--overwrite` may remove)."""
 
 from __future__ import annotations
 
@@ -6,18 +9,29 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
+
+from loom.errors import LoomError
+
+# In every run directory loom makes: `--overwrite` replaces only a directory that carries it.
+RUN_MARKER = ".loom-run"
 
 _UMASK = os.umask(0)  # read once (os.umask can only be read by setting it), then restored
 os.umask(_UMASK)
 
 
-def atomic_write(path: Path, data: bytes | Callable[[Path], None], durable: bool = False) -> None:
+def atomic_write(path: Path, data: bytes | Callable[[Path], None], durable: bool = False,
+                 inside: Path | None = None) -> None:
     """Write `data` (bytes, or a function that writes the given temporary path) to `path`.
 
-    Concurrent readers see the old file or the new one, never a part. `durable` also flushes the
-    file and the rename to disk (checkpoints, exports: a power loss must not leave a torn file).
+    Concurrent readers see the old file or the new one, never a part; a symbolic link at `path` is
+    replaced, its target untouched. `durable` also flushes the file and the rename to disk
+    (checkpoints, exports: a power loss must not leave a torn file). `inside`: the folder (a run
+    directory) below which no directory on the way to `path` may be a link.
     """
     path = Path(path)
+    if inside is not None:
+        _no_link_below(Path(inside), path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
     tmp = Path(name)
@@ -50,3 +64,48 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def open_append(path: Path, inside: Path | None = None) -> IO[str]:
+    """`path` opened to append text, line-buffered; a symbolic link there is refused, not followed."""
+    path = Path(path)
+    if inside is not None:
+        _no_link_below(Path(inside), path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError:
+        if os.path.islink(path):
+            raise LoomError(f"{path} is a symbolic link; loom appends only to a file of its own: remove the "
+                            f"link") from None
+        raise
+    return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+
+
+def _no_link_below(folder: Path, path: Path) -> None:
+    """No directory between `folder` and `path` is a symbolic link (a planted one would send the
+    write elsewhere)."""
+    try:
+        parts = path.parent.relative_to(folder).parts
+    except ValueError:
+        return
+    at = folder
+    for part in parts:
+        at = at / part
+        if at.is_symlink():
+            raise LoomError(f"{at} is a symbolic link; loom writes into {folder} only, never through a link: "
+                            f"remove the link")
+
+
+def is_loom_run(run_dir: Path) -> bool:
+    """Whether `run_dir` is a directory loom made (it carries the run marker as a plain file)."""
+    marker = Path(run_dir) / RUN_MARKER
+    return marker.is_file() and not marker.is_symlink()
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Make `run_dir` (if need be) and mark it as loom's, when it is new or empty: a folder that
+    already holds files loom did not mark stays unmarked, so --overwrite will never remove it."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not is_loom_run(run_dir) and not any(run_dir.iterdir()):
+        atomic_write(run_dir / RUN_MARKER, b"a loom run directory: loom train --overwrite may replace it\n")

@@ -177,8 +177,33 @@ def report_to_launcher(message: str) -> bool:
     if not path:
         return False
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        Path(path).write_text(message)
+        _leave(Path(path), message)
     return True
+
+
+def end_launch(message: str) -> bool:
+    """An error this rank raised on its own (the others may not have, or not yet): leave it for
+    loom's launcher and end torchrun at once, before torchrun sees a failed rank and prints its
+    failure report; the other ranks die with torchrun (die_with_parent), and the launcher prints
+    the one line. Does not return when it does that. False when there is no such launcher (srun
+    started the rank) or torchrun has a restart left, which it uses: the rank prints the error."""
+    path = os.environ.get(REPORT_FILE_ENV)
+    restarts_left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+                     - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    if not path or restarts_left > 0:
+        return False
+    _leave(Path(path), message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getppid(), signal.SIGKILL)  # torchrun, which started this rank
+    os._exit(1)
+
+
+def _leave(path: Path, message: str) -> None:
+    """Write the report whole (the launcher may read it as torchrun ends), one writer's at a time."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(message)
+    tmp.replace(path)
 
 
 def relaunch(spec: LaunchSpec, loom_args: list[str], preempt: int = signal.SIGUSR1) -> Ended:

@@ -16,21 +16,58 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from loom.train import checkpoint
 
+
+def _entry(metadata, name: str = "model.norm.weight"):
+    return metadata.state_dict_metadata[name]
+
+
+def _storage_key(metadata, name: str = "model.norm.weight"):
+    return next(k for k in metadata.storage_data if k.fqn == name)
+
+
+def _chunks(*rows: tuple[int, int]):
+    """Chunks of tok_embeddings.weight [256, 64] holding rows [start, stop)."""
+    return [ChunkStorageMetadata(torch.Size([a, 0]), torch.Size([b - a, 64])) for a, b in rows]
+
+
+def _same_bytes(metadata) -> None:
+    """norm.weight's payload pointed at the bytes of another entry of its dtype and shape."""
+    other = metadata.storage_data[_storage_key(metadata, "model.layers.0.attention_norm.weight")]
+    metadata.storage_data[_storage_key(metadata)] = other
+
+
+# Edits of DCP's index that leave some element of a tensor without a payload, or a payload without
+# its place: loading must refuse each, never fill a tensor from memory no payload wrote.
+INDEX_EDITS = {
+    "chunks-empty": lambda m: _entry(m).chunks.clear(),
+    "chunks-overlap": lambda m: setattr(_entry(m, "model.tok_embeddings.weight"), "chunks",
+                                        _chunks((0, 160), (96, 256))),
+    "chunks-misplaced": lambda m: setattr(_entry(m, "model.tok_embeddings.weight"), "chunks",
+                                          _chunks((0, 128), (64, 192))),  # as many rows, one gap, one overlap
+    "chunk-outside": lambda m: setattr(_entry(m).chunks[0], "offsets", torch.Size([1])),
+    "storage-missing": lambda m: m.storage_data.pop(_storage_key(m)),
+    "entry-no-properties": lambda m: delattr(_entry(m), "properties"),
+    "size-wrong-type": lambda m: setattr(_entry(m), "size", "64"),
+    "payload-shared": _same_bytes,
+    "payload-short": lambda m: m.storage_data.__setitem__(
+        _storage_key(m), _StorageInfo("__0_0.distcp", m.storage_data[_storage_key(m)].offset, 100)),
+}
 KINDS = ("byte-entry", "wrong-dtype", "wrong-shape", "extra-entry", "pickled-payload", "metadata-global",
-         "payload-outside")
+         "payload-outside", *INDEX_EDITS)
 
 
 class RunsCommand:
     """Unpickling this runs `touch MARKER` (what a malicious checkpoint would do, harmlessly)."""
 
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
+    def __init__(self, marker: Path, pad: int = 0):
+        self.marker, self.pad = str(marker), pad
 
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+    def __reduce__(self):  # the padding (a shell comment) makes the payload as long as the tensor it replaces
+        return (os.system, (f"touch {self.marker}" + (f" #{'x' * self.pad}" if self.pad else ""),))
 
 
 def _global_through_allowed_module(marker: Path) -> bytes:
@@ -75,7 +112,7 @@ def craft(kind: str, source: Path, dest: Path, marker: Path) -> Path:
     for f in source.glob("*.json"):
         shutil.copy(f, dest / f.name)
     if kind == "pickled-payload":  # a tensor entry whose bytes are a pickle of a callable
-        (dest / "__9_0.distcp").write_bytes(pickle.dumps(RunsCommand(marker), protocol=2))
+        (dest / "__9_0.distcp").write_bytes(pickle.dumps(RunsCommand(marker, pad=4096), protocol=2))
         _edit_index(dest, lambda m: _point_at(m, "model.norm.weight", "__9_0.distcp",
                                               (dest / "__9_0.distcp")))
     elif kind == "payload-outside":  # a payload file outside the checkpoint folder
@@ -84,6 +121,8 @@ def craft(kind: str, source: Path, dest: Path, marker: Path) -> Path:
         _edit_index(dest, lambda m: _point_at(m, "model.norm.weight", "../outside.distcp", None))
     elif kind == "metadata-global":
         (dest / ".metadata").write_bytes(_global_through_allowed_module(marker))
+    elif kind in INDEX_EDITS:
+        _edit_index(dest, INDEX_EDITS[kind])
     return dest
 
 

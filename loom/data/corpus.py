@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import io
+import itertools
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -50,6 +51,49 @@ def stdlib_files(max_bytes: int = 8_000_000) -> list[Path]:
     return files
 
 
+def check_spec(source: str) -> None:
+    """An empty or blank source names nothing: never the current directory (Path("") is ".")."""
+    if not source.strip():
+        raise LoomError(f"data.source = {source!r} names no file; {_WHAT_TO_GIVE} (an empty path is not "
+                        f"read as the current directory)")
+
+
+def _inside(files: list[Path], root: Path, source: str) -> list[Path]:
+    """Files of a directory or glob source whose real path stays inside `root`: a folder someone
+    gave you must not make loom read (and a model memorise) a file elsewhere, such as ~/.ssh/id_rsa.
+    A Hugging Face cache snapshot (`datasets--org--name/snapshots/<rev>/`) links its files into the
+    repository's `blobs/`: its bound is the repository folder."""
+    bound = Path(os.path.realpath(root))
+    if bound.parent.name == "snapshots" and bound.parent.parent.name.startswith(("datasets--", "models--")):
+        bound = bound.parent.parent
+    for path in files:
+        target = Path(os.path.realpath(path))
+        if not target.is_relative_to(bound):
+            raise LoomError(f"data.source '{source}': {path} links outside {root} (to {target}); a directory "
+                            f"or glob source reads only the files inside it: copy the file in, or name it in "
+                            f"data.source (or a data.mix entry) itself")
+    return files
+
+
+def folder_files(root: Path, source: str) -> list[Path]:
+    """A directory's files, sorted by path: hidden files and everything under hidden folders (.git,
+    .ssh, .cache) skipped, linked folders not entered, linked files only if they stay inside."""
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [Path(folder) / n for n in names if not n.startswith(".") and (Path(folder) / n).is_file()]
+    return _inside(sorted(files), root, source)
+
+
+def glob_files(source: str) -> list[Path]:
+    """The files a glob matches, sorted (glob skips hidden names), inside its fixed leading folder."""
+    pattern = Path(os.path.expanduser(source))
+    fixed = list(itertools.takewhile(lambda part: not glob.has_magic(part), pattern.parts))
+    root = Path(*fixed) if fixed else Path(".")
+    files = sorted(Path(p) for p in glob.glob(str(pattern), recursive=True) if Path(p).is_file())
+    return _inside(files, root, source)
+
+
 def resolve_source(source: str, max_bytes: int = 8_000_000) -> list[Path] | Path:
     """Text sources resolve to a sorted list of files; a .bin token file resolves to its single Path.
 
@@ -57,16 +101,16 @@ def resolve_source(source: str, max_bytes: int = 8_000_000) -> list[Path] | Path
     """
     if source == "stdlib":
         return stdlib_files(max_bytes)
+    check_spec(source)
     path = Path(source).expanduser()
     if path.is_file():
         return path if path.suffix == ".bin" else [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        files = folder_files(path, source)
         if not files:
             raise LoomError(f"data.source '{source}' is a directory with no files; {_WHAT_TO_GIVE}")
     elif glob.has_magic(source):
-        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True)
-                       if Path(p).is_file())
+        files = glob_files(source)
         if not files:
             raise LoomError(f"data.source '{source}' matched no files; {_WHAT_TO_GIVE}")
     else:

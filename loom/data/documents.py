@@ -2,7 +2,11 @@
 windows are later cut across document edges). For SFT, a loss mask beside the ids.
 
 Tokenizing a source is cached on disk (cache_dir/tokens), keyed by what could change the ids, so
-every rank memory-maps the arrays the launcher wrote instead of tokenizing again.
+every rank memory-maps the arrays the launcher wrote instead of tokenizing again; a cache entry is
+checked when it is read (its meta.json typed, the arrays' lengths as it says, every id below the
+vocabulary), and a damaged one is one line saying to delete it.
+
+A record refused here is named by its file and line (records.record_places), found only then.
 """
 
 from __future__ import annotations
@@ -10,16 +14,19 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from loom.checked import BadFile, Fields, read_json
 from loom.data import sft
-from loom.data.records import RecordFields, open_records, record_batches
+from loom.data.chat_template import ChatTemplate
+from loom.data.records import RecordFields, json_kind, open_records, record_batches, record_places
 from loom.data.sources import Source
 from loom.data.stream import TokenStream
+from loom.data.token_files import check_ids, check_starts, open_npy
 from loom.data.tokenizer import DocumentTokenizer, token_dtype
 from loom.errors import LoomError
 from loom.files import atomic_write
@@ -63,27 +70,38 @@ class Documents:
         return TokenStream(self.pieces), masks
 
 
+class _Where:
+    """Record i's place (`…/a.jsonl line 7`), worked out only if a message says it."""
+
+    def __init__(self, places: Callable[[int], str], i: int) -> None:
+        self.places, self.i = places, i
+
+    def __str__(self) -> str:
+        return self.places(self.i)
+
+
 def encode_batches(batches: Iterable[dict[str, list]], tokenizer: DocumentTokenizer, fields: RecordFields,
-                   where: str, render: object = None) -> Iterator[Document]:
+                   places: Callable[[int], str], template: ChatTemplate | None = None,
+                   first: int = 0) -> Iterator[Document]:
     """Each record of each batch as a document: text + EOS, or an SFT example + EOS with its mask.
 
-    `render` is the compiled chat template (SFT messages); records are counted from 0 in messages."""
+    `template` is the chat template (SFT messages); `places(i)` names record i in messages, the
+    first batch's first record being record `first`."""
     eos = np.array([tokenizer.eos_id], dtype=token_dtype(tokenizer.vocab_size))
-    index = 0
+    index = first
     for batch in batches:
         n = len(next(iter(batch.values())))
         if fields.format == "text":
             texts = batch[fields.text]
             for i, text in enumerate(texts):
                 if not isinstance(text, str):
-                    what = "no" if text is None else f"a {type(text).__name__} as its"
-                    raise LoomError(f"record {index + i + 1} of {where} has {what} '{fields.text}'; every "
-                                    f"record needs a string there (or set data.text_field)")
+                    what = "no" if text is None else f"{json_kind(text)} as its"
+                    raise LoomError(f"{places(index + i)} has {what} '{fields.text}'; every record needs a "
+                                    f"string there (or set data.text_field)")
             for ids in tokenizer.encode_batch(texts):
                 yield np.concatenate((ids, eos)), None
         else:
-            examples = [_segments(batch, i, fields, f"record {index + i + 1} of {where}", render)
-                        for i in range(n)]
+            examples = [_segments(batch, i, fields, _Where(places, index + i), template) for i in range(n)]
             flat = [text for segments in examples for text, _ in segments]
             encoded = iter(tokenizer.encode_batch(flat))
             for segments in examples:
@@ -96,18 +114,18 @@ def encode_batches(batches: Iterable[dict[str, list]], tokenizer: DocumentTokeni
         index += n
 
 
-def _segments(batch: dict[str, list], i: int, fields: RecordFields, where: str,
-              render: object) -> sft.Segments:
+def _segments(batch: dict[str, list], i: int, fields: RecordFields, where: _Where,
+              template: ChatTemplate | None) -> sft.Segments:
     if fields.messages in batch:
-        return sft.chat(batch[fields.messages][i], render, fields, where)
+        return sft.chat(batch[fields.messages][i], template, fields, where)
     prompt = batch[fields.prompt][i] if fields.prompt in batch else None
     return sft.prompt_completion(prompt, batch[fields.completion][i], fields, where)
 
 
-def chat_renderer(tokenizer: DocumentTokenizer, fields: RecordFields) -> object:
+def chat_template(tokenizer: DocumentTokenizer, fields: RecordFields) -> ChatTemplate | None:
     if fields.format != "sft" or tokenizer.chat_template is None:
         return None
-    return sft.compile_chat_template(tokenizer.chat_template, tokenizer.special_tokens)
+    return ChatTemplate(tokenizer.chat_template, tokenizer.special_tokens, tokenizer.chat_template_file)
 
 
 def text_file_batches(files: Iterable[Path], fields: RecordFields) -> Iterator[dict[str, list]]:
@@ -131,7 +149,7 @@ def source_batches(source: Source, fields: RecordFields, cache_dir: Path,
                             f"but data.source '{source.spec}' is text; give JSONL, Parquet or Arrow records")
         return text_file_batches(source.files, RecordFields(text=fields.text))
     if source.is_records:
-        return record_batches(open_records(source, cache_dir, streaming), fields, source.spec)
+        return record_batches(open_records(source, cache_dir, streaming), fields, source)
     raise LoomError(f"data.source '{source.spec}' ({source.kind}) holds tokens, not documents to tokenize")
 
 
@@ -167,6 +185,27 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     atomic_write(path, buf.getvalue())
 
 
+def _cached(folder: Path, key: str, tokenizer: DocumentTokenizer,
+            sft_mask: bool) -> tuple[list, list, list | None]:
+    """A cache entry's arrays, memory-mapped, checked against its meta.json and the vocabulary."""
+    meta_path = folder / f"{key}.json"
+    fix = f"delete {folder / key}.* and loom tokenizes the source again"
+    try:
+        meta = Fields(read_json(meta_path, max_bytes=1 << 20), meta_path)
+    except BadFile as e:
+        raise BadFile(f"{e}; {fix}") from None
+    num_docs, num_tokens = meta.int("docs", min=1, fix=fix), meta.int("tokens", min=1, fix=fix)
+    tokens = open_npy(folder / f"{key}.tokens.npy", fix)
+    starts = open_npy(folder / f"{key}.docs.npy", fix)
+    mask = open_npy(folder / f"{key}.mask.npy", fix) if sft_mask else None
+    if (len(tokens), len(starts)) != (num_tokens, num_docs) or (mask is not None and len(mask) != num_tokens):
+        raise LoomError(f"{meta_path} says {num_tokens} tokens in {num_docs} documents, but the arrays "
+                        f"beside it hold {len(tokens)} in {len(starts)}; {fix}")
+    check_ids(tokens, tokenizer.vocab_size, str(folder / f"{key}.tokens.npy"), fix)
+    check_starts(starts, num_tokens, str(folder / f"{key}.docs.npy"), fix)
+    return [tokens], [starts], [mask] if mask is not None else None
+
+
 def tokenize_source(source: Source, tokenizer: DocumentTokenizer, fields: RecordFields,
                     cache_dir: Path) -> Documents:
     """A text or records source as Documents, from the cache when this exact tokenizing was done."""
@@ -175,12 +214,10 @@ def tokenize_source(source: Source, tokenizer: DocumentTokenizer, fields: Record
     meta_path = folder / f"{key}.json"
     name = source.spec
     if meta_path.is_file():  # written last, so the arrays beside it are complete
-        load = lambda suffix: np.load(folder / f"{key}.{suffix}.npy", mmap_mode="r")  # noqa: E731
-        mask = [load("mask")] if fields.format == "sft" else None
-        return Documents(name, [load("tokens")], [load("docs")], mask, tokenizer.vocab_size,
-                         tokenizer.fingerprint)
+        tokens, starts, mask = _cached(folder, key, tokenizer, fields.format == "sft")
+        return Documents(name, tokens, starts, mask, tokenizer.vocab_size, tokenizer.fingerprint)
     batches = source_batches(source, fields, cache_dir)
-    docs = encode_batches(batches, tokenizer, fields, source.spec, chat_renderer(tokenizer, fields))
+    docs = encode_batches(batches, tokenizer, fields, record_places(source), chat_template(tokenizer, fields))
     tokens, starts, mask = collect(docs, tokenizer.vocab_size, source.spec)
     _save_npy(folder / f"{key}.docs.npy", starts)
     if mask is not None:

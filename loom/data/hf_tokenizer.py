@@ -1,22 +1,29 @@
 """Hugging Face tokenizers: a tokenizer.json read by the `tokenizers` library, its EOS token and
 chat template (from tokenizer_config.json beside it), and which tokenizer `data.tokenizer` names.
+
+Its vocabulary size is its largest id + 1 (the model's ids and the added tokens'), whatever it
+reports, so the model's embedding is checked against every id it can give before anything runs;
+the library's errors and panics are one line naming the file.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from loom.checked import BadFile, Fields, read_json, read_text, translated
 from loom.data.tokenizer import ByteTokenizer, DocumentTokenizer, token_dtype
 from loom.errors import ConfigError, LoomError
+from loom.hf_config import MAX_VOCAB
 
 # Tried in this order when tokenizer_config.json names no eos_token (or is absent).
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+_MAX_BYTES = 1 << 30  # the largest tokenizer.json files are tens of MB
+_MAX_TEMPLATE_BYTES = 1 << 20  # chat templates are a few KB
 _WHAT_TO_GIVE = "give the path of a Hugging Face tokenizer.json (or a model folder holding one), or byte"
 
 
@@ -29,6 +36,8 @@ def resolve_tokenizer(setting: str, model_dir: Path | None = None) -> str | Path
         return "byte"
     if setting in ("byte", "bpe"):
         return setting
+    if not setting.strip():  # Path("") is the working directory
+        raise ConfigError(f"tokenizer {setting!r} names no file; {_WHAT_TO_GIVE}")
     path = Path(setting).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
@@ -56,39 +65,39 @@ def _import_tokenizers() -> Any:
     return tokenizers
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
-
-
-def _token_text(value: Any) -> str | None:
+def _token_text(doc: Fields, key: str) -> str | None:
     """tokenizer_config.json writes special tokens as a string or as an AddedToken's dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
+    if key not in doc or doc.raw[key] is None:
+        return None
+    value = doc.section(key).str("content") if isinstance(doc.raw[key], dict) else doc.str(key)
+    return value or None
 
 
-def _read_config(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise LoomError(f"{path} does not parse as JSON ({_first_line(e)}); fix or remove it") from None
-    return config if isinstance(config, dict) else {}
+def _read_config(path: Path) -> Fields:
+    return Fields(read_json(path, max_bytes=_MAX_BYTES) if path.is_file() else {}, path)
 
 
-def _chat_template(folder: Path, config: dict) -> str | None:
-    """Newer tokenizers save the template as chat_template.jinja; older ones inside the config
-    (a string, or a list of named templates of which "default" is the chat one)."""
+def _chat_template(folder: Path, config: Fields) -> tuple[str | None, str]:
+    """(the template, the file it comes from): newer tokenizers save it as chat_template.jinja;
+    older ones inside the config (a string, or a list of named templates of which "default" is the
+    chat one)."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return read_text(jinja, max_bytes=_MAX_TEMPLATE_BYTES), str(jinja)
+    if config.raw.get("chat_template") is None:
+        return None, ""
+    if isinstance(config.raw["chat_template"], list):
+        named = {}
+        for i, raw in enumerate(config.list("chat_template", of=dict)):
+            entry = Fields(raw, config.source, f"chat_template[{i}]")
+            named[entry.str("name")] = entry.str("template")
         template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) and template else None
+    else:
+        template = config.str("chat_template")
+    if template and len(template) > _MAX_TEMPLATE_BYTES:
+        raise BadFile(f"{config.source}: chat_template has {len(template):,} characters, more than a chat "
+                      f"template can be ({_MAX_TEMPLATE_BYTES:,})")
+    return template or None, config.source
 
 
 class HFTokenizer:
@@ -100,29 +109,32 @@ class HFTokenizer:
         if not path.is_file():
             raise LoomError(f"tokenizer '{path}' does not exist; {_WHAT_TO_GIVE}")
         tk = _import_tokenizers()
-        raw = path.read_bytes()
-        try:
-            self._tok = tk.Tokenizer.from_str(raw.decode("utf-8"))
-        except Exception as e:  # the library raises plain Exceptions for malformed files
-            raise LoomError(f"tokenizer '{path}' does not parse as a Hugging Face tokenizer.json "
-                            f"({_first_line(e)}); {_WHAT_TO_GIVE}") from None
+        text = read_text(path, max_bytes=_MAX_BYTES)
+        self._where = f"tokenizer '{path}'"
+        with translated(f"{self._where} does not parse as a Hugging Face tokenizer.json", _WHAT_TO_GIVE):
+            self._tok = tk.Tokenizer.from_str(text)
+            ids = [*self._tok.get_vocab(with_added_tokens=True).values(),
+                   *self._tok.get_added_tokens_decoder()]
         config = _read_config(path.parent / "tokenizer_config.json")
         self.name = str(path)
         self.eos_token, self.eos_id = self._find_eos(config, path)
-        added = self._tok.get_added_tokens_decoder()
-        self.vocab_size: int = max(self._tok.get_vocab_size(with_added_tokens=True),
-                                   max(added, default=-1) + 1)
-        self.chat_template = _chat_template(path.parent, config)
-        self.special_tokens = {key: text for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-                               if (text := _token_text(config.get(key)))}
+        # Its largest id + 1, not get_vocab_size() (a count: ids may have gaps or lie beyond it).
+        self.vocab_size: int = max(ids, default=-1) + 1
+        if not 0 < self.vocab_size <= MAX_VOCAB:
+            has = f"token ids up to {self.vocab_size - 1:,}" if ids else "no tokens"
+            raise LoomError(f"tokenizer '{path}' has {has}, but a model's vocabulary holds at most "
+                            f"{MAX_VOCAB:,}; it is damaged or not a text tokenizer: {_WHAT_TO_GIVE}")
+        self.chat_template, self.chat_template_file = _chat_template(path.parent, config)
+        self.special_tokens = {key: token for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+                               if (token := _token_text(config, key))}
         self.special_tokens["eos_token"] = self.eos_token
         self._dtype = token_dtype(self.vocab_size)
-        digest = hashlib.sha256(raw)
+        digest = hashlib.sha256(text.encode("utf-8"))
         digest.update(f"|eos={self.eos_id}|template={self.chat_template or ''}".encode())
         self.fingerprint = "hf-" + digest.hexdigest()[:20]
 
-    def _find_eos(self, config: dict, path: Path) -> tuple[str, int]:
-        named = _token_text(config.get("eos_token"))
+    def _find_eos(self, config: Fields, path: Path) -> tuple[str, int]:
+        named = _token_text(config, "eos_token")
         if named is not None:
             eos_id = self._tok.token_to_id(named)
             if eos_id is None:
@@ -138,12 +150,15 @@ class HFTokenizer:
                         f'{{"eos_token": "..."}} to tokenizer_config.json beside it')
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=self._dtype)
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Many texts at once: the library encodes them on all cores."""
-        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        with translated(f"{self._where} failed to encode the text", "it is damaged: give another tokenizer"):
+            encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=self._dtype) for e in encodings]
 
     def decode(self, ids: Any) -> str:
-        return self._tok.decode(np.asarray(ids, dtype=np.int64).ravel().tolist(), skip_special_tokens=False)
+        with translated(f"{self._where} failed to decode ids", "decode ids this tokenizer gave"):
+            return self._tok.decode(np.asarray(ids, dtype=np.int64).ravel().tolist(),
+                                    skip_special_tokens=False)

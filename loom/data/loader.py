@@ -2,7 +2,8 @@
 
 Step k always trains on global batch k of a seeded permutation; data-parallel ranks and
 gradient-accumulation micro-steps only decide who takes which part of it. `build_loaders` gives a
-rank its DataLoaders (workers, prefetch, pinned memory) for training and eval.
+rank its DataLoaders (workers, prefetch, pinned memory) for training and eval; a LoomError raised in
+a worker reaches the user as the one line it was (`Loader`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -169,6 +171,48 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         return self.num_steps * self.grad_accum
 
 
+def own_generator() -> torch.Generator:
+    """A DataLoader's own RNG: each of its iterators draws the workers' base seed from it, not from
+    the global torch RNG that a checkpoint restores (which would leave a resumed run one draw
+    ahead of the run never stopped: different dropout from the first resumed step)."""
+    return torch.Generator()
+
+
+def _one_line(error: LoomError) -> LoomError:
+    """A worker's LoomError as it was raised: torch re-raises it in the main process as the same
+    type with "Caught … in DataLoader worker process N." and the worker's traceback as its
+    message, whose last line is `module.Type: <the one line>`."""
+    text = str(error)
+    if "\n" not in text:
+        return error
+    last = text.rstrip().splitlines()[-1]
+    return type(error)(last.split(": ", 1)[1] if ": " in last else last)
+
+
+class _OneLineErrors:
+    def __init__(self, batches: Iterator) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.batches)
+        except LoomError as e:
+            raise _one_line(e) from None
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class Loader(torch.utils.data.DataLoader):
+    """A DataLoader whose workers' LoomErrors reach the user as one line, not as a traceback."""
+
+    def __iter__(self) -> Iterator:
+        return _OneLineErrors(super().__iter__())
+
+
 def make_loader(dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sampler[list[int]],
                 num_workers: int, prefetch_factor: int | None,
                 pin_memory: bool) -> torch.utils.data.DataLoader:
@@ -177,7 +221,7 @@ def make_loader(dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sam
         raise ConfigError(f"data.num_workers={num_workers} must be 0 (load in the training process) or more")
     if num_workers > 0 and prefetch_factor is not None and prefetch_factor < 1:
         raise ConfigError(f"data.prefetch_factor={prefetch_factor} must be at least 1; use e.g. 2")
-    return torch.utils.data.DataLoader(
+    return Loader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
@@ -185,6 +229,7 @@ def make_loader(dataset: torch.utils.data.Dataset, sampler: torch.utils.data.Sam
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
         persistent_workers=num_workers > 0,
         pin_memory=pin_memory and torch.cuda.is_available(),
+        generator=own_generator(),
     )
 
 
@@ -234,11 +279,12 @@ def _stream_loader(cfg: Config, train_set: torch.utils.data.IterableDataset, dp_
                           f"more")
     batches = train_set.rank_batches(t.batch_size, dp_rank, dp_size, t.grad_accum, start_step,
                                      t.steps - start_step)
-    loader = torch.utils.data.DataLoader(
+    loader = Loader(
         batches, batch_size=None,  # the stream yields whole micro-batches
         num_workers=d.num_workers,
         prefetch_factor=d.prefetch_factor if d.num_workers > 0 else None,
         persistent_workers=d.num_workers > 0,
         pin_memory=pin_memory and torch.cuda.is_available(),
+        generator=own_generator(),
     )
     return loader, batches.micro_batch

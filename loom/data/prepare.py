@@ -6,7 +6,9 @@ its documents starts), then `index.json`, written last. Shard i is documents [iÂ
 source, D fixed in `prepare.json` when the job starts (from --shard-docs, or from --shard-tokens
 and the first documents' length), so a rerun after a kill makes the same shards: the complete ones
 are kept, the rest are made again. Every file is written atomically. Training memory-maps the
-shards (`load_prepared`) and reads them as one stream.
+shards (`load_prepared`) and reads them as one stream, once the index is checked (typed fields,
+every shard a plain name inside OUT, counts that add up and match the files) and each shard's ids
+are (one vectorised min/max pass over its memmap when it is opened: every id below vocab_size).
 """
 
 from __future__ import annotations
@@ -24,16 +26,22 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from loom.checked import BadFile, Fields, inside, read_json
 from loom.data import sources
 from loom.data.documents import Documents, cache_key, encode_batches, text_file_batches
 from loom.data.hf_tokenizer import load_document_tokenizer, resolve_tokenizer
-from loom.data.records import BATCH, RecordFields, open_records
+from loom.data.records import BATCH, RecordFields, open_records, record_places
+from loom.data.token_files import check_ids, check_starts, open_npy
 from loom.data.tokenizer import DocumentTokenizer, token_dtype
 from loom.errors import ConfigError, LoomError
 from loom.files import atomic_write
+from loom.hf_config import MAX_VOCAB
 
 JOB_FILE = "prepare.json"
 INDEX_FILE = "index.json"
+DTYPES = ("uint16", "uint32")  # what prepare writes (token_dtype)
+_MAX_INDEX_BYTES = 1 << 28  # an index is ~150 bytes a shard
+_DAMAGED = "run `loom data prepare` into a new folder"
 DEFAULT_SHARD_TOKENS = 20_000_000  # ~40 MB of uint16 a shard; a worker holds one shard in memory
 _SAMPLE_DOCS = 256  # documents tokenized to turn --shard-tokens into documents per shard
 _PROGRESS_EVERY_S = 0.5
@@ -56,6 +64,20 @@ class Job:
     vocab_size: int
     eos_id: int
     dtype: str
+
+    @staticmethod
+    def read(path: Path) -> Job:
+        """prepare.json, checked field by field (a damaged one is one line, not another job)."""
+        doc = Fields(read_json(path, max_bytes=1 << 20), path)
+        fix = f"delete {path.parent} or pick another OUT"
+        texts = {k: doc.str(k, fix=fix) for k in ("source", "key", "tokenizer", "text_field")}
+        sizes = {k: None if doc.raw.get(k, 0) is None else doc.int(k, min=1, fix=fix)
+                 for k in ("shard_tokens", "shard_docs")}
+        vocab = doc.int("vocab_size", min=1, max=MAX_VOCAB, fix=fix)
+        return Job(**texts, **sizes, docs_per_shard=doc.int("docs_per_shard", min=1, fix=fix),
+                   num_docs=doc.int("num_docs", min=1, fix=fix), vocab_size=vocab,
+                   eos_id=doc.int("eos_id", min=0, max=vocab - 1, fix=fix),
+                   dtype=doc.str("dtype", choices=DTYPES, fix=fix))
 
     @property
     def num_shards(self) -> int:
@@ -101,7 +123,8 @@ class _Worker:
     def make_shard(self, shard: int) -> int:
         start, stop = self.job.shard_range(shard)
         parts, lengths = [], []
-        docs = encode_batches(self.batches(start, stop), self.tokenizer, self.fields, self.source.spec)
+        docs = encode_batches(self.batches(start, stop), self.tokenizer, self.fields,
+                              record_places(self.source), first=start)
         for n, (ids, _) in enumerate(docs, 1):
             parts.append(ids)
             lengths.append(len(ids))
@@ -173,7 +196,7 @@ def _docs_per_shard(source: sources.Source, tokenizer: DocumentTokenizer, fields
                     cache_dir: Path, num_docs: int, shard_tokens: int) -> int:
     """--shard-tokens as documents per shard, from the mean length of the first documents."""
     sample = _doc_batches(source, fields, cache_dir, 0, min(num_docs, _SAMPLE_DOCS))
-    lengths = [len(ids) for ids, _ in encode_batches(sample, tokenizer, fields, source.spec)]
+    lengths = [len(ids) for ids, _ in encode_batches(sample, tokenizer, fields, record_places(source))]
     return max(1, round(shard_tokens / (sum(lengths) / len(lengths))))
 
 
@@ -184,13 +207,14 @@ def _plan(out: Path, source: sources.Source, tokenizer: DocumentTokenizer, choic
     key = cache_key(source, tokenizer, fields)
     job_path = out / JOB_FILE
     if job_path.is_file():
-        try:
-            job = Job(**json.loads(job_path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError):
-            job = None
-        if job is None or (job.key, job.shard_tokens, job.shard_docs) != (key, shard_tokens, shard_docs):
+        job = Job.read(job_path)
+        if (job.key, job.shard_tokens, job.shard_docs) != (key, shard_tokens, shard_docs):
             raise LoomError(f"{out} holds a `loom data prepare` of another source, tokenizer, text field or "
                             f"shard size; delete {out} or pick another OUT")
+        num_docs = _count_docs(source, fields, cache_dir)
+        if job.num_docs != num_docs:  # the shards to make are counted from it
+            raise LoomError(f"{job_path}: num_docs = {job.num_docs}, but the source has {num_docs} "
+                            f"documents; delete {out} or pick another OUT")
         return job
     if out.exists() and (not out.is_dir() or any(not p.name.startswith(".tmp-") for p in out.iterdir())):
         raise LoomError(f"{out} exists and is not a `loom data prepare` folder; delete it or pick another "
@@ -298,7 +322,7 @@ def prepare(source: str, out: Path, tokenizer: str = "byte", text_field: str = "
     job = _plan(out, src, tok, choice, fields, cache_dir, shard_tokens, shard_docs)
     index_path = out / INDEX_FILE
     if index_path.is_file():
-        return json.loads(index_path.read_text(encoding="utf-8"))
+        return read_index(out)[0]
     for stale in out.glob(".tmp-*"):  # what a killed run was writing
         stale.unlink(missing_ok=True)
     todo = [s for s in range(job.num_shards) if not _complete(out, job, s)]
@@ -319,16 +343,62 @@ def prepare(source: str, out: Path, tokenizer: str = "byte", text_field: str = "
     return index
 
 
+@dataclass(frozen=True)
+class Shard:
+    tokens: Path
+    docs: Path
+    num_tokens: int
+    num_docs: int
+
+
+def read_index(folder: Path) -> tuple[dict, list[Shard]]:
+    """A prepared folder's index.json, checked: typed fields, every shard file a plain name inside
+    the folder, counts that add up; (the index, its shards)."""
+    path = folder / INDEX_FILE
+    doc = Fields(read_json(path, max_bytes=_MAX_INDEX_BYTES), path)
+    fix = f"it is damaged: {_DAMAGED}"
+    doc.str("format", choices=(sources.PREPARED_FORMAT,), fix=fix)
+    vocab = doc.int("vocab_size", min=1, max=MAX_VOCAB, fix=fix)
+    doc.int("eos_id", min=0, max=vocab - 1, fix=fix)
+    dtype = doc.str("dtype", choices=DTYPES, fix=fix)
+    if token_dtype(vocab).itemsize > np.dtype(dtype).itemsize:
+        raise doc.error("dtype", f"wide enough for vocab_size {vocab}", dtype, fix)
+    for key in ("tokenizer", "tokenizer_fingerprint"):
+        doc.str(key, nonempty=True, fix=fix)
+    shards = []
+    for i, raw in enumerate(doc.list("shards", of=dict)):
+        entry = Fields(raw, path, f"shards[{i}]")
+        tokens, docs = (inside(folder, entry.str(k, fix=fix), path, entry.name(k))
+                        for k in ("tokens", "docs"))
+        shards.append(Shard(tokens, docs, entry.int("num_tokens", min=0, fix=fix),
+                            entry.int("num_docs", min=0, fix=fix)))
+    for key, counted in (("num_tokens", sum(s.num_tokens for s in shards)),
+                         ("num_docs", sum(s.num_docs for s in shards))):
+        if doc.int(key, min=0, fix=fix) != counted:
+            raise BadFile(f"{path}: {key} = {doc.raw[key]}, but its shards hold {counted}; {fix}")
+    return doc.raw, shards
+
+
+def _open_shard(shard: Shard, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's ids and document starts, memory-mapped, as index.json describes them."""
+    fix = f"the shard is damaged or from another `loom data prepare`: {_DAMAGED}"
+    tokens = open_npy(shard.tokens, fix)
+    if len(tokens) != shard.num_tokens:
+        raise LoomError(f"{shard.tokens} has {len(tokens)} tokens but index.json says {shard.num_tokens}; "
+                        f"{_DAMAGED}")
+    check_ids(tokens, vocab, str(shard.tokens), fix)
+    starts = open_npy(shard.docs, fix)
+    if len(starts) != shard.num_docs:
+        raise LoomError(f"{shard.docs} has {len(starts)} documents but index.json says {shard.num_docs}; "
+                        f"{_DAMAGED}")
+    check_starts(starts, len(tokens), str(shard.docs), fix)
+    return tokens, starts
+
+
 def load_prepared(folder: Path) -> tuple[Documents, dict]:
     """A prepared folder's shards, memory-mapped (never read whole), and its index."""
-    index = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8"))
-    pieces, starts = [], []
-    for shard in index["shards"]:
-        tokens = np.load(folder / shard["tokens"], mmap_mode="r")
-        if len(tokens) != shard["num_tokens"]:
-            raise LoomError(f"{folder / shard['tokens']} has {len(tokens)} tokens but index.json says "
-                            f"{shard['num_tokens']}; run `loom data prepare` into a new folder")
-        pieces.append(tokens)
-        starts.append(np.load(folder / shard["docs"], mmap_mode="r"))
-    docs = Documents(str(folder), pieces, starts, None, index["vocab_size"], index["tokenizer_fingerprint"])
+    index, shards = read_index(folder)
+    opened = [_open_shard(shard, index["vocab_size"]) for shard in shards]
+    docs = Documents(str(folder), [t for t, _ in opened], [s for _, s in opened], None, index["vocab_size"],
+                     index["tokenizer_fingerprint"])
     return docs, index

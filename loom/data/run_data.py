@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from loom.data.corpus import load_bin, load_tokens
 from loom.data.documents import (
     Document,
     Documents,
-    chat_renderer,
+    chat_template,
     encode_batches,
     source_batches,
     tokenize_source,
@@ -35,10 +34,11 @@ from loom.data.hf_tokenizer import load_document_tokenizer, resolve_tokenizer
 from loom.data.loader import TokenWindows, split_train_eval
 from loom.data.mix import mix_documents, mix_iterators, parse_mix
 from loom.data.prepare import load_prepared
-from loom.data.records import RecordFields
+from loom.data.records import RecordFields, record_places
 from loom.data.streaming import StreamingWindows
 from loom.data.tokenizer import DocumentTokenizer
 from loom.errors import ConfigError, LoomError
+from loom.hf_config import read_hf_config
 
 
 @dataclass
@@ -106,8 +106,7 @@ def _model_vocab(cfg: Config, model_dir: Path | None) -> int | None:
         return cfg.model.vocab_size
     config = Path(model_dir) / "config.json" if model_dir is not None else None
     if config is not None and config.is_file():
-        vocab = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
-        return vocab if isinstance(vocab, int) else None
+        return read_hf_config(config).vocab_size
     return None
 
 
@@ -177,7 +176,7 @@ def _documents(cfg: Config, entries: list[_Entry], choice: str | Path, cache_dir
 def _stream_documents(source: sources.Source, tokenizer: DocumentTokenizer, fields: RecordFields,
                       cache_dir: Path) -> Iterator[Document]:
     batches = source_batches(source, fields, cache_dir, streaming=True)
-    return encode_batches(batches, tokenizer, fields, source.spec, chat_renderer(tokenizer, fields))
+    return encode_batches(batches, tokenizer, fields, record_places(source), chat_template(tokenizer, fields))
 
 
 def _streaming(cfg: Config, entries: list[_Entry], choice: str | Path, cache_dir: Path) -> RunData:

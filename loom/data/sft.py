@@ -2,64 +2,29 @@
 
 A record is cut into text segments, each with or without the loss:
 - prompt/completion fields: the prompt (no loss), then the completion (loss);
-- a `messages` list [{role, content}] rendered with the tokenizer's chat template: every assistant
-  turn carries the loss (what the template writes for it, its end-of-turn marker included), and
-  everything before it does not. Each assistant turn is found by rendering the conversation up to
-  it with the generation prompt, then with it: the difference is the turn. Messages after the last
-  assistant turn teach nothing and are dropped.
+- a `messages` list [{role, content}] rendered with the tokenizer's chat template (in bounds:
+  chat_template.py): every assistant turn carries the loss (what the template writes for it, its
+  end-of-turn marker included), and everything before it does not. Each assistant turn is found
+  by rendering the conversation up to it with the generation prompt, then with it: the difference
+  is the turn. Messages after the last assistant turn teach nothing and are dropped.
 Segments are tokenized separately, so the loss mask follows segment edges exactly; the EOS that
 ends each example carries the loss (the model learns to stop).
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-from collections.abc import Callable
 from typing import Any
 
+from loom.data.chat_template import ChatTemplate
+from loom.data.records import json_kind
 from loom.errors import ConfigError, LoomError
 
 Segments = list[tuple[str, bool]]  # (text, carries the loss)
 
 
-def compile_chat_template(template: str, special_tokens: dict[str, str]) -> Callable[[list, bool], str]:
-    """render(messages, add_generation_prompt) with Jinja in a sandbox, as Hugging Face renders it
-    (trimmed blocks, `raise_exception`, `tojson`, `strftime_now`)."""
-    try:
-        from jinja2.exceptions import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise LoomError("a chat template needs the jinja2 package; run `pip install jinja2` (or "
-                        "`pip install loom[data]`)") from None
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    try:
-        compiled = env.from_string(template)
-    except TemplateError as e:
-        raise LoomError(f"the tokenizer's chat_template does not compile ({e}); fix it in "
-                        f"tokenizer_config.json") from None
-
-    def render(messages: list, add_generation_prompt: bool) -> str:
-        try:
-            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **special_tokens)
-        except TemplateError as e:
-            raise LoomError(f"the tokenizer's chat template refused a conversation ({e})") from None
-
-    return render
-
-
 def _text(value: Any, name: str, where: str) -> str:
     if not isinstance(value, str):
-        what = "no" if value is None else f"a {type(value).__name__} as its"
+        what = "no" if value is None else f"{json_kind(value)} as its"
         raise LoomError(f"{where} has {what} '{name}'; every SFT record needs a string '{name}'")
     return value
 
@@ -72,8 +37,8 @@ def prompt_completion(prompt: Any, completion: Any, fields: Any, where: str) -> 
     return [(prompt, False), (completion, True)]
 
 
-def chat(messages: Any, render: Callable[[list, bool], str] | None, fields: Any, where: str) -> Segments:
-    if render is None:
+def chat(messages: Any, template: ChatTemplate | None, fields: Any, where: str) -> Segments:
+    if template is None:
         raise ConfigError(f"{where} has '{fields.messages}', which needs the tokenizer's chat_template, and "
                           f"this tokenizer has none; give a tokenizer.json whose tokenizer_config.json has "
                           f"one, or records with '{fields.prompt}'/'{fields.completion}'")
@@ -86,8 +51,8 @@ def chat(messages: Any, render: Callable[[list, bool], str] | None, fields: Any,
     segments: Segments = []
     done = ""
     for i in turns:
-        before = render(messages[:i], True)
-        after = render(messages[:i + 1], False)
+        before = template.render(messages[:i], True, where)
+        after = template.render(messages[:i + 1], False, where)
         if not (before.startswith(done) and after.startswith(before)):
             raise LoomError(f"{where}: the chat template does not render the conversation up to message {i} "
                             f"as the start of the conversation with it, so the assistant's turn cannot be "

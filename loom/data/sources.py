@@ -1,15 +1,19 @@
 """What a `data.source` names: text files, a .bin token file, a `loom data prepare` folder, record
-files (JSONL, Parquet, Arrow) or a Hugging Face dataset folder saved with `save_to_disk`."""
+files (JSONL, Parquet, Arrow) or a Hugging Face dataset folder saved with `save_to_disk`.
+
+An empty or blank spec names nothing (never the current directory); a directory or glob reads the
+files inside it only: hidden files and folders are skipped, a link leaving it is refused
+(corpus.py's `folder_files` / `glob_files`).
+"""
 
 from __future__ import annotations
 
 import glob
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from loom.data.corpus import resolve_source
+from loom.checked import BadFile, read_json
+from loom.data.corpus import check_spec, folder_files, glob_files, resolve_source
 from loom.errors import LoomError
 
 # A record file's suffix -> the `datasets` builder that reads it (compressed JSON too).
@@ -41,10 +45,6 @@ def record_format(path: Path) -> str | None:
     return None
 
 
-def _listed(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
-
-
 def _records(spec: str, files: list[Path]) -> Source:
     """Record files of one format; anything else among them is a mistake worth one line."""
     formats = {f: record_format(f) for f in files}
@@ -61,21 +61,28 @@ def _records(spec: str, files: list[Path]) -> Source:
     return Source(spec, "records", tuple(files), record_format=formats[first])
 
 
+def _prepared(index: Path) -> bool:
+    """A folder's index.json is a prepared one: it says so, or `loom data prepare` left its job file
+    beside it (then a damaged index is refused when it is read, not taken for records)."""
+    if (index.parent / "prepare.json").is_file():
+        return True
+    try:
+        doc = read_json(index, max_bytes=1 << 28)
+    except BadFile:
+        return False  # someone's own index.json, among their records or text
+    return isinstance(doc, dict) and doc.get("format") == PREPARED_FORMAT
+
+
 def _folder(spec: str, path: Path) -> Source:
     index = path / "index.json"
-    if index.is_file():
-        try:
-            fmt = json.loads(index.read_text(encoding="utf-8")).get("format")
-        except (OSError, ValueError, AttributeError):
-            fmt = None
-        if fmt == PREPARED_FORMAT:
-            return Source(spec, "prepared", (index,), folder=path)
+    if index.is_file() and _prepared(index):
+        return Source(spec, "prepared", (index,), folder=path)
     if (path / "prepare.json").is_file():
         raise LoomError(f"data.source '{spec}' is an unfinished `loom data prepare` (no index.json yet); run "
                         f"the same `loom data prepare` again to finish it")
     if any((path / marker).is_file() for marker in _SAVED_MARKERS):
-        return Source(spec, "saved", tuple(_listed(path)), folder=path)
-    files = _listed(path)
+        return Source(spec, "saved", tuple(folder_files(path, spec)), folder=path)
+    files = folder_files(path, spec)
     if any(record_format(f) for f in files):
         return _records(spec, files)
     return Source(spec, "text", tuple(resolve_source(spec)))
@@ -85,6 +92,7 @@ def resolve(spec: str, stdlib_max_bytes: int = 8_000_000) -> Source:
     """Classify a data.source; text sources keep corpus.py's rules (sorted files, stdlib's cap)."""
     if spec == "stdlib":
         return Source(spec, "text", tuple(resolve_source(spec, stdlib_max_bytes)))
+    check_spec(spec)
     path = Path(spec).expanduser()
     if path.is_dir():
         return _folder(spec, path)
@@ -95,8 +103,7 @@ def resolve(spec: str, stdlib_max_bytes: int = 8_000_000) -> Source:
             return _records(spec, [path])
         return Source(spec, "text", (path,))
     if glob.has_magic(spec):
-        matches = glob.glob(os.path.expanduser(spec), recursive=True)
-        files = sorted(Path(p) for p in matches if Path(p).is_file())
+        files = glob_files(spec)
         if any(record_format(f) for f in files):
             return _records(spec, files)
     resolved = resolve_source(spec)  # raises the one-line errors for missing paths and empty globs

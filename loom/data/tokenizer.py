@@ -11,8 +11,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from loom.checked import translated
 from loom.errors import ConfigError, LoomError
 from loom.files import atomic_write
+from loom.hf_config import MAX_VOCAB
 
 # Bump when the training recipe changes, so stale cached tokenizers are not reused.
 _BPE_FORMAT = "loom-bpe-v1"
@@ -35,6 +37,7 @@ class DocumentTokenizer(Tokenizer, Protocol):
     fingerprint: str  # changes whenever the ids it gives could change (keys the token caches)
     eos_id: int  # ends every document, so a window that crosses documents sees where one ends
     chat_template: str | None  # a Jinja chat template (SFT `messages`), or None
+    chat_template_file: str  # the file it comes from (for messages), or ""
     special_tokens: dict[str, str]  # bos_token, eos_token, ... for the chat template
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
@@ -63,6 +66,7 @@ class ByteTokenizer:
     fingerprint = "byte"
     eos_id = 0
     chat_template: str | None = None
+    chat_template_file = ""
     special_tokens: dict[str, str] = {}
 
     def encode(self, text: str) -> np.ndarray:
@@ -143,6 +147,9 @@ class BPETokenizer:
             raise ConfigError(f"data.bpe_vocab_size={vocab_size} is too small for a byte-level BPE "
                               "(256 bytes are the base alphabet); use a value above 256 such as 512, or "
                               "data.tokenizer = 'byte'")
+        if vocab_size > MAX_VOCAB:  # the trainer allocates for it up front: Rust aborts on failure
+            raise ConfigError(f"data.bpe_vocab_size={vocab_size:,} is more than any model's vocabulary (at "
+                              f"most {MAX_VOCAB:,}); use e.g. 32768")
         tk = _import_tokenizers()
         items = _as_items(texts_or_files)
         if not items:
@@ -151,10 +158,14 @@ class BPETokenizer:
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_path = cache_dir / f"bpe-{vocab_size}-{_cache_key(items, vocab_size)}.json"
         if self.cache_path.exists():
-            self._tok = tk.Tokenizer.from_file(str(self.cache_path))
+            with translated(f"the cached tokenizer {self.cache_path} does not load",
+                            "delete it (loom trains it again)"):
+                self._tok = tk.Tokenizer.from_file(str(self.cache_path))
             self.loaded_from_cache = True
         else:
-            self._tok = self._train(tk, items, vocab_size)
+            with translated(f"training the BPE tokenizer (data.bpe_vocab_size={vocab_size}) failed",
+                            "use a smaller data.bpe_vocab_size, or data.tokenizer = 'byte'"):
+                self._tok = self._train(tk, items, vocab_size)
             atomic_write(self.cache_path, self._tok.to_str().encode("utf-8"))
             self.loaded_from_cache = False
         self.vocab_size: int = self._tok.get_vocab_size()

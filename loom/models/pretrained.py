@@ -6,11 +6,17 @@ A Hugging Face folder is config.json + one or many `*.safetensors` (with their
 `model.safetensors.index.json`); safetensors files are read by slices of the memory-mapped file,
 so a rank touches only the bytes of its shards. A loom checkpoint (DCP) is read by DCP itself
 into the sharded model (loom/train/checkpoint.py), which reads only the overlapping chunks too.
+
+What the files say is checked before any model is built (building is what costs time and memory):
+config.json by loom/hf_config.py, the weight map and the safetensors headers by
+loom/models/hf/weight_files.py, then the headers against the config (dtypes, layers, embedding);
+`Pretrained.check` compares every tensor with the model built on the meta device.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,17 +24,31 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from loom.checked import BadFile, Fields, inside, parse_json
 from loom.errors import ConfigError, LoomError
+from loom.hf_config import (
+    MAX_FFN,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    HFConfig,
+    folder_root,
+    read_hf_config,
+)
 from loom.models.gpt.config import GPTConfig
 from loom.models.gpt.config import validate as validate_gpt
-from loom.models.gpt.llama_layout import gpt_from_hf, halves_row, hf_name, rope_heads
+from loom.models.gpt.llama_layout import halves_row, hf_name, rope_heads
 from loom.models.hf.adapter import HF_DECODERS
+from loom.models.hf.weight_files import FLOAT_DTYPES, Stored, folder_tensors, read_header
 
 HF, EXPORT, CHECKPOINT = "hf", "export", "checkpoint"
 _WHAT = ("give a Hugging Face model folder (config.json + *.safetensors), a loom checkpoint "
          "(RUN/checkpoints/step_N) or a loom export (.safetensors)")
 # Tensors some checkpoints carry that are not parameters (recomputed at load).
 _NOT_PARAMETERS = ("rotary_emb.inv_freq",)
+# A decoder layer's tensors, by index: Hugging Face names (model.layers.N.…) and loom's (layers.N.…).
+_HF_LAYER, _LOOM_LAYER = re.compile(r"model\.layers\.(\d+)\."), re.compile(r"layers\.(\d+)\.")
 
 
 @dataclass
@@ -36,8 +56,8 @@ class Pretrained:
     path: Path
     kind: str  # HF | EXPORT | CHECKPOINT
     gpt: GPTConfig | None = None  # loom's GPT, when it expresses the model
-    hf_config: dict | None = None  # a Hugging Face folder's config.json
-    tensors: dict[str, tuple[Path, tuple[int, ...]]] = field(default_factory=dict)  # name -> (file, shape)
+    hf_config: HFConfig | None = None  # a Hugging Face folder's config.json
+    tensors: dict[str, Stored] = field(default_factory=dict)  # name -> (file, dtype, shape)
 
     @property
     def tokenizer(self) -> Path | None:
@@ -50,7 +70,7 @@ class Pretrained:
         return self.path if self.kind == HF else None
 
     def describe(self) -> str:
-        as_what = "loom's GPT" if self.gpt is not None else f"Hugging Face {self.hf_config['model_type']}"
+        as_what = "loom's GPT" if self.gpt is not None else f"Hugging Face {self.hf_config.model_type}"
         return f"{self.path} ({as_what})"
 
     def weights(self) -> SafetensorsSource | None:
@@ -67,9 +87,14 @@ class Pretrained:
         (meta: no memory; the weights are read into each rank's shards after parallelization)."""
         import transformers
 
-        config = transformers.AutoConfig.for_model(**self.hf_config)
-        with torch.device(device):
-            return transformers.AutoModelForCausalLM.from_config(config)
+        try:  # fields loom does not use are transformers' to judge: its refusal is one line too
+            config = transformers.AutoConfig.for_model(**self.hf_config.raw)
+            with torch.device(device):
+                return transformers.AutoModelForCausalLM.from_config(config)
+        except Exception as e:  # noqa: BLE001 - any fault of the config is the same advice
+            said = (str(e).strip().splitlines() or [""])[0][:200]
+            raise LoomError(f"{self.hf_config.source}: transformers cannot build the model from it "
+                            f"({type(e).__name__}: {said}); fix or replace the file") from None
 
     def check(self, model: nn.Module) -> None:
         """Every parameter of `model` (built on meta) has a tensor of its shape in the files, and
@@ -88,7 +113,7 @@ class Pretrained:
             if have != shape:
                 raise LoomError(f"model.init_from {self.path}: tensor {stored} has shape {list(have)}, the "
                                 f"model's {name} needs {list(shape)}; the weights do not match config.json")
-        tied = self.gpt.tie_embeddings if self.gpt is not None else self.hf_config.get("tie_word_embeddings")
+        tied = self.gpt.tie_embeddings if self.gpt is not None else self.hf_config.tie_word_embeddings
         ignored = _NOT_PARAMETERS + (("lm_head.weight",) if tied else ())
         extra = [n for n in self.tensors if n not in wanted and not n.endswith(ignored)]
         if extra:
@@ -97,7 +122,8 @@ class Pretrained:
 
 
 def open_pretrained(given: str) -> Pretrained:
-    """What `model.init_from` names, checked before any rank starts."""
+    """What `model.init_from` names, checked before any rank starts (and before any model is built:
+    the files' headers against the config)."""
     path = Path(given).expanduser()
     if not path.exists():
         raise ConfigError(f"model.init_from = '{given}' does not exist; {_WHAT}")
@@ -111,79 +137,84 @@ def open_pretrained(given: str) -> Pretrained:
 
 
 def _open_hf(path: Path) -> Pretrained:
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path / 'config.json'} is not valid JSON ({e}); fix or replace it") from None
-    kind = config.get("model_type") if isinstance(config, dict) else None
-    if kind not in HF_DECODERS:
-        raise ConfigError(f"model.init_from {path}: architecture {kind!r} (config.json model_type) is not "
-                          f"supported; loom loads {', '.join(HF_DECODERS)} decoders")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size") if not isinstance(config.get(k), int)]
-    if missing:
-        raise ConfigError(f"{path / 'config.json'} lacks {', '.join(missing)}; it is not a decoder's config")
-    gpt, _ = gpt_from_hf(config)
+    root = folder_root(path)  # a Hub cache snapshot's files link into its repository's blobs/
+    config = read_hf_config(inside(path, "config.json", source=path, field="a file", root=root))
+    if config.model_type not in HF_DECODERS:
+        raise ConfigError(f"model.init_from {path}: architecture {config.model_type or None!r} (config.json "
+                          f"model_type) is not supported; loom loads {', '.join(HF_DECODERS)} decoders")
+    tensors = folder_tensors(path, root)
+    _check_files(path, tensors, config.num_hidden_layers, _HF_LAYER,
+                 {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)})
+    gpt, _ = config.gpt()
     if gpt is not None:
         validate_gpt(gpt)
-    return Pretrained(path, HF, gpt=gpt, hf_config=config, tensors=_index(path))
+    return Pretrained(path, HF, gpt=gpt, hf_config=config, tensors=tensors)
 
 
 def _open_export(path: Path) -> Pretrained:
     if path.suffix != ".safetensors":
         raise ConfigError(f"model.init_from = '{path}' is a file but not a .safetensors export; {_WHAT}")
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
+    tensors, metadata = read_header(path)
     if "loom_model" not in metadata:
         raise ConfigError(f"model.init_from {path} is a safetensors file without loom's model config (an "
                           f"export by an older loom, or not loom's); export again with `loom export`, or "
                           f"give its checkpoint or a Hugging Face folder (loom export --layout hf)")
-    try:
-        gpt = GPTConfig(**json.loads(metadata["loom_model"]))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise ConfigError(f"model.init_from {path}: its loom_model metadata is damaged ({e})") from None
+    gpt = _loom_model(metadata["loom_model"], f"{path} (its loom_model metadata)")
+    _check_files(path, tensors, gpt.n_layers, _LOOM_LAYER,
+                 {"tok_embeddings.weight": (gpt.vocab_size, gpt.d_model)})
+    return Pretrained(path, EXPORT, gpt=gpt, tensors=tensors)
+
+
+def _loom_model(text: str, source: str) -> GPTConfig:
+    """The GPTConfig a loom export records, every field typed and in range (one an older loom did
+    not write takes its default)."""
+    doc, default = Fields(parse_json(text, source), source), GPTConfig()
+    known = [f.name for f in dataclasses.fields(GPTConfig)]
+    unknown = [k for k in doc.keys() if k not in known]
+    if unknown:
+        raise BadFile(f"{source}: {unknown[0]!r} is not a field of loom's GPT; export the checkpoint again")
+    sizes = {"vocab_size": MAX_VOCAB, "d_model": MAX_WIDTH, "n_layers": MAX_LAYERS, "n_heads": MAX_WIDTH,
+             "n_kv_heads": MAX_WIDTH, "ffn_hidden": MAX_FFN, "max_seq_len": MAX_POSITIONS}
+    gpt = GPTConfig(**{k: doc.int(k, getattr(default, k), min=1, max=most) for k, most in sizes.items()},
+                    rope_theta=doc.float("rope_theta", default.rope_theta, min=0, min_open=True),
+                    norm_eps=doc.float("norm_eps", default.norm_eps, min=0, min_open=True, max=1),
+                    tie_embeddings=doc.bool("tie_embeddings", default.tie_embeddings))
     validate_gpt(gpt)
-    return Pretrained(path, EXPORT, gpt=gpt, tensors=_shapes(path))
+    return gpt
 
 
-def _index(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Every tensor's file and shape, from the headers alone."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ConfigError(f"{index} is damaged ({type(e).__name__}: {e}); fix or replace it") from None
-        files = sorted({folder / f for f in weight_map.values()})
-        for f in files:
-            if not f.resolve().is_relative_to(folder.resolve()) or not f.is_file():
-                raise ConfigError(f"{index} names {f.name}, which is not a file in {folder}; the download is "
-                                  f"incomplete")
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model.init_from {folder} has no *.safetensors weights (loom reads safetensors "
+def _check_files(path: Path, tensors: dict[str, Stored], n_layers: int, layer: re.Pattern,
+                 shapes: dict[str, tuple[int, ...]]) -> None:
+    """What the headers can say against the config before a model is built (building is what costs
+    time and memory): weights present, floating point, the config's layers and embedding."""
+    if not tensors:
+        raise ConfigError(f"model.init_from {path} has no *.safetensors weights (loom reads safetensors "
                           f"only; convert .bin weights with transformers' save_pretrained)")
-    out: dict[str, tuple[Path, tuple[int, ...]]] = {}
-    for f in files:
-        out.update(_shapes(f))
-    return out
-
-
-def _shapes(file: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return {name: (file, tuple(f.get_slice(name).get_shape())) for name in f.keys()}
-    except Exception as e:  # noqa: BLE001 - any unreadable header is the same advice
-        raise ConfigError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); "
-                          f"download it again") from None
+    for name, stored in tensors.items():
+        if stored.dtype not in FLOAT_DTYPES and not name.endswith(_NOT_PARAMETERS):
+            raise ConfigError(f"model.init_from {path}: tensor {name} in {stored.file.name} is "
+                              f"{stored.dtype}, but a model's weights are floating point "
+                              f"({', '.join(FLOAT_DTYPES)}); the file is not this model's weights")
+    # Layers the files lack would be built for nothing (the cost of building grows with the layer
+    # count); tensors beyond the config's layers are named by check() once the model is built.
+    held = sorted({int(m.group(1)) for name in tensors if (m := layer.match(name))})
+    lacking = sorted(set(range(n_layers)) - set(held))
+    if lacking:
+        what = f"{len(held)} layer(s), numbered {held[0]}–{held[-1]}" if held else "no decoder layer"
+        raise ConfigError(f"model.init_from {path}: its config says {n_layers} layers, but the weights have "
+                          f"no layer {lacking[0]} (they hold {what}); the weights do not match the config")
+    for name, shape in shapes.items():
+        if name in tensors and tensors[name].shape != shape:
+            raise ConfigError(f"model.init_from {path}: tensor {name} has shape "
+                              f"{list(tensors[name].shape)}, the config's vocabulary × width needs "
+                              f"{list(shape)}; the weights do not match the config")
 
 
 class SafetensorsSource:
     """Blocks of tensors stored in safetensors files, by the model's parameter names (the same
     names here). `bytes_read` counts what this process read."""
 
-    def __init__(self, tensors: dict[str, tuple[Path, tuple[int, ...]]], path: Path):
+    def __init__(self, tensors: dict[str, Stored], path: Path):
         self.tensors, self.path = tensors, path
         self.bytes_read = 0
         self._open: dict[Path, object] = {}
@@ -196,7 +227,7 @@ class SafetensorsSource:
         self._open.clear()
 
     def stored_shape(self, name: str) -> tuple[int, ...]:
-        return self.tensors[self.file_name(name)][1]
+        return self.tensors[self.file_name(name)].shape
 
     def read(self, name: str, shape: tuple[int, ...], offset: tuple[int, ...],
              size: tuple[int, ...]) -> torch.Tensor:
@@ -205,7 +236,7 @@ class SafetensorsSource:
     def _read(self, stored: str, shape, offset, size) -> torch.Tensor:
         if stored not in self.tensors:
             raise LoomError(f"model.init_from {self.path} has no tensor {stored}; it holds a different model")
-        file, have = self.tensors[stored]
+        file, have = self.tensors[stored].file, self.tensors[stored].shape
         if tuple(have) != tuple(shape):
             raise LoomError(f"model.init_from {self.path}: tensor {stored} has shape {list(have)}, the model "
                             f"needs {list(shape)}")

@@ -1,15 +1,19 @@
 """`loom analyze`: traces → per-rank ledger → collectives across ranks → findings → table / JSON / HTML.
 
 Works on any torch.profiler Chrome traces (one file per rank), loom's or not. When the traces sit
-in a loom run directory (RUN_DIR/traces), its config, plan and measurements join the analysis.
+in a loom run directory (RUN_DIR/traces), its config, plan and measurements join the analysis:
+each is optional, and one that is there but damaged or of the wrong types is one line naming the
+file and the field (loom.checked), never a traceback or a report built on garbage.
 """
 
 from __future__ import annotations
 
 import json
-import tomllib
+import math
 from pathlib import Path
 
+from loom.checked import Fields, read_json, read_toml
+from loom.files import atomic_write
 from loom.observe.diagnose import diagnose
 from loom.observe.ledger import analyze_dir
 from loom.observe.report import render_report
@@ -21,21 +25,90 @@ def analyze(trace_dir: Path) -> dict:
     analysis["collectives"] = match_collectives(analysis["ranks"])
     analysis["stragglers"] = find_stragglers(analysis["collectives"], analysis["ranks"])
     run_dir = trace_dir.parent if trace_dir.name == "traces" else trace_dir
-    config = _read(run_dir / "config.toml", tomllib.loads)
-    summary = _read(run_dir / "summary.json", json.loads) or {}
+    config = run_config(run_dir / "config.toml")
     analysis["run"] = {"name": run_dir.name, "strategy": (config or {}).get("parallel", {}).get("strategy"),
                        "world_size": len(analysis["ranks"])}
-    analysis["plan"] = _read(run_dir / "plan.json", json.loads)
-    analysis["measured_vs_planned"] = summary.get("measured_vs_planned")
+    analysis["plan"] = run_plan(run_dir / "plan.json")
+    analysis["measured_vs_planned"] = measured_vs_planned(run_dir / "summary.json")
     analysis["findings"] = diagnose(analysis, config)
     return analysis
 
 
-def _read(path: Path, parse):
-    try:
-        return parse(path.read_text())
-    except (OSError, ValueError):
+# -- the run's records: absent is fine (any traces can be analyzed); present, they are typed -------
+
+MAX_RECORD_BYTES = 64 << 20
+
+
+def run_config(path: Path) -> dict | None:
+    """The values of a run's config.toml that the analysis names (diagnose.py's findings)."""
+    if not path.is_file():
         return None
+    doc = Fields(read_toml(path), path)
+    par, data = doc.section("parallel", default={}), doc.section("data", default={})
+    config: dict = {"parallel": {}, "data": {}}
+    if "strategy" in par:
+        config["parallel"]["strategy"] = par.str("strategy", nonempty=True)
+    if "fsdp_prefetch" in par:
+        config["parallel"]["fsdp_prefetch"] = par.int("fsdp_prefetch", min=0, max=1024)
+    if "ddp_bucket_mb" in par:
+        config["parallel"]["ddp_bucket_mb"] = par.float("ddp_bucket_mb", min=0, min_open=True, max=1e6)
+    if "num_workers" in data:
+        config["data"]["num_workers"] = data.int("num_workers", min=0, max=4096)
+    return config
+
+
+def run_plan(path: Path) -> dict | None:
+    """plan.json as written, once the fields the report reads are of their types."""
+    if not path.is_file():
+        return None
+    doc = Fields(read_json(path, max_bytes=MAX_RECORD_BYTES), path)
+    for key in ("label", "strategy"):
+        if key in doc:
+            doc.str(key)
+    for key in ("step_time_s", "comm_payload_bytes_per_step", "comm_bytes_per_step"):
+        _number_or_null(doc, key)
+    if isinstance(doc.raw.get("memory_bytes"), dict):
+        _number_or_null(doc.section("memory_bytes"), "total")
+    else:
+        _number_or_null(doc, "memory_bytes")
+    return doc.raw
+
+
+def measured_vs_planned(path: Path) -> list[dict] | None:
+    """summary.json's measured-vs-planned rows: per rank, [measured, planned] pairs of numbers."""
+    if not path.is_file():
+        return None
+    rows = Fields(read_json(path, max_bytes=MAX_RECORD_BYTES), path).list("measured_vs_planned", default=None)
+    for i, raw in enumerate(rows or []):
+        row = Fields(raw, path, f"measured_vs_planned[{i}]")
+        for key in row.keys():
+            if key == "rank":
+                row.int(key, min=0)
+            elif key == "comm_by_kind":
+                kinds = row.section(key)
+                for kind in kinds.keys():
+                    per_kind = kinds.section(kind)
+                    for part in per_kind.keys():
+                        _pair(per_kind, part)
+            else:
+                _pair(row, key)
+    return rows
+
+
+def _number_or_null(doc: Fields, key: str) -> None:
+    if doc.raw.get(key) is not None:
+        doc.float(key, min=0)
+
+
+def _pair(doc: Fields, key: str) -> None:
+    """[measured, planned]: two finite numbers, either one null (not measured, not planned)."""
+    pair = doc.list(key)
+    if len(pair) != 2:
+        raise doc.error(key, "a [measured, planned] pair", pair)
+    for value in pair:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            raise doc.error(key, "a [measured, planned] pair of finite numbers (or null)", pair)
 
 
 def render_table(analysis: dict) -> str:
@@ -73,5 +146,5 @@ def render_table(analysis: dict) -> str:
 def write_outputs(analysis: dict, out_dir: Path) -> tuple[Path, Path]:
     """ledger.json and report.html beside the traces' run."""
     ledger = out_dir / "ledger.json"
-    ledger.write_text(json.dumps(analysis, indent=1))
+    atomic_write(ledger, json.dumps(analysis, indent=1).encode())  # replaces a planted link, never follows it
     return ledger, render_report(analysis, out_dir / "report.html")

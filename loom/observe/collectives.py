@@ -87,6 +87,15 @@ def _nbytes(x: Any) -> int:
     return 0
 
 
+def _dtype(x: Any) -> str | None:
+    """The element type a collective carries (the first tensor's: one op moves one dtype)."""
+    if isinstance(x, torch.Tensor):
+        return str(x.dtype).removeprefix("torch.")
+    if isinstance(x, (list, tuple)) and x:
+        return _dtype(x[0])
+    return None
+
+
 def _group_size(group: Any) -> int:
     if isinstance(group, str):  # functional collectives name their group
         group = _resolve_process_group(group)
@@ -99,8 +108,9 @@ class CollectiveCounter(TorchDispatchMode):
     """Records every collective issued inside `with CollectiveCounter() as comm:` on this rank.
 
     `comm.records`: one dict per collective (kind, group_size, payload_bytes, modelled_wire_bytes,
-    op); `comm.summary()`: count and payload bytes in all and per kind (observed), with the ring
-    model's wire bytes beside them (modelled). Payload conventions: the module's docstring.
+    op, dtype: what it carries, "float32" for gradients reduced in fp32); `comm.summary()`: count
+    and payload bytes in all and per kind (observed), with the ring model's wire bytes beside them
+    (modelled). Payload conventions: the module's docstring.
     """
 
     def __init__(self) -> None:
@@ -131,7 +141,8 @@ class CollectiveCounter(TorchDispatchMode):
         for k, tensors in ops:
             payload = _nbytes(tensors) * (n if per_rank else 1)
             self.records.append({"kind": k, "group_size": n, "payload_bytes": payload,
-                                 "modelled_wire_bytes": ring_sent_bytes(k, payload, n), "op": func.name()})
+                                 "modelled_wire_bytes": ring_sent_bytes(k, payload, n), "op": func.name(),
+                                 "dtype": _dtype(tensors)})
 
     def summary(self) -> dict:
         """{"count", "payload_bytes", "modelled_wire_bytes", "by_kind": {kind: the same three}}."""

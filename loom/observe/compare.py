@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 from loom.errors import LoomError
+from loom.files import atomic_write
 from loom.observe.analyze import analyze
 from loom.observe.ledger import PHASES, TOP_OPS, collective_kind
 from loom.observe.report import _CSS, _e, _section, _table, size_text
@@ -429,8 +430,7 @@ def render_compare_html(result: dict) -> str:
 
 def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
     """compare.json and compare.html in `out_dir`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     js, page = out_dir / "compare.json", out_dir / "compare.html"
-    js.write_text(json.dumps(result, indent=1))
-    page.write_text(render_compare_html(result), encoding="utf-8")
+    atomic_write(js, json.dumps(result, indent=1).encode())  # a planted link is replaced, never followed
+    atomic_write(page, render_compare_html(result).encode("utf-8"))
     return js, page

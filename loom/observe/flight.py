@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from loom.errors import LoomError
+from loom.files import atomic_write
 
 DIR = "flight_recorder"
 _REQUEST = "loom/flight_recorder/dump"
@@ -35,14 +36,10 @@ def enable(run_dir: Path | None) -> None:
 
 
 def _dump(run_dir: Path, rank: int) -> Path:
-    out = run_dir / DIR
-    out.mkdir(parents=True, exist_ok=True)
     text = torch._C._distributed_c10d._dump_fr_trace_json(True, True)
-    text = text.decode() if isinstance(text, bytes) else text
-    path = out / f"rank{rank}.json"
-    tmp = out / f".rank{rank}.json.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    path = run_dir / DIR / f"rank{rank}.json"
+    # never through a link planted in the run directory (at the file, or as flight_recorder/ itself)
+    atomic_write(path, text if isinstance(text, bytes) else text.encode(), inside=run_dir)
     return path
 
 

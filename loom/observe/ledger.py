@@ -15,6 +15,12 @@ exposed communication, IO and idle, so the four add up to the step's wall time:
 
 Only interval arrays per thread and class are kept while a trace streams by (not its events),
 so a rank's 100 MB trace costs tens of MB. `analyze_dir` runs one process per trace.
+
+Events of a kind the ledger does not use (metadata, instants, flows) are skipped. A complete
+event (`ph` X) whose fields the ledger reads have the wrong type or range — `ts`/`dur` not finite
+µs ≥ 0, `pid`/`tid` not an id, `args` not a mapping, a collective's sizes not counts — makes the
+trace damaged (`BadTrace`): one line naming the file and the event's index, never a partial
+ledger built around it.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from loom.errors import LoomError
-from loom.observe.trace_events import TraceStream, find_traces
+from loom.observe.trace_events import MAX_NS, BadTrace, TraceStream, distributed_info, find_traces
 
 # Interval classes kept per CPU thread.
 IO, COMM, CPU, WORK, SYNC = "io", "comm", "cpu", "work", "sync"
@@ -66,6 +72,22 @@ _DTYPE_BYTES = {
     "float8_e5m2": 1,
 }
 TOP_OPS = 20
+_MAX_US = MAX_NS // 1000 - 1  # an event's ts and dur (µs): each below MAX_NS ns once rounded
+_NUMBER = (int, float)  # checked with type(), so a bool is not a time
+_ID = (int, str, type(None))  # pid, tid (absent: None)
+# What a collective's args must hold, where they are present (counts are ints ≥ 0).
+_COUNT_ARGS = ("In msg nelems", "Out msg nelems", "Group size", "Seq", "seq")
+_TEXT_ARGS = ("Collective name", "dtype", "Process Group Name")
+_LIST_ARGS = ("Input Dims", "Input type")
+
+
+class BadEvent(Exception):
+    """An event the ledger reads is malformed (the caller names the file and the index)."""
+
+
+def _bad(key: str, must: str, value) -> BadEvent:
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:39] + "…"
+    return BadEvent(f"{key} must be {must}, got {shown} ({type(value).__name__})")
 
 
 def collective_kind(name: str | None) -> str | None:
@@ -153,18 +175,20 @@ class _Collector:
     def add(self, ev: dict) -> None:
         if ev.get("ph") != "X":
             return
-        try:
-            start = round(ev["ts"] * 1000)
-            end = start + round((ev.get("dur") or 0) * 1000)
-        except (KeyError, TypeError):
-            return
-        name, cat = ev.get("name") or "", ev.get("cat") or ""
+        ts, dur, name, cat = ev.get("ts"), ev.get("dur"), ev.get("name", ""), ev.get("cat", "")
+        pid, tid, args = ev.get("pid"), ev.get("tid"), ev.get("args")
+        if (type(ts) not in _NUMBER or not 0 <= ts <= _MAX_US or type(dur) not in _NUMBER
+                or not 0 <= dur <= _MAX_US or type(name) is not str or type(cat) is not str
+                or type(pid) not in _ID or type(tid) not in _ID or type(args) not in (dict, type(None))):
+            raise _malformed(ev)
+        start = round(ts * 1000)
+        end = start + round(dur * 1000)
         if cat in _GPU_CATS:
             self._gpu(ev, name, cat, start, end)
             return
         if cat == "gpu_user_annotation" or cat == "Trace":
             return
-        thread = (ev.get("pid"), ev.get("tid"))
+        thread = (pid, tid)
         if name.startswith("ProfilerStep#"):
             try:
                 self.steps.append((thread, int(name[13:]), start, end))
@@ -185,9 +209,7 @@ class _Collector:
                 a.append(start)
                 a.append(end)
             if COMM in classes or WORK in classes:
-                args = ev.get("args") or {}
-                self.comm.append(_CommEvent(thread, start, end, name,
-                                            {k: args[k] for k in _COMM_ARGS if k in args}, WORK in classes))
+                self.comm.append(_CommEvent(thread, start, end, name, _comm_args(args), WORK in classes))
         if cat == "cpu_op":
             _tally(self.cpu_ops, name, end - start)
 
@@ -198,15 +220,46 @@ class _Collector:
             return
         nccl = "nccl" in name.lower()
         args = ev.get("args") or {}
-        occ = args.get("est. achieved occupancy %")
+        occ = args.get("est. achieved occupancy %", math.nan)
+        if type(occ) not in _NUMBER or not (math.isnan(occ) or 0 <= occ <= 100):
+            raise _bad("args.est. achieved occupancy %", "a percentage", occ)
         self.k_start.append(start)
         self.k_end.append(end)
         self.k_nccl.append(nccl)
-        self.k_occ.append(float(occ) if isinstance(occ, (int, float)) else math.nan)
+        self.k_occ.append(float(occ))
         _tally(self.kernel_ops, name, end - start)
         if nccl:
-            self.comm.append(_CommEvent((ev.get("pid"), ev.get("tid")), start, end, name,
-                                        {k: args[k] for k in _COMM_ARGS if k in args}, True))
+            self.comm.append(_CommEvent((ev.get("pid"), ev.get("tid")), start, end, name, _comm_args(args),
+                                        True))
+
+
+def _malformed(ev: dict) -> BadEvent:
+    """What is wrong with a complete event that failed the collector's check, field by field."""
+    for key in ("ts", "dur"):
+        if key not in ev:
+            return BadEvent(f"{key} is missing; a complete event (ph X) has one")
+        if type(ev[key]) not in _NUMBER or not 0 <= ev[key] <= _MAX_US:
+            return _bad(key, f"a finite number of µs in [0, {_MAX_US:.3g}]", ev[key])
+    for key in ("name", "cat"):
+        if type(ev.get(key, "")) is not str:
+            return _bad(key, "a string", ev[key])
+    for key in ("pid", "tid"):
+        if type(ev.get(key)) not in _ID:
+            return _bad(key, "an integer or a string", ev[key])
+    return _bad("args", "a mapping", ev.get("args"))
+
+
+def _comm_args(args: dict | None) -> dict:
+    """The args of a collective's event that the ledger reads, each of the type it needs."""
+    kept = {k: args[k] for k in _COMM_ARGS if k in args} if args else {}
+    for key, value in kept.items():
+        if key in _COUNT_ARGS and (type(value) is not int or value < 0):
+            raise _bad(f"args.{key}", "a count (an integer ≥ 0)", value)
+        if key in _TEXT_ARGS and type(value) not in (str, int):
+            raise _bad(f"args.{key}", "a string", value)
+        if key in _LIST_ARGS and type(value) is not list:
+            raise _bad(f"args.{key}", "a list", value)
+    return kept
 
 
 def _tally(table: dict, name: str, ns: int) -> None:
@@ -427,10 +480,7 @@ def rank_ledger(events: Iterable[dict], rank: int | None = None, *, base_ns: int
     Returns {"rank", "kind", "trace", "warnings", "steps", "collectives", "top_ops"}; times in
     steps are ms, `*_us` are absolute µs (comparable across ranks).
     """
-    col = _Collector()
-    add = col.add
-    for ev in events:
-        add(ev)
+    col = _collect(events, str(events.path) if isinstance(events, TraceStream) else trace or "trace")
     warnings: list[str] = []
     if isinstance(events, TraceStream):
         base_ns = events.base_ns if base_ns is None else base_ns
@@ -440,9 +490,22 @@ def rank_ledger(events: Iterable[dict], rank: int | None = None, *, base_ns: int
     return _ledger(col, rank, base_ns or 0, trace, header or {}, warnings)
 
 
+def _collect(events: Iterable[dict], source: str) -> _Collector:
+    """One pass over the events; a malformed one is the trace's damage, named by its index."""
+    col = _Collector()
+    add, index = col.add, -1
+    try:
+        for index, ev in enumerate(events):
+            add(ev)
+    except BadEvent as e:
+        raise BadTrace(f"{source}: traceEvents[{index}] {e}; the trace is damaged: profile the run again "
+                       "or remove the file") from None
+    return col
+
+
 def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warnings: list[str]) -> dict:
     gpu = len(col.k_start) > 0
-    info = header.get("distributedInfo") if isinstance(header.get("distributedInfo"), dict) else {}
+    info = distributed_info(header, trace or "trace")
     world = info.get("world_size") if (info.get("pg_count") or 1) <= 1 else None
     label = f"rank {rank}" if rank is not None else (trace or "trace")
 
@@ -596,18 +659,19 @@ def _shares(wall: int, compute: int, exposed: int, io: int, idle: int) -> dict:
 def analyze_file(path: str, rank: int | None = None) -> dict:
     """One trace file's ledger (rank: for messages; the file's own distributedInfo otherwise)."""
     stream = TraceStream(path)
-    col = _Collector()
-    for ev in stream:
-        col.add(ev)
+    col = _collect(stream, str(path))
     rank = rank if rank is not None else stream.distributed_rank
     ledger = _ledger(col, rank, stream.base_ns, str(path), stream.header, list(stream.warnings))
     ledger["_distributed_rank"] = stream.distributed_rank
     return ledger
 
 
-def _analyze_safely(path: str, rank: int | None) -> dict | str:
+def _analyze_safely(path: str, rank: int | None) -> dict | str | BadTrace:
+    """The ledger; the message of a file that is no trace (skipped); a damaged trace's error."""
     try:
         return analyze_file(path, rank)
+    except BadTrace as e:
+        return e
     except LoomError as e:
         return str(e)
 
@@ -623,8 +687,8 @@ def analyze_dir(path, workers: int | None = None) -> dict:
 
     Ranks come from the file name (rank0, rank_1, rank-2), else the trace's distributedInfo,
     else file order; several traces of one rank are merged in time order. Files that are not
-    traces are skipped with a warning, unless none is one. Several files: one process each
-    (`workers`, default one per core).
+    traces are skipped with a warning, unless none is one; a damaged trace is refused (BadTrace).
+    Several files: one process each (`workers`, default one per core).
     """
     files = find_traces(path)
     jobs = [(str(f.path), f.name_rank) for f in files]
@@ -638,6 +702,9 @@ def analyze_dir(path, workers: int | None = None) -> dict:
             results = None
     if results is None:
         results = [_analyze_safely(p, r) for p, r in jobs]
+    for r in results:
+        if isinstance(r, BadTrace):  # a damaged trace is refused, not analyzed around
+            raise r
     errors = [r for r in results if isinstance(r, str)]
     if len(errors) == len(results):
         raise LoomError(errors[0] if len(errors) == 1 else

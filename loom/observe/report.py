@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from loom.files import atomic_write
+
 # The ledger's four parts, in bar order: (key, label, fill, text color on the fill).
 LEDGER_PARTS: tuple[tuple[str, str, str, str], ...] = (
     ("compute", "compute", "#4c78a8", "#ffffff"),
@@ -697,6 +699,5 @@ def render_html(analysis: dict) -> str:
 def render_report(analysis: dict, out_path: Path) -> Path:
     """Write the step-ledger report for `analysis` to `out_path` as one self-contained HTML file."""
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(render_html(analysis), encoding="utf-8")
+    atomic_write(out_path, render_html(analysis).encode("utf-8"))  # replaces a planted link, never follows it
     return out_path

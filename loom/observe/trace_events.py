@@ -7,7 +7,10 @@ memory stays at one chunk plus what the consumer keeps. The top-level keys aroun
 
 Event `ts` are µs relative to `baseTimeNanoseconds` (Kineto's wall-clock base), so
 `TraceStream.absolute_us(ts)` lines different ranks' traces up. A file cut short (a run killed
-while writing) yields the events before the cut and records a warning instead of failing.
+while writing) yields the events before the cut and records a warning instead of failing. A
+trace is machine-written, so anything else wrong once its events have begun — bytes that are not
+UTF-8, something other than an event between events, a damaged event followed by more trace, a
+header value of the wrong type — is damage: `BadTrace`, one line naming the file (and the event).
 """
 
 from __future__ import annotations
@@ -20,14 +23,33 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from loom.checked import BadFile, Fields
 from loom.errors import LoomError
 
 CHUNK_CHARS = 1 << 20  # text read per refill
 MAX_VALUE_CHARS = 64 << 20  # one JSON value (an event, a header entry) larger than this is malformed
+# An event that does not decode with this much text after it is damaged, not cut by the file's end
+# (events are well under a KB; a cut one is at the end).
+DAMAGE_CHARS = 1 << 20
+MAX_NS = 1 << 62  # ns (a base, an event's start, its duration): 146 years; start + duration fits int64
 _SKIP = re.compile(r"[\s,]*")  # whitespace and the commas between array items / object members
 _WS = re.compile(r"\s*")
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _DIGITS = re.compile(r"(\d+)")
+
+
+class BadTrace(LoomError):
+    """A trace whose events had begun is damaged: refused, not skipped as a file that is no trace."""
+
+
+def distributed_info(header: dict, source: str | Path) -> dict:
+    """`distributedInfo`'s rank, world_size and pg_count (those present), type-checked."""
+    try:
+        info = Fields(header.get("distributedInfo", {}), source, "distributedInfo")
+        return {k: info.int(k, min=low) for k, low in (("rank", 0), ("world_size", 1), ("pg_count", 0))
+                if k in info}
+    except BadFile as e:
+        raise BadTrace(f"{e}; the trace's header is damaged") from None
 
 
 @dataclass
@@ -90,7 +112,10 @@ class TraceStream:
     # -- header values -------------------------------------------------------------------
     @property
     def base_ns(self) -> int:
-        return int(self.header.get("baseTimeNanoseconds") or 0)
+        try:
+            return Fields(self.header, self.path).int("baseTimeNanoseconds", default=0, min=0, max=MAX_NS)
+        except BadFile as e:
+            raise BadTrace(f"{e}; the trace's header is damaged") from None
 
     def absolute_us(self, ts: float) -> float:
         """`ts` (µs relative to the trace's base) as µs since the epoch, comparable across ranks."""
@@ -98,23 +123,20 @@ class TraceStream:
 
     @property
     def distributed_rank(self) -> int | None:
-        info = self.header.get("distributedInfo")
-        rank = info.get("rank") if isinstance(info, dict) else None
-        return rank if isinstance(rank, int) else None
+        return distributed_info(self.header, self.path).get("rank")
 
     # -- streaming -----------------------------------------------------------------------
-    def _open(self):
-        if self.path.name.endswith(".gz"):
-            return _GzipText(self.path)
-        return open(self.path, encoding="utf-8", errors="replace")
-
     def __iter__(self) -> Iterator[dict]:
         try:
-            with self._open() as f:
+            with _Text(self.path, gz=self.path.name.endswith(".gz")) as f:
                 yield from self._events(f)
         except EOFError as e:  # gzip stream cut short
             self._truncated(str(e))
+        except _NotUTF8 as e:
+            self._damaged(f"byte {e.offset:,} is not UTF-8 text (after {self.count} events)")
         except zlib.error as e:
+            if self._events_started:
+                self._damaged(f"its gzip stream is corrupt after {self.count} events ({e})")
             raise LoomError(f"{self.path} is not a gzip file ({e}): rename it to .json if it is plain "
                             "JSON, or give a torch.profiler trace") from None
         except OSError as e:
@@ -155,6 +177,8 @@ class TraceStream:
             key = self._value()
             if key is _TRUNCATED:
                 return
+            if not isinstance(key, str):
+                self._malformed(f"a top-level key is {type(key).__name__}, not a string")
             if self._peek(_WS) != ":":
                 if self._eof and self._i >= len(self._buf):
                     self._truncated("file ends after a key")
@@ -189,8 +213,7 @@ class TraceStream:
                 return
             if i < len(buf) and buf[i] != "{":
                 self._i = i
-                self._truncated(f"unreadable data {buf[i:i + 20]!r} where an event should start")
-                return
+                self._malformed(f"{buf[i:i + 20]!r} where event {self.count} should start")
             if i < len(buf):
                 try:
                     ev, j = decode(buf, i)
@@ -199,14 +222,17 @@ class TraceStream:
                         self.count += 1
                         yield ev
                         continue
-                except json.JSONDecodeError:
-                    pass
+                except json.JSONDecodeError as e:
+                    if len(buf) - e.pos > DAMAGE_CHARS:
+                        self._malformed(f"event {self.count} is not valid JSON ({e.msg})")
+                except (RecursionError, ValueError) as e:  # absurd nesting; an integer too long to read
+                    self._malformed(f"event {self.count} is not JSON loom can read ({type(e).__name__})")
             self._i = i
             if self._eof:
                 self._truncated("file ends inside traceEvents" if i >= len(buf) else "last event cut")
                 return
             if len(buf) - i > MAX_VALUE_CHARS:
-                self._malformed("an event over 64 MB: not a trace event")
+                self._malformed(f"event {self.count} is over 64 MB: not a trace event")
             self._fill()
 
     def _value(self):
@@ -223,6 +249,8 @@ class TraceStream:
                 if self._eof:
                     self._truncated(e.msg)
                     return _TRUNCATED
+            except (RecursionError, ValueError) as e:
+                self._malformed(f"a top-level value is not JSON loom can read ({type(e).__name__})")
             if len(buf) - i > MAX_VALUE_CHARS:
                 self._malformed("a top-level value over 64 MB")
             self._fill()
@@ -245,45 +273,72 @@ class TraceStream:
             self._eof = True
 
     def _malformed(self, what: str) -> None:
-        raise LoomError(f"{self.path} is not a valid Chrome trace: {what} (after {self.count} events)")
+        if self._events_started:
+            self._damaged(what)
+        raise LoomError(f"{self.path} is not a valid Chrome trace: {what}")
+
+    def _damaged(self, what: str) -> None:
+        if not self._events_started:
+            raise LoomError(f"{self.path} is not a torch.profiler trace: {what}")
+        raise BadTrace(f"{self.path} is a damaged trace: {what}; profile the run again or remove the file")
 
 
 _TRUNCATED = object()
 
 
-class _GzipText:
-    """Text from a gzip file, incrementally: a cut stream yields everything before the cut, then
-    EOFError (gzip.open would lose its last buffered block)."""
+class _NotUTF8(Exception):
+    def __init__(self, offset: int):
+        self.offset = offset
 
-    def __init__(self, path: Path):
+
+class _Text:
+    """A file's text read incrementally as strict UTF-8, gzip decompressed on the way. A cut gzip
+    stream yields everything before the cut, then EOFError (gzip.open would lose its last buffered
+    block); a character cut by the end of a file is dropped, so the JSON before it reads as cut."""
+
+    def __init__(self, path: Path, gz: bool):
         self._f = open(path, "rb")  # noqa: SIM115 - closed by __exit__
-        self._z = zlib.decompressobj(wbits=31)
-        self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._z = zlib.decompressobj(wbits=31) if gz else None
+        self._text = codecs.getincrementaldecoder("utf-8")()
         self._cut = False
+        self._bytes = 0  # bytes of text handed to the decoder so far
+        self._bad: int | None = None  # the offset of a byte that is not UTF-8, once reached
 
     def read(self, n: int) -> str:
         out: list[str] = []
         size = 0
         while size < n:
-            if self._cut:
-                if out:
-                    break  # hand over what came before the cut; the next read raises
+            if self._cut or self._bad is not None:
+                if size:
+                    break  # hand over what came before the cut or the bad byte; the next read raises
+                if self._bad is not None:
+                    raise _NotUTF8(self._bad)
                 raise EOFError("compressed stream ends early")
             raw = self._f.read(1 << 16)
             if not raw:
-                self._cut = not self._z.eof
+                self._cut = self._z is not None and not self._z.eof
                 if not self._cut:
                     break
                 continue
-            data = self._z.decompress(raw)
-            while self._z.eof and self._z.unused_data:  # concatenated gzip members
-                rest = self._z.unused_data
-                self._z = zlib.decompressobj(wbits=31)
-                data += self._z.decompress(rest)
-            text = self._text.decode(data)
+            data = self._inflate(raw) if self._z is not None else raw
+            pending = self._text.getstate()[0]
+            try:
+                text = self._text.decode(data)
+            except UnicodeDecodeError as e:  # the text before it is read first, as a cut is
+                self._bad = self._bytes - len(pending) + e.start
+                text = (pending + data)[:e.start].decode("utf-8")
+            self._bytes += len(data)
             out.append(text)
             size += len(text)
         return "".join(out)
+
+    def _inflate(self, raw: bytes) -> bytes:
+        data = self._z.decompress(raw)
+        while self._z.eof and self._z.unused_data:  # concatenated gzip members
+            rest = self._z.unused_data
+            self._z = zlib.decompressobj(wbits=31)
+            data += self._z.decompress(rest)
+        return data
 
     def __enter__(self):
         return self

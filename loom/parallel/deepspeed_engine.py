@@ -4,7 +4,8 @@ and (stage 3) the parameters offloaded to host memory or NVMe, run by loom's own
 loom derives DeepSpeed's config from its own keys (`deepspeed_config`): the ZeRO stage from the
 strategy table, offload from `parallel.offload_optimizer` / `offload_params` / `nvme_path`,
 buckets from `parallel.ddp_bucket_mb`, accumulation, clipping and precision from `[train]`; a
-user's JSON (`parallel.deepspeed_config`) is merged over it. The optimizer is loom's AdamW (its
+user's JSON (`parallel.deepspeed_config`) is merged over it, and may not set any of those
+(`loom.config.DEEPSPEED_DERIVED`). The optimizer is loom's AdamW (its
 weight-decay groups and LR schedule; DeepSpeed's CPU Adam when the optimizer is offloaded), so
 both engines train the same model the same way.
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import json
 import math
 import os
 import sys
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from loom import heap, strategies
-from loom.config import Config
+from loom.config import Config, read_deepspeed_json
 from loom.parallel.adapter import ModelAdapter
 from loom.parallel.mesh import Dist
 from loom.parallel.weights import WeightSource, plain_name, read_flat
@@ -62,8 +62,8 @@ def deepspeed_config(cfg: Config, micro_batch: int, swap_dir: Path | None = None
         "steps_per_print": 2**31 - 1,  # loom prints progress itself
         "wall_clock_breakdown": False,
     }
-    if p.deepspeed_config:
-        ds = _merged(ds, json.loads(Path(p.deepspeed_config).read_text()))
+    if p.deepspeed_config:  # checked: none of the keys loom derives, DeepSpeed's own types
+        ds = _merged(ds, read_deepspeed_json(p))
     return ds
 
 
@@ -328,7 +328,7 @@ def ops_to_build(ds: dict) -> list[str]:
     a minute or more on a small machine, which would look like a hang)."""
     zero = ds["zero_optimization"]
     offloads = [zero.get(k, {}).get("device") for k in ("offload_optimizer", "offload_param")]
-    needed = ["cpu_adam"] if zero.get("offload_optimizer") else []
+    needed = ["cpu_adam"] if offloads[0] not in (None, "none") else []
     needed += ["async_io"] if "nvme" in offloads else []
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     return [op for op in needed if not any(root.glob(f"*/{op}/*.so"))]

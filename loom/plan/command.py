@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
-from loom.config import Config, load_config, resolve_dims, shape_overrides, to_toml, validate
+from loom.config import (
+    Config,
+    ParallelDims,
+    load_config,
+    pipeline_microbatches,
+    shape_overrides,
+    to_toml,
+    validate,
+)
 from loom.errors import ConfigError
 from loom.files import atomic_write
+from loom.hf_config import read_hf_config
 from loom.models.gpt.config import preset
 from loom.plan import device
 from loom.plan.candidate import Workload
@@ -73,22 +83,28 @@ def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
 
 def model_seq_len(cfg, model: str | None) -> int:
     """The longest sequence the model was built for: a preset's max_seq_len or a config.json's
-    max_position_embeddings."""
+    max_position_embeddings (the config's data.seq_len when the file does not say)."""
     path = Path(model) if model and model.endswith(".json") else None
     if path is None and model is None and cfg.model.init_from:
         path = Path(cfg.model.init_from).expanduser() / "config.json"
     if path is not None:
-        raw = json.loads(path.read_text())
-        value = raw.get("max_position_embeddings")
-        return value if isinstance(value, int) and value > 0 else cfg.data.seq_len
+        return read_hf_config(path).max_position_embeddings or cfg.data.seq_len
     return preset(model or cfg.model.preset).max_seq_len
+
+
+MAX_PER_NODE = 1024  # devices (ranks) on one node
+MAX_NODES = 65536
 
 
 def cluster_of(args, cfg) -> Cluster:
     """The catalog GPU named by --gpu, or this machine as `loom plan --calibrate` measured it."""
-    for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--nodes", args.nodes)):
+    for flag, value, most in (("--gpus-per-node", args.gpus_per_node, MAX_PER_NODE),
+                              ("--nodes", args.nodes, MAX_NODES)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value} must be ≥ 1")
+        if value is not None and value > most:
+            raise ConfigError(f"{flag} {value} is more than loom plans for (at most {most:,}); "
+                              f"give the cluster's real size")
     nodes = args.nodes or 1
     if args.gpu != "local":
         return with_overrides(Cluster(lookup(args.gpu), args.gpus_per_node or 8, nodes), args.hw)
@@ -109,6 +125,17 @@ def local_cluster(profile: device.DeviceProfile, ranks: int, nodes: int = 1) -> 
     return Cluster(gpu, ranks, nodes, profile=profile)
 
 
+def checked_config(cfg: Config, cluster: Cluster) -> ParallelDims:
+    """The config's combinations, checked as `loom train` checks them (config.validate; load_config
+    checked each value) for this cluster, except that its batch need not divide: the search prices
+    only the layouts that divide it, or the plan's own workload. Returns the config's own degrees."""
+    # a batch every layout of this world divides (dp divides the world size)
+    per = cluster.world_size * cfg.train.grad_accum * pipeline_microbatches(cfg.parallel)
+    dividing = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=per))
+    cuda = cluster.profile is None or cluster.profile.device == "cuda"
+    return validate(dividing, cluster.world_size, cuda_available=cuda, this_machine=False)
+
+
 def run(args) -> tuple[Config, Plan, str | None]:
     """Search and print (and --emit); returns (config, plan, model) for `loom plan --trace`, which
     the CLI runs from loom/train/trace.py (it needs torch and the training code)."""
@@ -119,12 +146,12 @@ def run(args) -> tuple[Config, Plan, str | None]:
     if args.recipe not in RECIPES:
         raise ConfigError(f"--recipe {args.recipe!r} is not one of {', '.join(RECIPES)}")
     cluster = cluster_of(args, cfg)
+    dims = checked_config(cfg, cluster)
     shape = model_shape(cfg, model, args.params)
     local = cluster.profile is not None
     # GPUs train in 16-bit; this machine trains in the config's precision
     precision = "bf16" if cfg.train.precision == "fp32" and not local else cfg.train.precision
     workload, origin = workload_of(args, cfg, shape, model, cluster.world_size, precision)
-    dims = resolve_dims(cfg.parallel, cluster.world_size)  # the config's own degrees must divide
     plan = search(workload, cluster)
     plan.workload_origin = origin
     yours = None  # the config's own layout, priced on its own batch (not on an assumed workload)
@@ -144,19 +171,33 @@ def run(args) -> tuple[Config, Plan, str | None]:
                   f"{yours['grad_accum']}): {yours['memory_bytes']['total'] / 1e9:.1f} GB per GPU, "
                   f"{yours['tokens_per_s']:,.0f} tokens/s, {verdict}")
     if args.emit:
-        emit_all(args.emit, cfg, plan, cluster, shape, model, quiet=args.format == "json")
+        emit_all(args.emit, cfg, plan, cluster, shape, model, quiet=args.format == "json",
+                 overwrite=getattr(args, "overwrite", False))
     return cfg, plan, model
 
 
 def emit_all(target: str, cfg, plan: Plan, cluster: Cluster, shape: ModelShape, model: str | None,
-             quiet: bool) -> None:
+             quiet: bool, overwrite: bool = False) -> None:
     """The recommendation to TARGET, and every other recommendable candidate (the best of each
-    distinct layout that fits and loom runs, both engines) beside it as TARGET-STEM.N.toml."""
+    distinct layout that fits and loom runs, both engines) beside it as TARGET-STEM.N.toml.
+    An existing file is replaced only under `overwrite`, which also removes the alternatives an
+    earlier --emit wrote beside TARGET, so that none of another plan is left among these."""
     target = Path(target)
     best = plan.candidates[plan.recommended]
     suffix = target.suffix or ".toml"
     chosen = [(target, best)] + [(target.with_name(f"{target.stem}.{i}{suffix}"), plan.candidates[i])
                                  for i in plan.recommendable if i != plan.recommended]
+    existing = [path for path, _ in chosen if path.exists() or path.is_symlink()]
+    if any(path.is_dir() for path in existing):
+        raise ConfigError(f"--emit {target}: {next(p for p in existing if p.is_dir())} is a folder; --emit "
+                          f"names the TOML file to write, e.g. --emit {target / 'run.toml'}")
+    if existing and not overwrite:
+        raise ConfigError(f"--emit {target}: {existing[0]} already exists; pass --overwrite to replace it "
+                          f"(and its alternatives {target.stem}.N{suffix}), or --emit a new file name")
+    if overwrite:
+        for old in target.parent.glob(f"{target.stem}.*{suffix}"):
+            if old.name[len(target.stem) + 1:-len(suffix)].isdigit() and _emitted_by_loom(old):
+                old.unlink()
     for path, record in chosen:
         emitted = emit_config(cfg, record)
         if shape.known and model is not None and not model.endswith(".json"):
@@ -170,3 +211,12 @@ def emit_all(target: str, cfg, plan: Plan, cluster: Cluster, shape: ModelShape, 
     if not quiet:
         others = f" and {len(chosen) - 1} alternatives ({chosen[1][0].name} …)" if len(chosen) > 1 else ""
         print(f"wrote {target}{others}")
+
+
+def _emitted_by_loom(path: Path) -> bool:
+    """Whether `path` is a plain file an earlier --emit wrote (its first line is emit's header)."""
+    try:
+        with open(path, "rb") as f:
+            return not path.is_symlink() and f.read(13) == b"# loom plan: "
+    except OSError:
+        return False

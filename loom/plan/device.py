@@ -3,7 +3,8 @@ time model makes in it (pure Python; measuring is loom/observe/calibrate.py).
 
 The profile holds, per number of ranks running at once on the node, rates over grids of shapes;
 a lookup interpolates in log space between grid points and clamps at the grid's edges. It lives in
-~/.cache/loom/device.json (LOOM_DEVICE_PROFILE names another file).
+~/.cache/loom/device.json (LOOM_DEVICE_PROFILE names another file); `load` takes every value
+through loom.checked, so a damaged or hand-edited profile is one line naming the field.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from loom.checked import BadFile, Fields, read_json
 from loom.errors import ConfigError
 from loom.files import atomic_write
 
@@ -115,10 +117,19 @@ def default_path() -> Path:
 
 
 def save(profile: DeviceProfile, path: Path | None = None) -> Path:
+    """Write the profile, checked as `load` reads it: a measurement gone wrong (a rate of 0 or NaN)
+    is refused before it replaces the profile already there."""
     path = path or default_path()
+    checked_profile(asdict(profile), "the measured profile")
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(asdict(profile), indent=1).encode())
     return path
+
+
+MAX_PROFILE_BYTES = 16 << 20  # a measured profile is tens of KB
+MAX_RANKS = 4096  # ranks on one node that a profile may describe
+MAX_RATE = 1e30  # FLOP/s or bytes/s: far above any device, and finite through every product
+MAX_SIZE = 1 << 40  # a grid point's size (tokens, elements, bytes)
 
 
 def load(path: Path | None = None, required: bool = True) -> DeviceProfile | None:
@@ -129,10 +140,71 @@ def load(path: Path | None = None, required: bool = True) -> DeviceProfile | Non
         raise ConfigError(f"no device profile at {path}; measure this machine first with "
                           f"`loom plan --calibrate` (about a minute)")
     try:
-        return DeviceProfile(**json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"device profile {path} is unreadable ({e}); "
-                          f"measure it again with loom plan --calibrate") from None
+        return checked_profile(read_json(path, f"device profile {path}", max_bytes=MAX_PROFILE_BYTES),
+                               f"device profile {path}")
+    except BadFile as e:
+        raise BadFile(f"{e}; measure it again with loom plan --calibrate") from None
+
+
+def checked_profile(raw, source: str) -> DeviceProfile:
+    """A profile's JSON as a DeviceProfile whose every lookup finds what it needs: at least one rank
+    count, and for each non-empty tables of finite, positive rates over positive sizes."""
+    doc = Fields(raw, source)
+    by_ranks = doc.section("by_ranks")
+    if not by_ranks.raw:
+        raise BadFile(f"{source}: by_ranks is empty; it must hold the measurements of at least one "
+                      f"rank count")
+    entries = {}
+    for key in by_ranks.keys():
+        _key(by_ranks, key, 1, MAX_RANKS, 'rank counts such as "2"')
+        entries[key] = _checked_entry(by_ranks.section(key))
+    return DeviceProfile(device=doc.str("device", choices=("cpu", "cuda")), name=doc.str("name"),
+                         cores=doc.int("cores", min=1), memory_bytes=doc.int("memory_bytes", min=1),
+                         torch_version=doc.str("torch_version", default=""), date=doc.str("date", default=""),
+                         by_ranks=entries)
+
+
+def _checked_entry(entry: Fields) -> dict:
+    """One rank count's measurements (older profiles lack block_in_situ and the optimizer's rate)."""
+    grids = {"linear_flops": 2, "attention_flops": 2, "elementwise_bytes": 1, "block_elementwise_bytes": 1}
+    out = {key: _rates(entry, key, dims) for key, dims in grids.items()}
+    out["op_overhead_s"] = entry.float("op_overhead_s", min=0, max=1)
+    if "block_in_situ" in entry:
+        out["block_in_situ"] = _rates(entry, "block_in_situ", 1)
+    if "optimizer_s_per_param" in entry:
+        out["optimizer_s_per_param"] = entry.float("optimizer_s_per_param", min=0, max=1)
+    if "threads" in entry:
+        out["threads"] = entry.int("threads", min=1)
+    fits = entry.section("collectives")
+    out["collectives"] = {}
+    for kind in fits.keys():
+        fit = fits.section(kind)
+        out["collectives"][kind] = {
+            "alpha_s": fit.float("alpha_s", min=0, max=3600),
+            "bytes_per_s": fit.float("bytes_per_s", min=0, min_open=True, max=MAX_RATE),
+            "points": fit.list("points", default=[])}
+    return out
+
+
+def _rates(entry: Fields, key: str, dims: int) -> dict[str, float]:
+    """A table of rates by size (`SIZE`, or `ROWSxSIZE` for a grid): non-empty, positive, finite."""
+    table = entry.section(key)
+    if not table.raw:
+        raise BadFile(f"{table.source}: {table.prefix} is empty; it must hold at least one measured size")
+    for name in table.keys():
+        _key(table, name, 1, MAX_SIZE, 'sizes such as "128x512"' if dims == 2 else 'sizes such as "4096"',
+             dims)
+    return table.items(lambda f, k: f.float(k, min=0, min_open=True, max=MAX_RATE))
+
+
+def _key(table: Fields, name: str, low: int, high: int, what: str, parts: int = 1) -> None:
+    """A mapping's key that names `parts` integers in [low, high], joined by x, written plainly
+    (lookups rebuild the key from the number: "02" would not be found)."""
+    numbers = name.split("x")
+    plain = all(len(n) <= 16 and n.isascii() and n.isdigit() and n == str(int(n)) and low <= int(n) <= high
+                for n in numbers)
+    if len(numbers) != parts or not plain:
+        raise BadFile(f"{table.source}: {table.prefix} has the key {name[:20]!r}; its keys must be {what}")
 
 
 def _grid(table: dict[str, float]) -> dict[tuple[int, int], float]:

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
+from loom.checked import finite
 from loom.errors import ConfigError
 from loom.plan.device import DeviceProfile
 
@@ -86,10 +87,18 @@ def lookup(name: str) -> GPU:
                       f"(or override fields with --hw)")
 
 
+FRACTIONS = ("achievable_fraction", "comm_efficiency", "fragmentation")  # --hw values ≤ 1
+# Every --hw value (but a zero fragmentation margin) lies in this range, so that products and
+# quotients of a few of them stay finite and nonzero.
+OVERRIDE_RANGE = (1e-9, 1e15)
+
+
 def with_overrides(cluster: Cluster, overrides: list[str]) -> Cluster:
-    """Apply `key=value` pairs to the GPU's fields or the cluster's."""
+    """Apply `key=value` pairs to the GPU's fields or the cluster's: finite numbers in
+    OVERRIDE_RANGE, the fractions at most 1 (the fragmentation margin may be 0)."""
     gpu_fields = {f.name for f in dataclasses.fields(GPU)} - {"name"}
-    cluster_fields = {f.name for f in dataclasses.fields(Cluster)} - {"gpu", "gpus_per_node", "nodes"}
+    cluster_fields = {f.name for f in dataclasses.fields(Cluster)} - {"gpu", "gpus_per_node", "nodes",
+                                                                      "profile"}
     gpu_changes, cluster_changes = {}, {}
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -98,17 +107,26 @@ def with_overrides(cluster: Cluster, overrides: list[str]) -> Cluster:
             known = ", ".join(sorted(gpu_fields | cluster_fields))
             raise ConfigError(f"--hw {item!r} must be key=value with key one of: {known}")
         try:
-            value = float(raw)
+            value = finite(float(raw), f"--hw {key}", fix=f"e.g. --hw {key}={_example(cluster, key)}")
         except ValueError:
             raise ConfigError(f"--hw {key}={raw!r}: the value must be a number") from None
-        if value <= 0:
-            raise ConfigError(f"--hw {key}={raw}: the value must be > 0")
+        low, high = OVERRIDE_RANGE[0], 1.0 if key in FRACTIONS else OVERRIDE_RANGE[1]
+        if not low <= value <= high and not (key == "fragmentation" and value == 0):
+            raise ConfigError(f"--hw {key}={raw.strip()}: the value must be in [{low:g}, {high:g}], "
+                              f"e.g. --hw {key}={_example(cluster, key)}")
         (gpu_changes if key in gpu_fields else cluster_changes)[key] = value
     if gpu_changes:
         if cluster.gpu is None:
             raise ConfigError(f"--hw {', '.join(gpu_changes)} changes a GPU, but no --gpu was given")
         cluster = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, **gpu_changes))
     return dataclasses.replace(cluster, **cluster_changes)
+
+
+def _example(cluster: Cluster, key: str) -> str:
+    """The field's current value, as an example the user can edit."""
+    value = getattr(cluster.gpu, key, None) if cluster.gpu is not None else None
+    value = getattr(cluster, key, value) if value is None else value
+    return f"{value:g}" if isinstance(value, (int, float)) else "0.4"
 
 
 def detect(device_name: str, memory_bytes: int) -> GPU | None:

@@ -7,12 +7,13 @@ the attention FLOPs are then unknown and taken as zero, which the output says).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from loom.checked import finite
 from loom.errors import ConfigError
+from loom.hf_config import HFConfig, read_hf_config
 from loom.models.gpt.config import GPTConfig, preset
 
 
@@ -194,37 +195,33 @@ def from_gpt_config(cfg: GPTConfig, name: str) -> ModelShape:
                       tie_embeddings=cfg.tie_embeddings)
 
 
-_HF_KEYS = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
-            "intermediate_size": "ffn_hidden", "vocab_size": "vocab_size"}
-
-
 def from_hf_config(path: str | Path) -> ModelShape:
-    """A Llama/Mistral/Qwen2-style decoder from its Hugging Face `config.json` (no weights)."""
+    """A Llama/Mistral/Qwen2-style decoder from its Hugging Face `config.json` (no weights), read
+    through loom's one config.json reader (loom/hf_config.py)."""
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"model config {path} does not exist; pass a Hugging Face config.json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); pass a Hugging Face config.json") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object; "
-                          f"pass a Hugging Face config.json")
-    missing = [k for k in _HF_KEYS
-               if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool) or raw[k] <= 0]
-    if missing:
-        raise ConfigError(f"{path} lacks positive integer field(s) {', '.join(missing)} of a decoder "
-                          f"config.json (Llama/Mistral/Qwen2 style)")
-    fields = {ours: raw[theirs] for theirs, ours in _HF_KEYS.items()}
-    kv = raw.get("num_key_value_heads") or fields["n_heads"]
-    if fields["d_model"] % fields["n_heads"] or fields["n_heads"] % kv:
-        raise ConfigError(f"{path}: hidden_size {fields['d_model']}, num_attention_heads {fields['n_heads']} "
-                          f"and num_key_value_heads {kv} do not divide; check the file")
-    return ModelShape(name=str(raw.get("model_type", path.stem)), n_kv_heads=kv,
-                      tie_embeddings=bool(raw.get("tie_word_embeddings", False)), **fields)
+    if not path.is_file():
+        raise ConfigError(f"model config {path} does not exist; pass a Hugging Face config.json")
+    hf = read_hf_config(path)
+    if hf.hidden_size % hf.num_attention_heads:
+        raise ConfigError(f"{path}: hidden_size {hf.hidden_size} is not divisible by num_attention_heads "
+                          f"{hf.num_attention_heads}; the planner counts heads of hidden_size / heads")
+    return from_hf(hf, hf.model_type or path.stem)
+
+
+def from_hf(hf: HFConfig, name: str) -> ModelShape:
+    """The planner's shape of a checked config.json."""
+    return ModelShape(name=name, vocab_size=hf.vocab_size, d_model=hf.hidden_size,
+                      n_layers=hf.num_hidden_layers, n_heads=hf.num_attention_heads,
+                      n_kv_heads=hf.num_key_value_heads, ffn_hidden=hf.intermediate_size,
+                      tie_embeddings=hf.tie_word_embeddings)
+
+
+MAX_PARAMS = 1e15  # a thousand times the largest models trained: beyond it is a typo
 
 
 def from_params(count: float) -> ModelShape:
-    if count <= 0:
-        raise ConfigError(f"--params {count:g} must be a positive parameter count such as 70e9")
+    count = finite(count, "--params", fix="give a parameter count such as 70e9")
+    if not 1 <= count <= MAX_PARAMS:
+        raise ConfigError(f"--params {count:g} must be a positive parameter count (1 to {MAX_PARAMS:g}) "
+                          f"such as 70e9")
     return ModelShape(name=f"{count / 1e9:g}B params", params_only=int(count))

@@ -4,18 +4,24 @@ A checkpoint is RUN_DIR/checkpoints/step_N/, holding
   - DCP's files: `model.<name>` and `optim.<name>.<state>` tensors under the full model's
     parameter names, sharded (DTensor) where the run shards them, so any layout loads any other;
   - meta.json (rank 0): step, resolved config, layout, LR schedule, data position;
-  - rng_rank<r>.json (each rank): its torch/CUDA/numpy/python RNG states.
+  - rng_rank<r>.json (each rank): its torch/CUDA/numpy/python RNG states;
+  - tokenizer/ (rank 0): the run's Hugging Face tokenizer files, by sha256 in meta.json, which
+    `loom export --layout hf` copies (loom/train/tokenizer_copy.py).
 It is written into `.tmp-step_N` and made visible by one atomic rename once every rank's files
 are complete; `latest` names it afterwards; older ones beyond `train.keep_last` are removed.
 A visible step_N is therefore always whole: a crash while writing leaves only a `.tmp-` folder.
 
 Loading runs nothing from the files (loom/train/safe_load.py): DCP's index is unpickled with an
-allow-list and checked entry by entry before any tensor is read; non-tensor state is JSON.
+allow-list and checked entry by entry (its chunks covering each tensor exactly once) before any
+tensor is read; non-tensor state is JSON, read through loom.checked. A resume never leaves the
+run's checkpoints/: `latest` must name a step_N folder beside it, and a step_N that is a symbolic
+link is refused, and never followed or deleted through by retention.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import math
@@ -25,11 +31,12 @@ import re
 import shutil
 import sys
 import time
+import tomllib
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -44,14 +51,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from loom.checked import BadFile, Fields, read_json, read_text
 from loom.config import Config, load_config_text, shape_overrides, to_toml
-from loom.errors import AgreedError, LoomError
+from loom.errors import AgreedError, ConfigError, LoomError
 from loom.files import atomic_write, fsync_dir
 from loom.models.gpt.config import preset
 from loom.observe.report import size_text
 from loom.parallel import deepspeed_engine
 from loom.parallel.zero1 import is_zero1, local_optimizer, owned_states
-from loom.train import faults, safe_load
+from loom.train import faults, safe_load, tokenizer_copy
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -72,23 +80,55 @@ def step_name(step: int) -> str:
 
 
 def checkpoint_steps(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under RUN_DIR/checkpoints, oldest first."""
+    """Complete checkpoints under RUN_DIR/checkpoints, oldest first: step_N folders of its own (a
+    symbolic link named step_N is none of them: retention never counts, follows or deletes one)."""
+    return sorted((n, p) for n, p in _step_names(root) if p.is_dir() and not p.is_symlink())
+
+
+def _step_names(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found)
+    return [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run: the `latest` marker, checked, else a scan."""
+    """The newest complete checkpoint of a run: the one `latest` names, else the newest step_N
+    (found by a scan). `latest` must hold a plain step_N name, and the checkpoint found must be a
+    folder of checkpoints/ itself, never a symbolic link that could lead a resume anywhere; else
+    one line."""
     root = run_dir / CHECKPOINTS
+    named = _latest_named(root)
+    if named is None or not (named / META).is_file():  # no marker, or one a removed step left behind
+        steps = sorted((n, p) for n, p in _step_names(root) if p.is_dir())
+        named = steps[-1][1] if steps else None
+    if named is not None:
+        _not_a_link(named)
+    return named
+
+
+def _latest_named(root: Path) -> Path | None:
+    """The folder `checkpoints/latest` names (None without the marker)."""
     marker = root / LATEST
-    if marker.is_file():
-        named = root / marker.read_text().strip()
-        if _STEP_DIR.match(named.name) and (named / META).is_file():
-            return named
-    steps = checkpoint_steps(root)
-    return steps[-1][1] if steps else None
+    if not os.path.lexists(marker):
+        return None
+    fix = (f"loom writes there the name of the newest step_N folder beside it: delete {marker} to resume "
+           f"from the newest step_N folder, or pass --resume {root}/step_N")
+    if marker.is_symlink() or not marker.is_file():
+        raise LoomError(f"{marker} is not a plain file (a link or a folder); {fix}")
+    try:
+        name = read_text(marker, max_bytes=256).strip()
+    except BadFile as e:
+        raise LoomError(f"{e}; {fix}") from None
+    if not _STEP_DIR.match(name):
+        raise LoomError(f"{marker} names {name[:80]!r}, not a step_N folder of {root}; {fix}")
+    return root / name
+
+
+def _not_a_link(path: Path) -> None:
+    if path.is_symlink():
+        raise LoomError(f"checkpoint {path} is a symbolic link (to {os.readlink(path)}); loom resumes only "
+                        f"a step_N folder inside the run's checkpoints/, never a link out of it: pass the "
+                        f"folder it points to to --resume if you trust it, or remove the link")
 
 
 def resolve_resume(resume: str | None, run_dir: Path | None) -> Path | None:
@@ -110,6 +150,8 @@ def resolve_resume(resume: str | None, run_dir: Path | None) -> Path | None:
             raise LoomError(f"--resume {resume}: the run directory has no complete checkpoint yet; "
                             f"start without --resume")
         return found
+    if path.parent.name == CHECKPOINTS:  # a run's own step_N: a link there leads out of the run
+        _not_a_link(path)
     check_complete(path)
     return path
 
@@ -125,17 +167,63 @@ def check_complete(path: Path) -> None:
 
 
 def read_meta(path: Path) -> dict:
+    """meta.json, its fields typed and checked (loom.checked): the step, the world size, the run's
+    config (TOML text loom's config reads), the LR schedule's counters, and, where present, the
+    layout, data position and model record. Other keys are returned as they are, for the readers
+    that check their own."""
     check_complete(path)
+    source = path / META
+    with _earlier_if_damaged():
+        doc = Fields(read_json(source, max_bytes=_META_BYTES), source)
+        doc.int("step", min=0)
+        doc.int("world_size", min=1)
+        text = doc.str("config")
+        try:
+            tomllib.loads(text)
+            load_config_text(text)
+        except tomllib.TOMLDecodeError as e:
+            raise BadFile(f"{source}: config is not valid TOML ({e})") from None
+        except ConfigError as e:
+            raise BadFile(f"{source}: config holds a setting loom does not read ({e})") from None
+        _schedule_fields(doc.section("scheduler"))
+        doc.section("layout", default={}).str("strategy", default="?")
+        data = doc.section("data", default={})
+        for key in ("next_global_batch", "samples_seen", "tokens_seen"):
+            data.int(key, default=0, min=0)
+        doc.section("model_config", default={})
+        doc.float("saved_at", default=0.0)
+    return doc.raw
+
+
+_EARLIER = "resume from an earlier checkpoint"
+_META_BYTES = 64 << 20  # a meta.json is kilobytes: a bound on what a damaged or hostile one makes loom read
+
+
+@contextlib.contextmanager
+def _earlier_if_damaged() -> Iterator[None]:
+    """A checkpoint file's one-line error (loom.checked's), with the way out added."""
     try:
-        meta = json.loads((path / META).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LoomError(f"{path / META} is damaged ({e}); resume from an earlier checkpoint") from None
-    kinds = {"step": int, "world_size": int, "config": str, "scheduler": dict}
-    wrong = [k for k, kind in kinds.items() if not isinstance(meta, dict) or type(meta.get(k)) is not kind]
-    if wrong or meta["step"] < 0 or meta["world_size"] < 1:
-        raise LoomError(f"{path / META} is damaged (no valid {', '.join(wrong) or 'step or world_size'}); "
-                        f"resume from an earlier checkpoint")
-    return meta
+        yield
+    except BadFile as e:
+        raise BadFile(f"{e}; {_EARLIER}") from None
+
+
+def _schedule_fields(doc: Fields) -> dict:
+    """The LR schedule's counters (meta.json's `scheduler`): whole numbers ≥ 0 and, one per
+    parameter group, finite learning rates ≥ 0."""
+    out = {key: doc.int(key, min=0) for key in ("last_epoch", "_step_count")}
+    for key in ("base_lrs", "_last_lr"):
+        lrs = _list_fields(doc, key, len(doc.list(key)))
+        out[key] = [lrs.float(i, min=0) for i in lrs.keys()]
+    return out
+
+
+def _list_fields(doc: Fields, key: str, length: int) -> Fields:
+    """`doc[key]`, a list of exactly `length` items, as Fields over its indexes (`key.0`, …)."""
+    values = doc.list(key)
+    if len(values) != length:
+        raise doc.error(key, f"a list of {length} items", values)
+    return Fields(dict(enumerate(values)), doc.source, doc.name(key))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,16 +299,57 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    def tensor(text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-    torch.set_rng_state(tensor(state["torch"]))
+    """Restore the states `_read_rng` checked (CUDA's when this host has as many devices)."""
+    torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
-    n = state["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    p = state["python"]
-    random.setstate((p[0], tuple(p[1]), p[2]))
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def check_rng_files(path: Path, meta: dict) -> None:
+    """Every rank's rng_rank<r>.json, read and checked as `load` will read it: the launcher does
+    it once before any rank starts, so that a damaged one is one line, not one error per rank."""
+    for rank in range(meta["world_size"]):
+        _read_rng(path / f"rng_rank{rank}.json")
+
+
+def _read_rng(path: Path) -> dict:
+    """rng_rank<r>.json as the states `_rng_state` wrote, each field of its type and length."""
+    with _earlier_if_damaged():
+        doc = Fields(read_json(path, max_bytes=1 << 20), path)
+        state = {"torch": _generator(doc, "torch", torch.get_rng_state().numel())}
+        cuda = _list_fields(doc, "cuda", len(doc.list("cuda")))
+        state["cuda"] = [_generator(cuda, i) for i in cuda.keys()]
+        n = _list_fields(doc, "numpy", 5)
+        key = n.list(1, of=int)
+        if not _mt_words(key):
+            raise n.error(1, "624 integers in [0, 2^32) (MT19937's key)", key)
+        state["numpy"] = (n.str(0, choices=("MT19937",)), np.array(key, dtype=np.uint32),
+                          n.int(2, min=0, max=624), n.int(3, min=0, max=1), n.float(4))
+        py = _list_fields(doc, "python", 3)
+        internal = py.list(1, of=int)
+        if len(internal) != 625 or not _mt_words(internal[:624]) or not 1 <= internal[624] <= 624:
+            raise py.error(1, "624 integers in [0, 2^32) and a position in [1, 624]", internal)
+        gauss = None if py.raw[2] is None else py.float(2)
+        state["python"] = (py.int(0, min=3, max=3), tuple(internal), gauss)
+    return state
+
+
+def _generator(fields: Fields, key, size: int | None = None) -> torch.Tensor:
+    """A torch generator's state, base64 text of `size` bytes (any, when None)."""
+    text = fields.str(key)
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        raw = None
+    if not raw or (size is not None and len(raw) != size):
+        raise fields.error(key, f"a torch generator's state ({size or 'its'} bytes, base64)", text)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _mt_words(values: list[int]) -> bool:
+    return len(values) == 624 and all(0 <= w < 1 << 32 for w in values)  # a Mersenne Twister's key
 
 
 class Checkpointer:
@@ -240,8 +369,11 @@ class Checkpointer:
         self.stall_s: list[float] = []  # training time spent in each save call
         if d.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a writer that was killed
-                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+            for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a killed writer (a link: only itself)
+                if stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
         dist.barrier()
 
     def save(self, step: int, model: nn.Module, optimizer, scheduler, meta: dict) -> None:
@@ -259,6 +391,8 @@ class Checkpointer:
             if self.d.is_main:
                 meta = {**meta, "step": step, "scheduler": scheduler.state_dict(),
                         "world_size": self.d.world_size, "config": to_toml(self.cfg), "saved_at": time.time()}
+                # the tokenizer files export copies: carried inside the checkpoint, recorded by sha256
+                meta[tokenizer_copy.META_KEY] = tokenizer_copy.save(self.cfg, tmp)
                 (tmp / META).write_text(json.dumps(meta, indent=1))
         except OSError as e:
             local_error = e
@@ -338,7 +472,9 @@ class Checkpointer:
         if not self.d.is_main:
             return
         tmp, final = self.root / f"{TMP_PREFIX}{step_name(step)}", self.root / step_name(step)
-        if final.exists():  # the same step saved again (a resumed run): replace it whole
+        if final.is_symlink():  # a link in its place is replaced, never followed or deleted through
+            final.unlink()
+        elif final.exists():  # the same step saved again (a resumed run): replace it whole
             self._remove(final)
         os.rename(tmp, final)
         fsync_dir(self.root)
@@ -477,6 +613,7 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
         dcp.load(flat, storage_reader=safe_load.SafeReader(path, metadata), planner=safe_load.SafePlanner())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is the same advice
         raise _damaged(path, e) from None
+    _check_adam_steps(path, flat)
     model_sd = held["model_sd"]
     for k in model_sd:
         model_sd[k] = flat[f"model.{names.to_ckpt(k)}"]
@@ -525,7 +662,19 @@ def _load_deepspeed(path: Path, engine, optimizer, d) -> None:
                  planner=safe_load.SafePlanner())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is the same advice
         raise _damaged(path, e) from None
+    _check_adam_steps(path, tensors)
     deepspeed_engine.load_full_states(engine, optimizer, tensors)
+
+
+def _check_adam_steps(path: Path, tensors: dict) -> None:
+    """AdamW's step counts are whole numbers ≥ 0 (a NaN one would turn every update into NaN)."""
+    for name, t in tensors.items():
+        if name.startswith("optim.") and name.endswith(".step") and type(t) is torch.Tensor \
+                and t.numel() == 1:
+            count = float(t)
+            if not math.isfinite(count) or count < 0 or count != int(count):
+                raise LoomError(f"checkpoint {path} holds {name} = {count}, not a step count (a whole number "
+                                f"≥ 0); it is damaged or was altered: {_EARLIER}")
 
 
 def _restore_schedule_and_rng(path: Path, meta: dict, optimizer, scheduler, d) -> dict:
@@ -538,27 +687,24 @@ def _restore_schedule_and_rng(path: Path, meta: dict, optimizer, scheduler, d) -
     rng = path / f"rng_rank{d.rank}.json"
     if meta["world_size"] != d.world_size:
         rng = path / "rng_rank0.json"  # another layout: every rank takes rank 0's streams
+    state = _read_rng(rng)
     try:
-        _set_rng_state(json.loads(rng.read_text()))
-    except (OSError, ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
-        raise LoomError(f"{rng} is damaged ({type(e).__name__}: {str(e)[:120]}); resume from an earlier "
-                        f"checkpoint") from None
+        _set_rng_state(state)
+    except (ValueError, TypeError, RuntimeError) as e:  # the generators' own checks of a state's content
+        raise LoomError(f"{rng} is damaged ({type(e).__name__}: {str(e)[:120]}); {_EARLIER}") from None
     return meta
 
 
-def _scheduler_state(path: Path, saved: Any, scheduler) -> dict:
+def _scheduler_state(path: Path, saved: dict, scheduler) -> dict:
     """The LR schedule's counters from meta.json, checked: LambdaLR.load_state_dict would set
-    any attribute a file names, so only these keys, of these types, are taken."""
+    any attribute a file names, so only these keys, of these types, finite, are taken."""
     state = scheduler.state_dict()
     groups = len(state["base_lrs"])
-    numbers = lambda v: isinstance(v, list) and len(v) == groups and all(  # noqa: E731
-        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
-    kinds = {"base_lrs": numbers, "_last_lr": numbers, "last_epoch": lambda v: type(v) is int,
-             "_step_count": lambda v: type(v) is int}
-    if not isinstance(saved, dict) or any(k not in saved or not ok(saved[k]) for k, ok in kinds.items()):
-        raise LoomError(f"{path / META} is damaged (its LR schedule is not {sorted(kinds)} for {groups} "
-                        f"parameter groups); resume from an earlier checkpoint")
-    return {**state, **{k: saved[k] for k in kinds}}
+    doc = Fields(saved, path / META, "scheduler")
+    with _earlier_if_damaged():
+        for key in ("base_lrs", "_last_lr"):
+            _list_fields(doc, key, groups)  # one learning rate per parameter group of this optimizer
+        return {**state, **_schedule_fields(doc)}
 
 
 def read_tensors(path: Path, prefix: str = "model.", expected: safe_load.Expected | None = None

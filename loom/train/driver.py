@@ -26,7 +26,7 @@ from loom import strategies
 from loom.config import Config, pipeline_microbatches, validate
 from loom.data.loader import build_loaders
 from loom.errors import AgreedError
-from loom.files import atomic_write
+from loom.files import atomic_write, claim_run_dir
 from loom.models.registry import adapter_for
 from loom.observe import flight
 from loom.observe.collectives import CollectiveCounter
@@ -51,6 +51,10 @@ from loom.train.step import Pipeline, build_pipeline, deepspeed_train_step, eval
 from loom.train.stop import Stopped, StopRequest, preempt_signal, slurm_requeue
 from loom.train.task import Task, config_task
 from loom.train.tracking import Trackers, require_trackers
+
+# Set by loom's launcher for its ranks: rank 0 writes it into stopped.json, so that the launcher
+# trusts only a stop record of its own launch (loom/cli.py, _stop_record).
+LAUNCH_ENV = "LOOM_LAUNCH_ID"
 
 # The root module returns logits from a Linear (a view); the loss never edits them in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -183,6 +187,8 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     torch.manual_seed(t.seed)
 
     # Setup: the model and what trains it, the resumed state, the data from the resumed step on.
+    if run_dir is not None and main:  # before anything is written into it (`loom train` made it already)
+        claim_run_dir(run_dir)
     swap = _swap_folder(cfg, run_dir, d)
     built = build_training(cfg, d, task, swap)
     start_step = _resume(resume, run_dir, built, cfg, d, say)
@@ -356,7 +362,8 @@ def _stop_here(signum: int, step: int, ckpt, run_dir: Path | None, d: Dist, prof
     if d.is_main and cfg.train.requeue and signum == preempt_signal(cfg):
         note = slurm_requeue()  # the checkpoint is published: Slurm may end this job's steps from now on
     if d.is_main and run_dir is not None:
-        record = {"signal": signum, "step": step, "checkpoint": str(path) if path else None, "note": note}
+        record = {"signal": signum, "step": step, "checkpoint": str(path) if path else None, "note": note,
+                  "launch": os.environ.get(LAUNCH_ENV)}
         atomic_write(run_dir / "stopped.json", json.dumps(record).encode())
     dist.barrier()
     raise Stopped(signum, step, path, note)

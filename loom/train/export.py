@@ -6,16 +6,25 @@ group and writes them as one `.safetensors` file:
 
   - layout "loom": the names and tensors exactly as the checkpoint holds them (any model);
   - layout "hf": loom's GPT as a Hugging Face Llama (`LlamaForCausalLM`): its parameter names,
-    q/k projection rows reordered for Llama's rotate-half RoPE, and a `config.json` beside the file.
+    q/k projection rows reordered for Llama's rotate-half RoPE, a `config.json` beside the file,
+    and the tokenizer files the checkpoint carries (loom/train/tokenizer_copy.py: recorded by
+    hash at save; never a path read from meta.json).
 
-Each file is written to a temporary name in the output's folder and renamed over the output in
-one step, so a crash never leaves half a file under the output's name.
+Nothing is replaced without `overwrite`: not an existing output file, nor (layout "hf") a folder
+that already holds a model. With it, an hf export replaces the model folder's files together: the
+new files are written beside them first, then every file of the old model (its shard index,
+shards, tokenizer) is removed and the new ones renamed into place, config.json last, so that no
+file of the old model is left beside the new one. Each file is written to a temporary name and
+renamed, so a crash never leaves half a file under the output's name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import safetensors.torch
@@ -23,30 +32,40 @@ import torch
 
 from loom.config import load_config_text, shape_overrides
 from loom.errors import ConfigError, LoomError
-from loom.files import atomic_write
+from loom.files import atomic_write, fsync_dir
+from loom.hf_config import hf_config_from
 from loom.models.gpt.config import GPTConfig, preset
 from loom.models.gpt.config import validate as validate_gpt
 from loom.models.gpt.llama_layout import hf_config, hf_state_dict
 from loom.models.gpt.model import build_model
 from loom.train import checkpoint as ckpt
-from loom.train import safe_load
+from loom.train import safe_load, tokenizer_copy
 from loom.train.checkpoint import CHECKPOINTS, latest_checkpoint, resolve_resume
 
 LAYOUTS = ("loom", "hf")
 HF_CONFIG = "config.json"
 # loom's GPT, recognized by these names.
 GPT_KEYS = ("tok_embeddings.weight", "layers.0.attention.wq.weight")
+# The files of a Hugging Face model folder: what makes it hold a model, and what an hf export
+# with --overwrite replaces, all together.
+MODEL_FILES = (HF_CONFIG, "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+               "pytorch_model*.bin", "pytorch_model.bin.index.json", *tokenizer_copy.NAMES, "tokenizer.model",
+               "vocab.json", "merges.txt", "added_tokens.json")
 
 
-def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> list[Path]:
+def export(checkpoint: Path | str, output: Path | str, layout: str = "loom",
+           overwrite: bool = False) -> list[Path]:
     """Write the model of `checkpoint` (a step_N folder, or a run directory: its latest) to
-    `output` as one safetensors file (+ config.json for layout "hf"). Returns the paths written."""
+    `output` as one safetensors file (+ config.json and the tokenizer for layout "hf"). An
+    existing output, or a folder holding a model (layout "hf"), is replaced only under
+    `overwrite`. Returns the paths written."""
     if layout not in LAYOUTS:
         raise LoomError(f"unknown export layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
     output = Path(output)
-    _check_output(output)
+    _check_output(output, layout, overwrite)
     path = _resolve(Path(checkpoint))
     meta = ckpt.read_meta(path)
+    tokenizer = tokenizer_copy.carried(path, meta) if layout == "hf" else {}
     stored = {k.removeprefix("model."): tuple(m.size) for k, m in
               safe_load.read_metadata(path).state_dict_metadata.items() if k.startswith("model.")}
     if not stored:
@@ -58,7 +77,6 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> 
     expected = None if gpt is None else {f"model.{k}": (v.dtype, tuple(v.shape))
                                          for k, v in build_model(gpt, "meta").state_dict().items()}
     tensors = ckpt.read_tensors(path, "model.", expected)
-    written = []
     if layout == "hf" and hf_model is not None:
         config = hf_model  # already under its own names
     elif layout == "hf":
@@ -72,42 +90,43 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom") -> 
     def write(tmp: Path) -> None:
         safetensors.torch.save_file(_standalone(tensors), str(tmp), metadata=metadata)
 
-    atomic_write(output, write, durable=True)
-    written.append(output)
-    if layout == "hf":
-        beside = output.parent / HF_CONFIG
-        atomic_write(beside, (json.dumps(config, indent=2) + "\n").encode(), durable=True)
-        written.append(beside)
-        for file in _tokenizer_files(meta):  # a folder transformers (and model.init_from) can use whole
-            copy = output.parent / file.name
-            if copy.resolve() != file.resolve():
-                atomic_write(copy, file.read_bytes(), durable=True)
-                written.append(copy)
-    return written
+    if layout == "loom":
+        atomic_write(output, write, durable=True)
+        return [output]
+    # A folder transformers (and model.init_from) can use whole; config.json last: it completes it.
+    files = {output.name: write, **tokenizer, HF_CONFIG: (json.dumps(config, indent=2) + "\n").encode()}
+    return _write_model_folder(output.parent, files, overwrite)
 
 
-def _tokenizer_files(meta: dict) -> list[Path]:
-    """The run's Hugging Face tokenizer files, when they are still where the run read them: the
-    data.tokenizer file, or the model.init_from folder's."""
+def _write_model_folder(folder: Path, files: dict, overwrite: bool) -> list[Path]:
+    """`files` (name -> bytes, or a function writing a path) into `folder`, staged beside it first;
+    under `overwrite`, every file of the model it held goes as the new ones take their place."""
+    stage = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=folder))
     try:
-        cfg = load_config_text(meta["config"])
-    except ConfigError:
-        return []
-    if cfg.data.tokenizer.endswith(".json"):
-        folder, names = Path(cfg.data.tokenizer).expanduser().parent, (Path(cfg.data.tokenizer).name,)
-    elif cfg.data.tokenizer == "auto" and cfg.model.init_from:
-        folder, names = Path(cfg.model.init_from).expanduser(), ("tokenizer.json",)
-    else:
-        return []
-    names += ("tokenizer_config.json", "special_tokens_map.json")
-    return [folder / n for n in names if (folder / n).is_file()]
+        for name, data in files.items():
+            atomic_write(stage / name, data, durable=True)
+        if overwrite:
+            for old in _model_files(folder):
+                if old.name not in files:
+                    old.unlink()
+        for name in files:
+            os.replace(stage / name, folder / name)
+        fsync_dir(folder)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return [folder / name for name in files]
+
+
+def _model_files(folder: Path) -> list[Path]:
+    found = {p for pattern in MODEL_FILES for p in folder.glob(pattern)}
+    return sorted(p for p in found if p.is_file() or p.is_symlink())
 
 
 # ---------------------------------------------------------------------------------------------
 # Paths
 
 
-def _check_output(output: Path) -> None:
+def _check_output(output: Path, layout: str, overwrite: bool) -> None:
     parent = output.parent
     if not parent.is_dir():
         raise LoomError(f"cannot write {output}: its folder {parent} does not exist; create it "
@@ -115,6 +134,19 @@ def _check_output(output: Path) -> None:
     if output.is_dir():
         raise LoomError(f"output {output} is a folder; pass a file path such as "
                         f"{output / 'model.safetensors'}")
+    if layout == "hf" and output.name in (HF_CONFIG, *tokenizer_copy.NAMES):
+        raise LoomError(f"output {output}: --layout hf writes {output.name} itself beside the weights; "
+                        f"name the weights file model.safetensors")
+    if overwrite:
+        return
+    if output.exists() or output.is_symlink():
+        raise LoomError(f"{output} already exists; loom export replaces a file only with --overwrite: pass "
+                        f"it to replace this one, or choose another output path")
+    held = _model_files(parent) if layout == "hf" else []
+    if held:
+        raise LoomError(f"{parent} already holds a model ({', '.join(p.name for p in held[:3])}"
+                        f"{', …' if len(held) > 3 else ''}); --layout hf writes a whole model folder: export "
+                        f"into an empty folder, or pass --overwrite to replace that model's files")
 
 
 def _resolve(given: Path) -> Path:
@@ -179,11 +211,15 @@ def gpt_config(meta: dict, stored: dict[str, tuple[int, ...]], path: Path) -> GP
 
 
 def _saved_hf_config(meta: dict, path: Path) -> dict | None:
+    """The Hugging Face config.json the run recorded, checked as model.init_from reads one (it is
+    written out as the export's config.json)."""
     saved = meta.get("model_config")
     config = saved.get("hf_config") if isinstance(saved, dict) else None
     if config is not None and not isinstance(config, dict):
         raise LoomError(f"{path / 'meta.json'} is damaged (its model_config.hf_config is not an object)")
-    return config
+    if config is None:
+        return None
+    return hf_config_from(config, f"{path / 'meta.json'} model_config.hf_config").raw
 
 
 def untie_if_trained_apart(gpt: GPTConfig, tensors: dict[str, torch.Tensor]) -> GPTConfig:

@@ -14,6 +14,10 @@ from typing import IO
 
 import torch
 
+from loom.checked import BadFile, read_text
+from loom.errors import LoomError
+from loom.files import atomic_write, open_append
+
 
 def format_duration(seconds: float) -> str:
     seconds = max(int(seconds), 0)
@@ -59,10 +63,10 @@ class MetricsFile:
         self.file = None
         if path is None:
             return
-        lines = path.read_text().splitlines() if keep_through_step and path.is_file() else []
-        kept = [line for line in lines if (step := _step_of(line)) is not None and step <= keep_through_step]
-        path.write_text("".join(line + "\n" for line in kept))
-        self.file = open(path, "a", buffering=1)
+        kept = kept_metrics(path, keep_through_step) if keep_through_step else []
+        # Rewritten whole, then appended to: a symbolic link planted at the path is replaced, never followed.
+        atomic_write(path, "".join(line + "\n" for line in kept).encode())
+        self.file = open_append(path)
 
     def write(self, record: dict) -> None:
         if self.file is not None:
@@ -73,11 +77,24 @@ class MetricsFile:
             self.file.close()
 
 
+def kept_metrics(path: Path, through_step: int) -> list[str]:
+    """The lines of a metrics.jsonl that a run resumed at `through_step` keeps (none if absent, or
+    if a symbolic link stands there: what it points to is not this run's record)."""
+    if not path.is_file() or path.is_symlink():
+        return []
+    try:
+        lines = read_text(path).splitlines()
+    except BadFile as e:
+        raise LoomError(f"{e}; move it aside to resume without the metrics logged so far") from None
+    return [line for line in lines if (step := _step_of(line)) is not None and step <= through_step]
+
+
 def _step_of(line: str) -> int | None:
     try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError, RecursionError):  # a line cut short by a kill
         return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 # A pipeline's schedule runs forward and backward interleaved: one "pipeline" phase.

@@ -6,6 +6,9 @@ and the report printed at its end.
   deepspeed_config.json   the deepspeed engine's config, derived and merged, at the start
   memory.json   per rank: the model states it holds, its peak, its collectives, at the end
   summary.json  losses, tokens/s, eval, the last checkpoint, measured vs planned, at the end
+
+Each is written whole through loom.files.atomic_write: a symbolic link planted under one of these
+names is replaced, its target left as it was.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 import torch
 
 from loom.config import Config, to_toml
+from loom.files import atomic_write
 from loom.parallel.mesh import Dist
 from loom.plan import device
 from loom.plan.comm import comm_per_step
@@ -29,21 +33,20 @@ from loom.train.meters import format_duration
 
 
 def write_start(run_dir: Path, cfg: Config, plan: dict | None, engine_config: dict | None = None) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
+    atomic_write(run_dir / "config.toml", to_toml(cfg).encode())
     if plan is not None:
-        (run_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+        atomic_write(run_dir / "plan.json", json.dumps(plan, indent=1).encode())
     if engine_config is not None:  # the deepspeed engine's config, as it ran
-        (run_dir / "deepspeed_config.json").write_text(json.dumps(engine_config, indent=1))
+        atomic_write(run_dir / "deepspeed_config.json", json.dumps(engine_config, indent=1).encode())
 
 
 def write_end(run_dir: Path, strategy: str, formula: str, shard: int, expected: float, ranks: list[dict],
               summary: dict) -> None:
-    (run_dir / "memory.json").write_text(json.dumps(
+    atomic_write(run_dir / "memory.json", json.dumps(
         {"strategy": strategy, "formula": formula, "shard_size": shard,
          "expected_model_state_bytes": expected,
-         "ranks": {str(r): m for r, m in enumerate(ranks)}}, indent=2))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+         "ranks": {str(r): m for r, m in enumerate(ranks)}}, indent=2).encode())
+    atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
 
 
 def plan_run(cfg: Config, shape: ModelShape, d: Dist) -> dict:

@@ -26,7 +26,7 @@ from loom.models.pretrained import CHECKPOINT, Pretrained, open_pretrained
 from loom.parallel.pipeline import validate_pipeline
 from loom.parallel.tensor_parallel import check_tp_shapes
 from loom.parallel.weights import WeightSource
-from loom.plan.shapes import ModelShape, from_gpt_config, from_hf_config
+from loom.plan.shapes import ModelShape, from_gpt_config, from_hf
 from loom.train import checkpoint as ckpt
 from loom.train import safe_load
 
@@ -122,7 +122,7 @@ class ConfigModel:
     def record(self) -> dict | None:
         if self.gpt is not None:
             return {"gpt": dataclasses.asdict(self.gpt)}
-        return {"hf_config": self.pretrained.hf_config}
+        return {"hf_config": self.pretrained.hf_config.raw}
 
 
 def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = None) -> ConfigModel:
@@ -143,15 +143,14 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
         return ConfigModel(gpt, pretrained if checkpoint is None else None,
                            from_gpt_config(gpt, pretrained.path.name),
                            f"GPT {gpt.n_layers}L d{gpt.d_model} from {pretrained.path}", checkpoint)
-    hf = pretrained.hf_config
-    _check_vocab(hf["vocab_size"], data_vocab, f" (model.init_from {pretrained.path})")
-    _check_layout(cfg, hf["num_hidden_layers"], hf["num_attention_heads"],
-                  hf.get("num_key_value_heads") or hf["num_attention_heads"], hf["intermediate_size"],
-                  hf["vocab_size"], hf.get("max_position_embeddings", cfg.data.seq_len),
-                  bool(hf.get("tie_word_embeddings")))
+    hf = pretrained.hf_config  # checked when it was read (loom/hf_config.py)
+    _check_vocab(hf.vocab_size, data_vocab, f" (model.init_from {pretrained.path})")
+    _check_layout(cfg, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads,
+                  hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings or cfg.data.seq_len,
+                  hf.tie_word_embeddings)
     pretrained.check(pretrained.hf_model("meta"))
-    description = f"{hf['model_type']} {hf['num_hidden_layers']}L d{hf['hidden_size']} from {pretrained.path}"
-    return ConfigModel(None, pretrained, from_hf_config(pretrained.path / "config.json"), description)
+    description = f"{hf.model_type} {hf.num_hidden_layers}L d{hf.hidden_size} from {pretrained.path}"
+    return ConfigModel(None, pretrained, from_hf(hf, hf.model_type), description)
 
 
 def checkpoint_gpt(path: Path) -> GPTConfig:

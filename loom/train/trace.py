@@ -60,7 +60,7 @@ def _trace(cfg: Config, world_size: int, micro_batch: int, fake: bool) -> dict:
     """`trace_memory`, or with fake=False the same step on real tensors (world size 1 only: the
     check that tracing on fake tensors measures what a real step holds)."""
     cfg = _trace_config(cfg, world_size, micro_batch)
-    dims = validate(cfg, world_size, cuda_available=False)
+    dims = validate(cfg, world_size, cuda_available=False, this_machine=False)  # fake tensors, planned ranks
     gpt = _gpt_config(cfg)
     if not fake and world_size != 1:
         raise ValueError("a real step runs alone: world_size must be 1")

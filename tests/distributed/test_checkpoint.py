@@ -1,18 +1,22 @@
 """Checkpoints and resume on gloo ranks: bit-exact continuation in the same layout, resharding
-into another strategy or world size (checked tensor by tensor), publishing, pruning, and the
-non-finite step policy."""
+into another strategy or world size (checked tensor by tensor), every rank's RNG streams restored
+(a model with dropout), an async save writing while the next step runs, publishing, pruning, and
+the non-finite step policy."""
 
 from __future__ import annotations
 
 import json
 import os
 import pickle
+import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from distributed import run_ranks
+from torch import nn
 
 from loom.config import load_config
 from loom.errors import LoomError
@@ -191,3 +195,125 @@ def test_nonfinite_steps_are_skipped_or_stop_the_run(tmp_path):
         assert "step 3: loss nan" in message and "train.on_nonfinite = stop" in message
         assert "checkpoints/step_2" in message and "\n" not in message
     assert not (tmp_path / "stop-foreach-zero2" / "checkpoints" / "step_4").exists()
+
+
+class _Noisy(nn.Module):
+    """A tiny LM that draws from every RNG a checkpoint restores: dropout (torch's) and a scale from
+    numpy's and Python's at each forward. loom's GPT draws from none, so a bit-exact resume of it
+    cannot tell whether the states were restored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.drop, self.head = nn.Embedding(64, 32), nn.Dropout(0.5), nn.Linear(32, 64)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.embed(tokens)) * (1 + 0.1 * np.random.rand() + 0.1 * random.random())
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.head(h)
+
+
+def _noisy_loss(model, batch):
+    return F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _noisy_pair(root: str) -> dict:
+    """The noisy model for 4 steps saving at 2 and 4, then resumed from step 2 in the same run
+    directory; this rank's RNG states at step 4 and the metrics, before and after."""
+    from loom.data.loader import TokenWindows
+    from loom.train.task import Task
+
+    tokens = np.random.default_rng(0).integers(0, 64, 17 * 64)
+    task = Task(model_fn=_Noisy, loss_fn=_noisy_loss, train_data=TokenWindows(tokens, 16),
+                tokens_per_sample=16)
+    cfg = load_config(None, BASE + ["parallel.strategy=ddp", "train.steps=4", "train.ckpt_every=2"])
+    run = Path(root)
+    rng = run / "checkpoints" / "step_4" / f"rng_rank{int(os.environ['RANK'])}.json"
+    full = train(cfg, run, quiet=True, task=task).losses
+    # read before this rank resumes: step 4 is saved again only once every rank has trained it
+    before = {"rng": json.loads(rng.read_text()), "metrics": (run / "metrics.jsonl").read_text()}
+    resumed = train(cfg, run, quiet=True, task=task, resume=f"{root}/checkpoints/step_2").losses
+    after = {"rng": json.loads(rng.read_text()), "metrics": (run / "metrics.jsonl").read_text()}
+    return {"losses": (full, resumed), "before": before, "after": after}
+
+
+def _rng_and_async(root: str) -> dict:
+    """Both cases on the same two ranks (one spawn)."""
+    return {"rng": _noisy_pair(f"{root}/rng"), "async": _async_write_overlaps(f"{root}/async")}
+
+
+@pytest.fixture(scope="module")
+def rng_and_async(tmp_path_factory) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("rng_and_async")
+    return root, run_ranks(_rng_and_async, 2, str(root))
+
+
+def test_resume_restores_every_rng_stream_of_every_rank(rng_and_async):
+    """Step 4's torch, numpy and Python RNG states on each rank, resumed from step 2, are those of
+    the run never stopped (numpy's and Python's streams are each process's own: per rank), and
+    the dropout of steps 3-4 is the same: the same losses, bit for bit."""
+    _, ranks = rng_and_async
+    full, resumed = ranks[0]["rng"]["losses"]
+    assert resumed == full[2:] and len(set(full)) == 4
+    for rank, got in enumerate(r["rng"] for r in ranks):
+        for stream in ("torch", "numpy", "python"):
+            assert got["after"]["rng"][stream] == got["before"]["rng"][stream], (rank, stream)
+    assert ranks[0]["rng"]["before"]["rng"]["numpy"] != ranks[1]["rng"]["before"]["rng"]["numpy"]  # per rank
+    # metrics.jsonl: steps 1-2 kept from before the resume, 3-4 trained again; each step once
+    records = [json.loads(line) for line in ranks[0]["rng"]["after"]["metrics"].splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["loss"] for r in records] == pytest.approx(full, rel=1e-6)
+    assert ranks[0]["rng"]["before"]["metrics"].splitlines()[:2] == \
+        ranks[0]["rng"]["after"]["metrics"].splitlines()[:2]
+
+
+def _async_write_overlaps(run_dir: str) -> dict:
+    """A zero3 run saving asynchronously at step 2, whose storage writer waits (10 s at most) for
+    step 3 to start before it writes: with a background write step 3 starts at once; a save that
+    writes in the step would wait out the 10 s, step 3 not started."""
+    import threading
+    import time
+
+    from loom.train import faults
+
+    marks: dict = {"steps": {}}
+    step_3 = threading.Event()
+    at_step_start, checkpoint_writer = faults.at_step_start, faults.checkpoint_writer
+
+    def starting(step: int, rank: int) -> None:
+        marks["steps"][step] = time.perf_counter()
+        if step == 3:
+            step_3.set()
+        at_step_start(step, rank)
+
+    def slowed(step: int, rank: int, path):
+        writer = checkpoint_writer(step, rank, path)
+        if step == 2:
+            write_data = writer.write_data
+
+            def write_after_step_3(plan, planner):
+                marks["step_3_began"] = step_3.wait(timeout=10)
+                marks["written"] = time.perf_counter()
+                return write_data(plan, planner)
+
+            writer.write_data = write_after_step_3
+        return writer
+
+    faults.at_step_start, faults.checkpoint_writer = starting, slowed
+    try:
+        _train(["parallel.strategy=zero3", "train.ckpt_async=true", "train.steps=4", "train.ckpt_every=2"],
+               run_dir)
+    finally:
+        faults.at_step_start, faults.checkpoint_writer = at_step_start, checkpoint_writer
+    return marks
+
+
+def test_async_checkpoint_writes_while_the_next_step_runs(rng_and_async):
+    root, ranks = rng_and_async
+    for rank in ranks:
+        marks = rank["async"]
+        assert marks["step_3_began"], "the save of step 2 blocked the training loop: train.ckpt_async is sync"
+        assert marks["written"] > marks["steps"][3]
+    meta = checkpoint.read_meta(root / "async" / "checkpoints" / "step_2")  # published once written
+    assert meta["step"] == 2

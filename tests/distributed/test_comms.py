@@ -48,7 +48,7 @@ def _rank_cases() -> dict:
         dist.reduce_scatter_tensor(torch.empty(1, 1000), torch.ones(2, 1000), group=pair)  # in [2, 1000]
         dist.broadcast(half, src=0)
         funcol.all_reduce(x, "sum", pair).wait()
-    out["known"] = _rows(comm), comm.summary()
+    out["known"] = _rows(comm), comm.summary(), [r["dtype"] for r in comm.records]
     # The planner's ring formula replaced by nonsense: the observed quantities must not move.
     import loom.observe.collectives as comms
 
@@ -129,6 +129,7 @@ def test_known_payloads_and_counts(ranks):
     ]
     for r in ranks:
         assert r["known"][0] == rows
+        assert r["known"][2] == ["float32"] * 4 + ["float16", "float32"]  # what each one carried
         summary = r["known"][1]
         assert summary["count"] == 6 and summary["payload_bytes"] == 42000
         assert summary["modelled_wire_bytes"] == 31500

@@ -1,6 +1,7 @@
 """Config keys whose effect is not in the losses: each test asserts what the key changes (compiled
-blocks, FSDP prefetch, resharding, DDP buckets, eval points, profiler stacks), so a key that were
-silently ignored would fail here.
+blocks, FSDP prefetch, resharding and the parameters gathered between forward and backward, units,
+activation checkpointing's blocks and recomputation, bf16's gather and reduce dtypes, DDP buckets,
+eval points, profiler stacks), so a key that were silently ignored would fail here.
 
 Two spawned runs cover the structural cases, as spawning costs more than the cases: one on 2 gloo
 ranks parallelizes a 4-block GPT under each setting; one on a single rank trains a few steps per
@@ -50,8 +51,28 @@ def _all_gathers(comm) -> int:
     return sum(r["kind"] == "all_gather" for r in comm.records)
 
 
+def _fsdp_groups(model) -> list:
+    """The FSDP2 param group of every unit that holds parameters, in module order (a unit of
+    several modules, norm + head, once)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    return list({id(g): g for g in groups if g is not None}.values())
+
+
+def _gathered_bytes(model) -> int:
+    """Bytes of unsharded (all-gathered) parameters the units hold now: FSDP2 frees a resharded
+    unit's storage (size 0), so what is left allocated is what is gathered."""
+    from loom.observe.rank_memory import storage_bytes
+
+    return storage_bytes(getattr(fp, "_unsharded_param", None) for g in _fsdp_groups(model)
+                         for fp in g.fsdp_params)
+
+
 def _rank_structure() -> dict:
     """On each rank: what parallelize built under each setting, and the collectives it issues."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
     from loom.observe.collectives import CollectiveCounter
 
     out: dict = {}
@@ -75,11 +96,14 @@ def _rank_structure() -> dict:
                               *([f"parallel.reshard_after_forward={extra}"] if extra else []))
         loss = _loss(model)
         weight = model.layers[0].attention.wq.weight  # between forward and backward
+        gathered = _gathered_bytes(model)
         with CollectiveCounter() as comm:
             loss.backward()
         out[f"{strategy} reshard={extra or 'default'}"] = {
             "local_shape": tuple(getattr(weight, "_local_tensor", weight).shape),
-            "full_shape": tuple(weight.shape), "backward_all_gathers": _all_gathers(comm)}
+            "full_shape": tuple(weight.shape), "backward_all_gathers": _all_gathers(comm),
+            "gathered_bytes": gathered, "model_params": sum(q.numel() for q in model.parameters()),
+            "head_params": model.norm.weight.numel() + model.output.weight.numel()}
     block_mb = 4 * sum(q.numel() for q in model.layers[0].parameters()) / 2**20
     for label, unit_mb in (("0", 0), ("1.5 blocks", 1.5 * block_mb), ("25", 25)):
         model = _parallelized("parallel.strategy=zero3", f"parallel.fsdp_unit_mb={unit_mb}")
@@ -90,6 +114,26 @@ def _rank_structure() -> dict:
         out[f"unit_mb={label}"] = {
             "forward_all_gathers": _all_gathers(forward),
             "reduce_scatters": sum(r["kind"] == "reduce_scatter" for r in backward.records)}
+    for mode, every in (("full", 1), ("selective", 1), ("selective", 2), ("selective", 3)):
+        model = _parallelized("parallel.strategy=zero3", f"parallel.activation_checkpointing={mode}",
+                              f"parallel.ac_every={every}")
+        forwards = [0] * N_LAYERS  # each block's forward runs, recomputation in backward included
+        for i, block in enumerate(model.layers):
+            # a pre-hook: recomputation stops once it has rebuilt what backward needs, before the end
+            inner = getattr(block, "_checkpoint_wrapped_module", block)
+            inner.register_forward_pre_hook(lambda *_, i=i: forwards.__setitem__(i, forwards[i] + 1))
+        _loss(model).backward()
+        out[f"ac={mode},{every}"] = {"wrapped": [isinstance(b, CheckpointWrapper) for b in model.layers],
+                                     "forwards": forwards}
+    for strategy in ("zero2", "zero3"):
+        model = _parallelized(f"parallel.strategy={strategy}", "train.precision=bf16")
+        with CollectiveCounter() as comm:
+            _loss(model).backward()
+        groups = _fsdp_groups(model)
+        out[f"bf16 {strategy}"] = {
+            "policies": {(str(g.mp_policy.param_dtype), str(g.mp_policy.reduce_dtype)) for g in groups},
+            "units": len(groups),
+            "reduced": [(r["kind"], r["dtype"]) for r in comm.records if r["kind"] == "reduce_scatter"]}
     for bucket_mb in (25, 0.001):
         model = _parallelized("parallel.strategy=ddp", f"parallel.ddp_bucket_mb={bucket_mb}")
         _loss(model).backward()  # DDP's first backward uses its initial buckets, then rebuilds by the cap
@@ -162,6 +206,29 @@ def test_reshard_after_forward_overrides_strategy(structure, case, resharded):
     assert got["local_shape"] == ((32, 64) if resharded else (64, 64)), got
     # ... and backward all-gathers every block and the embedding again, or nothing.
     assert got["backward_all_gathers"] == (N_LAYERS + 1 if resharded else 0), got
+    # Gathered between forward and backward, per rank: the whole model (every unit stays gathered
+    # until backward) or only the head's unit, which backward needs first (fp32: 4 bytes each).
+    assert got["gathered_bytes"] == 4 * (got["head_params"] if resharded else got["model_params"]), got
+
+
+@pytest.mark.parametrize("mode,every", [("full", 1), ("selective", 1), ("selective", 2), ("selective", 3)])
+def test_activation_checkpointing_wraps_every_kth_block(structure, mode, every):
+    """full checkpoints every block, selective blocks 0, k, 2k, ... (parallel.ac_every = k); each
+    checkpointed block runs its forward a second time in backward, the others once."""
+    got = structure[f"ac={mode},{every}"]
+    wrapped = [mode == "full" or i % every == 0 for i in range(N_LAYERS)]
+    assert got["wrapped"] == wrapped, got
+    assert got["forwards"] == [2 if w else 1 for w in wrapped], got
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_bf16_gathers_in_bf16_and_reduces_gradients_in_fp32(structure, strategy):
+    """Every unit's MixedPrecisionPolicy, and the dtype each reduce-scatter really carries: one per
+    unit, in fp32 (a bf16 reduction would sum rounded gradients)."""
+    got = structure[f"bf16 {strategy}"]
+    assert got["units"] == N_LAYERS + 2  # the embedding, each block, norm + head
+    assert got["policies"] == {("torch.bfloat16", "torch.float32")}, got
+    assert got["reduced"] == [("reduce_scatter", "float32")] * got["units"], got
 
 
 @pytest.mark.parametrize("case,units", [("unit_mb=0", N_LAYERS + 2), ("unit_mb=1.5 blocks", 3),

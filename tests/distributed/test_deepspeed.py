@@ -5,7 +5,7 @@ is never whole on a rank while it is built."""
 
 from __future__ import annotations
 
-import importlib.util
+import ctypes.util
 import json
 import os
 import subprocess
@@ -18,14 +18,12 @@ import numpy as np
 import pytest
 import torch
 from distributed import run_ranks
+from optional import DEEPSPEED, require, require_module
 from safetensors.torch import load_file
 
 from loom.config import load_config
 
-if importlib.util.find_spec("deepspeed") is None:
-    if os.environ.get("LOOM_CI"):  # set by .ci/run, which installs loom[deepspeed]: never skip there
-        raise ImportError("DeepSpeed is not installed under CI; .ci/run installs loom[deepspeed]")
-    pytest.skip("DeepSpeed is not installed (pip install -e \".[deepspeed]\")", allow_module_level=True)
+require_module("deepspeed", DEEPSPEED)
 
 TINY = ["model.preset=tiny", "data.seq_len=32", "train.batch_size=8", "train.grad_accum=2", "train.steps=4",
         "data.num_workers=0", "train.log_every=100", "train.eval_batches=1"]
@@ -79,7 +77,80 @@ def test_zero_stages_match_the_torch_engine(corpus, tmp_path):
     assert config["train_micro_batch_size_per_gpu"] == 2 and config["gradient_clipping"] == 1.0
 
 
+def _engines(cases: dict[str, list[str]], corpus: str) -> dict:
+    """Each case built as `loom train` builds it (train/driver.build_training), then the backwards of
+    a step's two micro-steps (grad_accum 2): what DeepSpeed really runs (its ZeRO stage, whether its
+    optimizer partitions gradients and offloads, the Adam that steps, where the fp32 master
+    partitions live) and the gradients this rank holds after each backward."""
+    from loom.config import validate
+    from loom.data.loader import build_loaders
+    from loom.observe.rank_memory import storage_bytes
+    from loom.parallel import deepspeed_engine
+    from loom.parallel.mesh import init_distributed
+    from loom.train.driver import build_training
+    from loom.train.task import config_task
+
+    out = {}
+    for name, overrides in cases.items():
+        cfg = load_config(None, [*overrides, f'data.source="{corpus}"'])
+        d = init_distributed(lambda world: validate(cfg, world), "cpu")
+        task = config_task(cfg)
+        b = build_training(cfg, d, task)
+        engine, zero = b.model, b.model.optimizer
+        loaders = build_loaders(cfg, task.train_data, None, d.dp_mesh.get_local_rank(), d.dp_mesh.size(),
+                                False, 0)
+        batches = iter(loaders.train)
+        engine.backward(task.loss_fn(engine, next(batches)))
+        # ZeRO-1 accumulates whole gradients until the step's last micro-step; ZeRO-2 moves each
+        # into its reduce buckets at once (reduced into this rank's partition), freeing the whole ones.
+        whole = storage_bytes(q.grad for q in engine.module.parameters())
+        engine.step()  # not the boundary: DeepSpeed counts the micro-step
+        engine.backward(task.loss_fn(engine, next(batches)))
+        averaged = getattr(zero, "averaged_gradients", None) or {}  # ZeRO 1-2: this rank's partition
+        partition = sum(t.numel() for ts in averaged.values() for t in ts)
+        out[name] = {"stage": engine.zero_optimization_stage(), "zero": type(zero).__name__,
+                     "partitions_grads": getattr(zero, "partition_gradients", None),
+                     "offloads": getattr(zero, "cpu_offload", None) or getattr(zero, "offload_optimizer",
+                                                                                  None),
+                     "adam": type(b.optimizer).__name__,
+                     "masters_on": sorted({str(t.device) for t in deepspeed_engine.master_weights(engine)}),
+                     "whole_grad_bytes": whole, "partition_grads": partition, "params": b.num_params}
+    return out
+
+
+def test_engine_runs_the_stage_and_offload_it_was_asked_for(corpus):
+    """The losses cannot tell ZeRO-1 from ZeRO-2, nor an offloaded optimizer from one that is not
+    (the same AdamW either way): DeepSpeed's own engine and optimizer can. Here the accelerator is
+    the CPU, so the master partitions are on "cpu" either way; the optimizer's offload flag and its
+    CPU Adam say that it was offloaded."""
+    cpu = ["parallel.offload_optimizer=cpu"]
+    cases = {f"zero{k}{'-cpu' if off else ''}": TINY + DS + [f"parallel.strategy=zero{k}", *off]
+             for k in (1, 2, 3) for off in ([], cpu)}
+    for rank, runs in enumerate(run_ranks(_engines, 2, cases, str(corpus))):
+        psi = runs["zero1"]["params"]
+        for name, got in runs.items():
+            stage, offloaded = int(name[4]), name.endswith("-cpu")
+            assert got["stage"] == stage, (rank, name, got)
+            assert got["zero"] == "DeepSpeedZeroOptimizer" + ("_Stage3" if stage == 3 else ""), got
+            assert bool(got["offloads"]) == offloaded, (rank, name, got)
+            assert got["adam"] == ("DeepSpeedCPUAdam" if offloaded else "AdamW"), (rank, name, got)
+            assert got["masters_on"] == ["cpu"], (rank, name, got)
+            if stage < 3:
+                assert got["partitions_grads"] == (stage == 2), (rank, name, got)
+        # fp32 gradients after the first micro-step: ZeRO-1 holds them whole (4Ψ), ZeRO-2 none (in
+        # its buckets, to be reduced into its partition); after the last, both this rank's half.
+        assert runs["zero1"]["whole_grad_bytes"] == 4 * psi, runs["zero1"]
+        assert runs["zero2"]["whole_grad_bytes"] == 0, runs["zero2"]
+        assert runs["zero1"]["partition_grads"] == runs["zero2"]["partition_grads"] == psi // 2, runs
+
+
+def _require_libaio() -> None:
+    require("libaio", ctypes.util.find_library("aio") is not None,
+            "DeepSpeed's NVMe offload reads and writes through it: apt-get install libaio-dev")
+
+
 def test_offload_moves_the_states_and_changes_nothing_else(corpus, tmp_path):
+    _require_libaio()
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     zero3 = MEDIUM + DS + ["parallel.strategy=zero3"]
@@ -106,6 +177,7 @@ def test_nvme_offload_lowers_resident_memory(corpus, tmp_path):
     """The same ZeRO-3 run as two `loom train` processes, without and with the optimizer on NVMe:
     each rank's resident memory after step 2 is lower by most of the optimizer's fp32 master and
     Adam states (12 bytes a parameter, this rank's half); the rest are DeepSpeed's swap buffers."""
+    _require_libaio()
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     big = [*MEDIUM, "model.d_model=768", "model.ffn_hidden=2304", *DS, "parallel.strategy=zero3",

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
+from optional import TEST_EXTRA, require_module
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
@@ -133,8 +134,10 @@ def test_sharded_checkpoint_round_trips_exactly(zero3_run, tmp_path):
 def test_cli_exports_a_run_directorys_latest_checkpoint(zero3_run, tmp_path, capsys):
     run_dir, state = zero3_run
     out = tmp_path / "model.safetensors"
-    out.write_bytes(b"an older export")  # replaced whole
-    assert main(["export", str(run_dir), str(out)]) == 0
+    out.write_bytes(b"an older export")  # replaced whole, as --overwrite asks (without it: refused)
+    assert main(["export", str(run_dir), str(out)]) == 2
+    assert out.read_bytes() == b"an older export"
+    assert main(["export", str(run_dir), str(out), "--overwrite"]) == 0
     assert f"wrote {out}" in capsys.readouterr().out
     _assert_same(load_file(out), state)
 
@@ -182,7 +185,7 @@ def test_a_failed_write_leaves_the_previous_output(zero3_run, tmp_path, monkeypa
 
     monkeypatch.setattr(safetensors.torch, "save_file", crash)
     with pytest.raises(OSError, match="disk full"):
-        export(run_dir, out, "loom")
+        export(run_dir, out, "loom", overwrite=True)
     assert out.read_bytes() == b"previous"
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
 
@@ -200,7 +203,7 @@ def _loom_logits(state: dict[str, torch.Tensor], gpt: GPTConfig, tokens: torch.T
 
 @pytest.mark.parametrize("fixture", ["zero3_run", "tied_run"])
 def test_hf_layout_gives_loom_logits(fixture, request, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers", TEST_EXTRA)
     run_dir, state = request.getfixturevalue(fixture)
     tied = fixture == "tied_run"
     out = tmp_path / "model.safetensors"
@@ -220,7 +223,7 @@ def test_hf_layout_gives_loom_logits(fixture, request, tmp_path):
 
 def test_hf_conversion_keeps_rope_theta_and_grouped_heads():
     """Beyond the trained presets: RoPE θ 500000 over 64 positions, 4 query heads sharing 1 KV head."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers", TEST_EXTRA)
     gpt = GPTConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1, ffn_hidden=96,
                     max_seq_len=64, rope_theta=500000.0, norm_eps=1e-6, tie_embeddings=True)
     model = build_model(gpt, "cpu")
@@ -241,7 +244,7 @@ def test_hf_conversion_keeps_rope_theta_and_grouped_heads():
 
 def test_hf_layout_exports_a_lost_tie_as_the_untied_model_that_was_trained(tied_run):
     """Configured tied but holding two different matrices: lm_head is written, the config untied."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers", TEST_EXTRA)
     from loom.train.checkpoint import read_meta
 
     run_dir, state = tied_run

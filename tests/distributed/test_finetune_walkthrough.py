@@ -12,12 +12,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
+from optional import TEST_EXTRA, require_module
 
-pytest.importorskip("transformers")
-pytest.importorskip("datasets")
-
-import transformers  # noqa: E402
+transformers = require_module("transformers", TEST_EXTRA)
+require_module("datasets", TEST_EXTRA)
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["--set", "model.init_from=models/tiny-llama", "--set", "data.source=data/sft.jsonl",

@@ -14,14 +14,15 @@ import functools
 from pathlib import Path
 
 import pytest
+from optional import TEST_EXTRA, require_module
 
-pytest.importorskip("transformers")
+require_module("transformers", TEST_EXTRA)  # before test_hf_llama, which needs it too
 
-import test_strategies as S
-from distributed import run_ranks
-from test_hf_llama import _example
+import test_strategies as S  # noqa: E402
+from distributed import run_ranks  # noqa: E402
+from test_hf_llama import _example  # noqa: E402
 
-from loom.train.driver import train
+from loom.train.driver import train  # noqa: E402
 
 WINDOW = 8  # attention window, shorter than the 31 input positions of test_strategies.SEQ
 WEIGHT_RTOL = 1e-4

@@ -8,14 +8,14 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import torch
-
-pytest.importorskip("transformers")
-
 import test_strategies as S
+import torch
 from distributed import run_ranks
+from optional import TEST_EXTRA, require_module
 
 from loom.train.driver import train
+
+require_module("transformers", TEST_EXTRA)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_llama.py"
 

@@ -12,17 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
-pytest.importorskip("transformers")
-
-import transformers
 from distributed import run_ranks
+from optional import DEEPSPEED, TEST_EXTRA, require_module
 
 from loom.config import load_config, validate
 from loom.data.loader import GlobalBatchSampler
 from loom.errors import LoomError
 from loom.train.driver import build_training, train
 from loom.train.task import config_task
+
+transformers = require_module("transformers", TEST_EXTRA)
 
 SEQ, BATCH = 32, 4
 LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -98,7 +97,7 @@ LAYOUTS = [("ddp", 2, ()), ("zero3", 2, ()), ("hsdp", 4, ("parallel.dp_replicate
                          ids=["ddp", "zero3", "hsdp-2x2", "tp2", "tp2xzero3-dp2", "deepspeed-zero3"])
 def test_llama_logits_equal_transformers(corpus, llama_dir, strategy, world, extra):
     if "parallel.engine=deepspeed" in extra:
-        pytest.importorskip("deepspeed")
+        require_module("deepspeed", DEEPSPEED)
     cfg = _config(corpus, llama_dir, f"parallel.strategy={strategy}", *extra)
     tokens = _first_batch(cfg)[:, :-1]
     expected = _hf_logits(llama_dir, tokens)

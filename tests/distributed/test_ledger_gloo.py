@@ -1,4 +1,5 @@
-"""The step ledger of a real 2-rank gloo DDP trace."""
+"""The step ledger of real 2-rank gloo traces: a DDP loop, and a loop whose compute, all-reduce
+and idle time are also measured from outside the profiler."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ def _profiled_ddp(out_dir: str) -> int:
     from torch import nn
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
@@ -39,8 +39,56 @@ def _profiled_ddp(out_dir: str) -> int:
     return rank
 
 
-def test_real_gloo_ddp_trace(tmp_path):
-    run_ranks(_profiled_ddp, 2, str(tmp_path))
+def _timed_loop(out_dir: str) -> dict:
+    """A loop whose parts are timed from outside the profiler: matmuls (compute), a blocking
+    all-reduce of 4 MB (communication: nothing in flight after it returns), a 30 ms sleep (idle:
+    nothing computing, communicating or loading). 5 iterations, 3 of them recorded."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    rank = dist.get_rank()
+    a, grad = torch.randn(192, 192), torch.ones(2**20)
+    marks: dict[int, dict] = {}
+    path = os.path.join(out_dir, f"trace_rank{rank}.json")
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 schedule=schedule(wait=1, warmup=1, active=3),
+                 on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+        for i in range(5):
+            start = time.perf_counter()
+            for _ in range(40):
+                a = torch.tanh(a @ a)
+            computed = time.perf_counter()
+            dist.all_reduce(grad)
+            reduced = time.perf_counter()
+            time.sleep(0.03)
+            ended = time.perf_counter()  # the profiler's step window ends as prof.step() is called
+            prof.step()
+            marks[i] = {"wall_ms": 1000 * (ended - start), "compute_ms": 1000 * (computed - start),
+                        "comm_ms": 1000 * (reduced - computed)}
+    return marks
+
+
+def _profiled(out_dir: str) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    _profiled_ddp(os.path.join(out_dir, "ddp"))
+    return _timed_loop(os.path.join(out_dir, "timed"))
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    root = tmp_path_factory.mktemp("traces")
+    for name in ("ddp", "timed"):
+        (root / name).mkdir()
+    return root, run_ranks(_profiled, 2, str(root))
+
+
+def test_real_gloo_ddp_trace(traces):
+    tmp_path = traces[0] / "ddp"
     out = analyze_dir(tmp_path)
     assert sorted(out["ranks"]) == ["0", "1"] and out["warnings"] == []
     params = 16 * 32 + 32 + 32 * 4 + 4
@@ -60,3 +108,26 @@ def test_real_gloo_ddp_trace(tmp_path):
         for c in led["collectives"]:
             assert c["enqueue_us"] <= c["start_us"] < c["end_us"]
         assert led["top_ops"] and len(led["top_ops"]) <= 20
+
+
+def test_ledger_against_clocks_outside_the_profiler(traces):
+    """The partition of each step against independent bounds, not only its own sum (idle is the
+    remainder, so compute + communication + IO + idle = wall holds whatever the ledger gets
+    wrong): the step's wall within 10 ms of the loop's own clock (about 100 ms), compute within the
+    matmuls' span, exposed communication within the all-reduce call's, idle at least the sleep."""
+    root, ranks = traces
+    out = analyze_dir(root / "timed")
+    for rank, marks in enumerate(ranks):
+        steps = out["ranks"][str(rank)]["steps"]
+        assert [s["step"] for s in steps] == [2, 3, 4]
+        for s in steps:
+            m = marks[s["step"]]
+            assert abs(s["wall_ms"] - m["wall_ms"]) <= 10, (s, m)
+            assert 0.5 * m["compute_ms"] <= s["compute_ms"] <= m["compute_ms"] + 1, (s, m)
+            assert 0 < s["comm_exposed_ms"] <= m["comm_ms"] + 1, (s, m)
+            assert s["idle_ms"] >= 0.95 * 30, (s, m)
+            assert s["io_ms"] == 0, s
+        reduces = [c for c in out["ranks"][str(rank)]["collectives"] if c["kind"] == "all_reduce"]
+        assert [(c["step"], c["bytes"]) for c in reduces] == [(n, 4 * 2**20) for n in (2, 3, 4)]
+        for c in reduces:  # the recorder's span of the collective lies within the call that waited for it
+            assert c["duration_ms"] <= marks[c["step"]]["comm_ms"] + 1, (c, marks[c["step"]])

@@ -1,5 +1,6 @@
 """Each pipeline schedule (GPipe, 1F1B, interleaved) on gloo ranks against a single-process reference:
-the loss and every gradient, and gradients that accumulate over two steps."""
+the loss and every gradient, gradients that accumulate over two steps, and the order in which each
+rank runs its micro-batches' forwards and backwards (which is all that tells the schedules apart)."""
 
 from __future__ import annotations
 
@@ -54,14 +55,32 @@ def _rank_pipeline(schedule_name: str, pp: int, virtual: int, n_layers: int, mic
                               microbatches, cross_entropy)
     tokens = _batch(cfg)
     is_first, is_last = 0 in indices, num_stages - 1 in indices
+    order: list[str] = []  # this rank's micro-batch forwards (F) and backwards (B)
+    for stage in stages:
+        stage.register_forward_pre_hook(lambda *_: order.append("F"))
+        next(stage.parameters()).register_hook(lambda grad: order.append("B"))  # once per backward
 
     def step() -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         loss = pipeline_step(schedule, tokens[:, :-1], tokens[:, 1:], is_first, is_last)
         return loss, {n: p.grad.clone() for s in stages for n, p in s.named_parameters()}
 
     loss, grads = step()
+    order.clear()  # the first step also runs each stage once to infer the shapes it passes on
     _, accumulated = step()  # no zero_grad: gradients must add up, as in gradient accumulation
-    return loss, grads, accumulated
+    return loss, grads, accumulated, "".join(order)
+
+
+def _order(schedule: str, rank: int, pp: int, virtual: int, m: int) -> str:
+    """What pipeline rank `rank` runs in one step, a forward (F) and a backward (B) per micro-batch
+    and stage: GPipe every forward, then every backward; 1F1B w = pp − rank forwards (its warmup of
+    pp − 1 − rank, and the first steady one), then a backward and a forward in turn, then the last w
+    backwards; interleaved the same over its v stages, with torch's warmup of (v − 1) × the
+    micro-batches per round + 2(pp − 1 − rank)."""
+    if schedule == "gpipe":
+        return "F" * m + "B" * m
+    per_round = m // max(1, m // pp)
+    w = pp - rank if schedule == "1f1b" else (virtual - 1) * per_round + 2 * (pp - 1 - rank) + 1
+    return "F" * w + "BF" * (virtual * m - w) + "B" * w
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -76,15 +95,17 @@ def test_schedule_matches_single_process(schedule: str, virtual: int, n_layers: 
     ref_loss, ref_grads = _reference(n_layers)
     results = run_ranks(_rank_pipeline, pp, schedule, pp, virtual, n_layers, microbatches)
 
-    losses = [loss for loss, _, _ in results]
+    losses = [loss for loss, _, _, _ in results]
     assert losses[0] is None  # only the last stage's rank has the loss
     assert abs(losses[-1].item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
 
     seen: set[str] = set()
-    for _, grads, accumulated in results:
+    for _, grads, accumulated, _ in results:
         assert not seen & grads.keys()  # each parameter lives on one rank
         seen |= grads.keys()
         for name, grad in grads.items():
             assert _rel(grad, ref_grads[name]) < RTOL, name
             assert _rel(accumulated[name], 2 * ref_grads[name]) < RTOL, name
     assert seen == ref_grads.keys()
+    assert [order for _, _, _, order in results] == [_order(schedule, r, pp, virtual, microbatches)
+                                                     for r in range(pp)]

@@ -10,6 +10,10 @@ reduce-scatter ending backward) and the vocab-parallel loss — tiny shapes, 10%
 runs the presets tiny to 1b's shape: 0.96-1.02 of the plan but tiny ddp × tp2 with full checkpointing,
 1.18, whose blocks' backward temporaries the plan leaves out.)
 
+Several FSDP2 units (`units`: the tiny preset is one unit at the default fsdp_unit_mb, where zero2 and
+zero3 hold the same) make zero3's peak and all-gathers those of resharding: zero3 run as zero2 fails
+here; the two layouts where the plan's peak misses are marked (PLAN_MISSES).
+
 The plan leaves out the loop's few-byte collectives (mean loss, gradient norm, loss parallel's
 per-token statistics: all-reduces; DDP's rebuilt bucket order in step 2: broadcasts). So
 all-gather, reduce-scatter, send and recv must match exactly, all-reduce and broadcast may
@@ -28,14 +32,29 @@ from loom.config import load_config
 from loom.parallel.mesh import shutdown
 from loom.train.driver import train
 
+# Several FSDP2 units whose parameters outweigh the activations (the tiny preset is one unit at the
+# default fsdp_unit_mb, where zero2 and zero3 hold the same): a unit each for the embedding and the
+# head (8 MB: a vocabulary of 8192) and for 4 blocks of 2.4 MB. Between forward and backward zero2
+# keeps every unit gathered, zero3 only the head's: their peaks and all-gathers differ.
+BLOCKS = ("parallel.fsdp_unit_mb=0", "model.n_layers=4", "model.d_model=256", "model.n_heads=4",
+          "model.ffn_hidden=512", "data.seq_len=32", "train.batch_size=4")
+UNITS = (*BLOCKS, "model.vocab_size=8192")
+# Where the plan misses today (strict: a fixed planner makes these pass, and the marks must go):
+# zero2's head backward (others gathered, the head's reduce-scatter buffers): measured 1.27 of the
+# plan; with the blocks outweighing the head, a block's backward (it gathered, the next prefetched,
+# its gradients reduce-scattering), which the plan has no moment for: zero3 1.89 of the plan.
+PLAN_MISSES = pytest.mark.xfail(strict=True, raises=AssertionError, reason="activation peak above the plan")
 CASES = [
     ("ddp", 2, ()), ("zero1", 2, ()), ("zero2", 2, ()), ("zero3", 2, ("train.grad_accum=2",)),
     ("hsdp", 4, ("parallel.dp_replicate=2", "parallel.dp_shard=2")),
     ("zero3", 2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
     ("ddp", 4, ("parallel.tp=2", "parallel.activation_checkpointing=full")),
     ("zero3", 2, ("parallel.pp=2",)),
+    pytest.param("zero2", 2, UNITS, marks=PLAN_MISSES), ("zero3", 2, UNITS),
+    pytest.param("zero3", 2, BLOCKS, marks=PLAN_MISSES),
 ]
-IDS = ["ddp", "zero1", "zero2", "zero3-accum2", "hsdp-2x2", "tp2-sp", "tp2xddp-ac", "pp2"]
+IDS = ["ddp", "zero1", "zero2", "zero3-accum2", "hsdp-2x2", "tp2-sp", "tp2xddp-ac", "pp2", "zero2-units",
+       "zero3-units", "zero3-blocks"]
 EXACT = ("all_gather", "reduce_scatter", "send", "recv")  # only the plan's collectives issue these
 EXTRA = 0.005  # the unplanned few-byte collectives, as a share of the rank's planned payload
 

@@ -1,10 +1,12 @@
 """loom's own profiling: per-rank gzip traces with loom's phase ranges, and the always-on light
-ledger (data / forward / backward / optimizer seconds per step in metrics.jsonl)."""
+ledger (data / forward / backward / optimizer seconds per step in metrics.jsonl, backward the
+longer of the two)."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -48,16 +50,24 @@ def test_profiled_run_writes_traces_and_analyzes(corpus, tmp_path):
 
 
 def test_light_ledger_in_metrics(corpus, tmp_path):
-    cfg = _config(corpus, "train.grad_accum=2")
+    # the small preset's width at 128 tokens: matmuls, not per-op overhead, take most of its forward
+    # and backward (2 of its 4 blocks, to keep the test short)
+    cfg = _config(corpus, "train.grad_accum=2", "model.preset=small", "model.n_layers=2", "data.seq_len=128")
     run_ranks(_rank, 1, cfg, str(tmp_path))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 6  # every step, the last one included
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # every step, the last one included
     for r in records[1:]:
         phases = r["data_s"] + r["forward_s"] + r["backward_s"] + r["optimizer_s"]
         assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["optimizer_s"] > 0 and r["data_s"] > 0
         # the phases cover the step (the rest is the loss read-back and bookkeeping)
         assert 0.5 * r["step_time_s"] <= phases <= 1.01 * r["step_time_s"], r
         assert r["pipeline_s"] == 0
+    # Backward does twice forward's matmul FLOPs (the gradients of the inputs and of the weights):
+    # over the steady steps, the timer that says backward must have measured the longer phase
+    # (measured on 2 loaded cores: 1.7 times forward's).
+    steady = records[1:]
+    forward, backward = (statistics.median(r[k] for r in steady) for k in ("forward_s", "backward_s"))
+    assert backward > forward, (forward, backward)
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks
+from optional import DEEPSPEED, TEST_EXTRA, require_module
 
 from loom.config import load_config
 from loom.train.driver import train
 
-pytest.importorskip("datasets")
+require_module("datasets", TEST_EXTRA)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ LAYOUTS = [("zero3", 2, ("train.grad_accum=2",)), ("ddp", 2, ("parallel.tp=2",))
 @pytest.mark.parametrize("strategy,world,extra", LAYOUTS, ids=["zero3-accum2", "tp2", "pp2", "deepspeed"])
 def test_sft_losses_do_not_depend_on_the_layout(sft_data, reference, strategy, world, extra):
     if "parallel.engine=deepspeed" in extra:
-        pytest.importorskip("deepspeed")
+        require_module("deepspeed", DEEPSPEED)
     losses = run_ranks(_losses, world, _config(sft_data, f"parallel.strategy={strategy}", *extra))[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=2e-5, atol=0)
     assert reference[-1] < reference[0]

@@ -1,7 +1,7 @@
 """Stopping a run as a user or a scheduler does (issue 16): SIGTERM or Ctrl-C to `loom train`
 checkpoints the step every rank agreed on, prints one line, exits 143 / 130, and `--resume auto`
-continues to the same losses as a run never stopped; SIGKILL of the launcher leaves no rank
-running."""
+continues to the same losses as a run never stopped; a signal to one rank alone stops every rank
+at one step; SIGKILL of the launcher leaves no rank running."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 from slurm import job_with_free_port, srun_task, stub_scontrol
 
 from loom.launch import free_port
+from loom.train import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 300
@@ -99,6 +100,46 @@ def test_signal_checkpoints_and_resume_continues_the_same_run(tmp_path, referenc
     assert sorted(losses) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
         assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7), s
+
+
+def _rank_pid(run: Path, rank: int) -> int:
+    """The process of rank `rank` (torchrun gives it RANK in its environment)."""
+    for pid in _alive(run):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no process of rank {rank}: {_alive(run)}")
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_one_step(tmp_path):
+    """SIGTERM to rank 1 alone (a scheduler signalling one node's processes, a user's kill): the
+    ranks agree on the stop, so both stop after the same step with one checkpoint of it. Ranks
+    that stopped on their own would wait in different collectives (one saving, one training)
+    until the 30 s collective timeout."""
+    run = tmp_path / "run"
+    proc = _train(run, "--set", "train.collective_timeout_s=30")
+    try:
+        _started(run, proc)
+        os.kill(_rank_pid(run, 1), signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:  # hung: the ranks die with their launcher
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    match = re.fullmatch(r"loom: interrupted \(SIGTERM\) at step (\d+); checkpoint (\S+); continue with: .*",
+                         line)
+    assert match, err[-3000:]
+    step = int(match.group(1))
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [f"step_{step}"]
+    assert checkpoint.read_meta(run / "checkpoints" / f"step_{step}")["step"] == step
+    assert sorted(_losses(run)) == list(range(1, step + 1))  # no step past the agreed one
+    assert json.loads((run / "stopped.json").read_text())["step"] == step
+    assert not _alive(run)
 
 
 def test_killed_launcher_leaves_no_rank_running(tmp_path):

@@ -1,7 +1,11 @@
 """Every data-parallel strategy against a single-process reference, on spawned gloo ranks.
 
-Same global batch, same seed: per-step losses and the final gathered weights must match the
-plain loop within 1e-5 relative; measured model-state bytes must match the strategy's formula.
+Same global batch, same seed: per-step losses, gradient norms and the final gathered weights must
+match the plain loop within 1e-5 relative; measured model-state bytes must match the strategy's
+formula; a step's gradient collectives are one sync per optimizer step (grad_accum = 2). The tiny
+model is one FSDP2 unit at the default parallel.fsdp_unit_mb (25 MB), where zero2 and zero3 hold
+the same: the `units` cases (fsdp_unit_mb = 0) give the embedding, each block and norm + head their
+own unit.
 """
 
 from __future__ import annotations
@@ -40,7 +44,14 @@ def _next_token_loss(model, batch: torch.Tensor) -> torch.Tensor:
 
 
 def reference(cfg: Config, task=None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The plain single-process loop: no wrappers, no process group. `task` brings another model."""
+    """The plain single-process loop: no wrappers, no process group. `task` brings another model.
+    Returns the per-step losses and the final weights (`reference_run`: the gradient norms too)."""
+    losses, _, state = reference_run(cfg, task)
+    return losses, state
+
+
+def reference_run(cfg: Config, task=None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """The plain loop's per-step losses, gradient norms (before clipping) and final weights."""
     t = cfg.train
     torch.manual_seed(t.seed)
     if task is None:
@@ -58,7 +69,7 @@ def reference(cfg: Config, task=None) -> tuple[list[float], dict[str, torch.Tens
                             eps=t.eps, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t))
     micro_batches = iter(sampler)
-    losses = []
+    losses, norms = [], []
     for _ in range(t.steps):
         opt.zero_grad()
         total = 0.0
@@ -67,16 +78,16 @@ def reference(cfg: Config, task=None) -> tuple[list[float], dict[str, torch.Tens
             loss = loss_fn(model, batch)
             (loss / t.grad_accum).backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item())
         opt.step()
         sched.step()
         losses.append(total / t.grad_accum)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _rank_train(cfg: Config):
     r = train(cfg, None, return_state=True, quiet=True)
-    return r.losses, r.state_dict, r.memory
+    return r.losses, r.state_dict, r.memory, r.grad_norms
 
 
 @functools.cache
@@ -85,14 +96,30 @@ def _run(corpus: Path, strategy: str, world: int, extra: tuple[str, ...] = ()):
 
 
 @functools.cache
+def _reference_run(corpus: Path, extra: tuple[str, ...] = ()):
+    return reference_run(make_config(corpus, "ddp", *extra))
+
+
 def _reference(corpus: Path, extra: tuple[str, ...] = ()):
-    return reference(make_config(corpus, "ddp", *extra))
+    losses, _, state = _reference_run(corpus, extra)
+    return losses, state
 
 
-def assert_matches_reference(results, ref_losses, ref_state) -> None:
-    for rank, (losses, state, _) in enumerate(results):
+def _reference_norms(corpus: Path, extra: tuple[str, ...] = ()) -> list[float]:
+    return _reference_run(corpus, extra)[1]
+
+
+def assert_matches_reference(results, ref_losses, ref_state, ref_norms=None) -> None:
+    """`results`: per rank (losses, state, memory[, grad norms]); the norms are compared when
+    `ref_norms` is given (a loss scaled wrong, or a norm taken on one rank's shard, shows there:
+    Adam and clipping would hide it from the weights)."""
+    for rank, (losses, state, *rest) in enumerate(results):
         rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
         assert len(losses) == STEPS and max(rel) < RTOL, f"rank {rank} losses {losses} vs {ref_losses}"
+        if ref_norms is not None:
+            norms = rest[1]
+            rel = [abs(a - b) / b for a, b in zip(norms, ref_norms)]
+            assert len(norms) == STEPS and max(rel) < RTOL, f"rank {rank} grad norms {norms} vs {ref_norms}"
         assert state.keys() == ref_state.keys()
         for name, ref in ref_state.items():
             err = (state[name] - ref).norm() / ref.norm()
@@ -101,14 +128,35 @@ def assert_matches_reference(results, ref_losses, ref_state) -> None:
     assert ref_losses[-1] < ref_losses[0]
 
 
-CASES = [("ddp", 2, ()), ("zero1", 2, ()), ("zero2", 2, ()), ("zero3", 2, ()),
-         ("hsdp", 4, ("parallel.dp_replicate=2", "parallel.dp_shard=2"))]
+UNITS = "parallel.fsdp_unit_mb=0"  # a unit per block (and the embedding, norm + head)
+HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2")
+CASES = [("ddp", 2, ()), ("zero1", 2, ()), ("zero2", 2, ()), ("zero3", 2, ()), ("hsdp", 4, HSDP),
+         ("zero2", 2, (UNITS,)), ("zero3", 2, (UNITS,)), ("hsdp", 4, (*HSDP, UNITS))]
+CASE_IDS = [s + ("-units" if UNITS in extra else "") for s, _, extra in CASES]
 
 
-@pytest.mark.parametrize("strategy,world,extra", CASES, ids=[c[0] for c in CASES])
+def grad_syncs_per_step(strategy: str, extra: tuple[str, ...]) -> dict[str, int]:
+    """A step's all-reduces and reduce-scatters with gradients synced once, by hand: DDP (ddp,
+    zero1) all-reduces its one bucket (the tiny model's 0.5 MB is under DDP's first, 1 MB bucket);
+    FSDP2 reduce-scatters each unit (1, or 4 with `units`), hsdp all-reduces it across the replicas
+    too. The loop adds the mean loss's all-reduce, and under FSDP2 the gradient norm's (over shards).
+    Syncing every micro-step (grad_accum = 2) doubles the gradients' share."""
+    if strategy in ("ddp", "zero1"):
+        return {"all_reduce": 1 + 1}
+    units = 4 if UNITS in extra else 1
+    return {"reduce_scatter": units, "all_reduce": (units if strategy == "hsdp" else 0) + 2}
+
+
+@pytest.mark.parametrize("strategy,world,extra", CASES, ids=CASE_IDS)
 def test_strategy_matches_single_process(corpus, strategy, world, extra):
     ref_losses, ref_state = _reference(corpus)
-    assert_matches_reference(_run(corpus, strategy, world, extra), ref_losses, ref_state)
+    results = _run(corpus, strategy, world, extra)
+    assert_matches_reference(results, ref_losses, ref_state, _reference_norms(corpus))
+    # The collectives of step 2, as each rank observed them (CollectiveCounter in the driver).
+    want = grad_syncs_per_step(strategy, extra)
+    for rank, m in enumerate(results[0][2]):
+        got = {kind: m["comm_by_kind"].get(kind, {}).get("count", 0) for kind in want}
+        assert got == want, (rank, m["comm_by_kind"])
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -122,6 +170,10 @@ def test_activation_checkpointing_same_losses_lower_peak(corpus, mode):
     peaks_ac = [m["peak_bytes"] for m in with_ac[0][2]]
     peaks_plain = [m["peak_bytes"] for m in plain[0][2]]
     assert all(a < 0.95 * p for a, p in zip(peaks_ac, peaks_plain)), (peaks_ac, peaks_plain)
+    if mode == "selective":  # block 0 of the 2 checkpointed, block 1's kept: full's peak is 0.89 of this
+        full = _run(corpus, "zero3", 2, ("parallel.activation_checkpointing=full", "parallel.ac_every=2"))
+        peaks_full = [m["peak_bytes"] for m in full[0][2]]
+        assert all(f < 0.95 * a for f, a in zip(peaks_full, peaks_ac)), (peaks_full, peaks_ac)
 
 
 TP_CASES = [("zero3", 2, ("parallel.tp=2",)),
@@ -137,7 +189,7 @@ TP_IDS = ["tp2", "tp2-sp", "tp2xzero3-dp2", "tp2xddp-dp2-ac", "tp2xhsdp-2x1", "t
 def test_tensor_parallel_matches_single_process(corpus, strategy, world, extra):
     ref_losses, ref_state = _reference(corpus)
     results = _run(corpus, strategy, world, extra)
-    assert_matches_reference(results, ref_losses, ref_state)
+    assert_matches_reference(results, ref_losses, ref_state, _reference_norms(corpus))
     # TP divides every split parameter by tp (and FSDP then by dp): the formula within 1%.
     memory = results[0][2]
     shard = {"zero3": world // 2, "ddp": 1, "hsdp": 1, "zero1": world // 2}[strategy]
@@ -149,7 +201,7 @@ def test_tensor_parallel_matches_single_process(corpus, strategy, world, extra):
 
 PP_CASES = [
     ("zero3", 2, ("parallel.pp=2", "parallel.pp_schedule=gpipe")),
-    ("zero3", 2, ("parallel.pp=2", "parallel.pp_schedule=1f1b")),
+    ("zero3", 2, ("parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.microbatches=4")),
     ("zero3", 2, ("parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
                   "model.n_layers=4")),
     ("ddp", 4, ("parallel.pp=2",)),
@@ -158,7 +210,7 @@ PP_CASES = [
     ("zero3", 8, ("parallel.pp=2", "parallel.tp=2")),
     ("zero2", 2, ("parallel.pp=2", "parallel.activation_checkpointing=full")),
 ]
-PP_IDS = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2xddp-dp2", "pp2xzero1-dp2", "pp2xtp2",
+PP_IDS = ["pp2-gpipe", "pp2-1f1b-m4", "pp2-interleaved", "pp2xddp-dp2", "pp2xzero1-dp2", "pp2xtp2",
           "pp2xdp2xtp2", "pp2-zero2-ac"]
 
 
@@ -169,12 +221,14 @@ def test_pipeline_parallel_matches_single_process(corpus, strategy, world, extra
     ref_losses, ref_state = _reference(corpus, model_extra)
     results = _run(corpus, strategy, world, extra)
     merged = {}
-    for _, state, _ in results:
+    for _, state, _, _ in results:
         merged.update(state)
-    assert_matches_reference([(losses, merged, mem) for losses, _, mem in results], ref_losses, ref_state)
+    # The gradient norm adds every stage's squares (the pp group): each rank reports the whole model's.
+    assert_matches_reference([(losses, merged, mem, norms) for losses, _, mem, norms in results], ref_losses,
+                             ref_state, _reference_norms(corpus, model_extra))
     tp = 2 if "parallel.tp=2" in extra else 1
     dp = world // (2 * tp)
-    for rank, (_, state, memory) in enumerate(results):
+    for rank, (_, state, memory, _) in enumerate(results):
         assert len(state) < len(ref_state)  # a stage, not the whole model
         stage_params = sum(ref_state[name].numel() for name in state)
         replicated = (sum(ref_state[name].numel() for name in state if ref_state[name].ndim == 1) if tp > 1
@@ -185,12 +239,20 @@ def test_pipeline_parallel_matches_single_process(corpus, strategy, world, extra
         assert abs(got - expected.total) <= 0.01 * expected.total, (rank, got, expected)
         # the step's peak is measured under a pipeline too: model states plus activations
         assert memory[rank]["peak_bytes"] > got, memory[rank]
+        # Each micro-step runs parallel.microbatches (default pp) micro-batches through the stages:
+        # every boundary between two stages carries one activation forward and one gradient back
+        # per micro-batch, and 2 ranks share the pp·v − 1 boundaries' sends.
+        m = int(next((e.split("=")[1] for e in extra if e.startswith("parallel.microbatches=")), 2))
+        v = 2 if "parallel.pp_virtual_stages=2" in extra else 1
+        assert memory[rank]["comm_by_kind"]["send"]["count"] == (2 * v - 1) * m * ACCUM, memory[rank]
 
 
-MEMORY_CASES = [(s, n, ()) for s in ("ddp", "zero1", "zero2", "zero3") for n in (2, 4)] + [CASES[-1]]
+MEMORY_CASES = [(s, n, ()) for s in ("ddp", "zero1", "zero2", "zero3") for n in (2, 4)] + [
+    ("hsdp", 4, HSDP), ("zero2", 2, (UNITS,)), ("zero3", 2, (UNITS,))]
+MEMORY_IDS = [f"{s}-{n}" + ("-units" if UNITS in extra else "") for s, n, extra in MEMORY_CASES]
 
 
-@pytest.mark.parametrize("strategy,world,extra", MEMORY_CASES, ids=[f"{c[0]}-{c[1]}" for c in MEMORY_CASES])
+@pytest.mark.parametrize("strategy,world,extra", MEMORY_CASES, ids=MEMORY_IDS)
 def test_model_state_bytes_match_formula(corpus, strategy, world, extra):
     """params, grads and optimizer bytes held per rank = 16Ψ, 8Ψ+8Ψ/N, 16Ψ/N, ... (within 1%)."""
     memory = _run(corpus, strategy, world, extra)[0][2]
@@ -236,18 +298,27 @@ def test_no_gradient_sync_on_non_final_micro_steps(strategy, reduce_op):
     assert on.get(reduce_op, 0) >= 1, on
 
 
-PRECISION_CASES = [("zero3", "bf16"), ("ddp", "bf16"), ("zero2", "fp16"), ("ddp", "fp16")]
+PRECISION_CASES = [("zero3", "bf16", 2, ()), ("ddp", "bf16", 2, ()), ("zero1", "bf16", 2, ()),
+                   ("hsdp", "bf16", 4, HSDP), ("zero2", "fp16", 2, ()), ("ddp", "fp16", 2, ())]
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 
 
 def _rank_train_counting_matmul_dtypes(cfg: Config):
     """Train, recording the dtype of the inputs of every matrix multiply the step runs (forward
-    and backward), as the kernels see them: below autocast and FSDP's parameter casts."""
+    and backward), as the kernels see them: below autocast and FSDP's parameter casts; the dtypes
+    the gradient collectives (all-reduce, reduce-scatter) carry; and each loss-scaler unscale: the
+    scale, and the gradient norm before and after it."""
     from collections import Counter
 
+    from torch.amp import GradScaler
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from loom.observe.collectives import CollectiveCounter
+    from loom.train.optim import clip_grad_norm
+
     seen: Counter = Counter()
+    unscales: list[tuple[float, float, float]] = []
 
     class MatmulDtypes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -255,28 +326,55 @@ def _rank_train_counting_matmul_dtypes(cfg: Config):
                 seen[str(args[-1].dtype).removeprefix("torch.")] += 1
             return func(*args, **(kwargs or {}))
 
-    with MatmulDtypes():
+    def recorded(unscale):
+        def unscale_(self, optimizer):
+            params = [q for g in optimizer.param_groups for q in g["params"]]
+            before = clip_grad_norm(params, 0.0).item()  # max_norm 0: the norm, nothing clipped
+            unscale(self, optimizer)
+            unscales.append((self.get_scale(), before, clip_grad_norm(params, 0.0).item()))
+        return unscale_
+
+    for scaler in (GradScaler, ShardedGradScaler):  # FSDP2's has an unscale_ of its own
+        scaler.unscale_ = recorded(scaler.unscale_)
+    with MatmulDtypes(), CollectiveCounter() as comm:
         losses = train(cfg, None, quiet=True).losses
-    return losses, dict(seen)
+    # floating point ones: the run's integer all-reduces are its ranks agreeing (stop, checkpoint)
+    reduced = sorted({r["dtype"] for r in comm.records
+                      if r["kind"] in ("all_reduce", "reduce_scatter") and "float" in r["dtype"]})
+    return losses, dict(seen), reduced, unscales
 
 
-@pytest.mark.parametrize("strategy,precision", PRECISION_CASES, ids=[f"{s}-{p}" for s, p in PRECISION_CASES])
-def test_mixed_precision_computes_in_low_precision_and_tracks_fp32(corpus, strategy, precision):
-    """The matmuls really run in bf16/fp16 (a run that silently stayed in fp32 fails), and the
-    losses stay within what low precision costs on this model (measured 1e-4 to 6e-4 relative)."""
+@pytest.mark.parametrize("strategy,precision,world,extra", PRECISION_CASES,
+                         ids=[f"{s}-{p}" for s, p, _, _ in PRECISION_CASES])
+def test_mixed_precision_computes_in_low_precision_and_tracks_fp32(corpus, strategy, precision, world, extra):
+    """The matmuls really run in bf16/fp16 (a run that silently stayed in fp32 fails), gradients
+    are reduced in fp32 (FSDP2's reduce_dtype; DDP's fp32 gradients under autocast), fp16 scales
+    its loss, and the losses stay within what low precision costs on this model (measured 1e-4 to
+    6e-4 relative)."""
     ref_losses, _ = _reference(corpus)
-    losses, dtypes = run_ranks(_rank_train_counting_matmul_dtypes, 2,
-                               make_config(corpus, strategy, f"train.precision={precision}"))[0]
+    cfg = make_config(corpus, strategy, f"train.precision={precision}", *extra)
+    losses, dtypes, reduced, unscales = run_ranks(_rank_train_counting_matmul_dtypes, world, cfg)[0]
     low = dtypes.get(precision.replace("bf16", "bfloat16").replace("fp16", "float16"), 0)
     assert low >= 0.95 * sum(dtypes.values()) and low > 0, dtypes
+    assert reduced == ["float32"], reduced
+    if precision == "fp16":
+        # One unscale a step, at GradScaler's initial 2^16 (no overflow in 4 steps, no growth before
+        # 2000): the backward ran on the scaled loss, so its gradients were 2^16 times the true ones.
+        assert [scale for scale, _, _ in unscales] == [2.0**16] * STEPS, unscales
+        for scale, before, after in unscales:
+            assert before == pytest.approx(scale * after, rel=1e-5), unscales
+    else:
+        assert unscales == [], unscales  # bf16 keeps fp32's exponent range: nothing to scale
     drift = [abs(a - b) / b for a, b in zip(losses, ref_losses)]
     assert 1e-6 < max(drift) < 2e-3, (drift, losses, ref_losses)
     assert losses[-1] < losses[0]
 
 
 def test_fp32_runs_every_matmul_in_fp32(corpus):
-    _, dtypes = run_ranks(_rank_train_counting_matmul_dtypes, 2, make_config(corpus, "zero3"))[0]
+    cfg = make_config(corpus, "zero3")
+    _, dtypes, reduced, unscales = run_ranks(_rank_train_counting_matmul_dtypes, 2, cfg)[0]
     assert set(dtypes) == {"float32"} and dtypes["float32"] > 0, dtypes
+    assert reduced == ["float32"] and unscales == [], (reduced, unscales)
 
 
 def _rank_eval(cfg: Config) -> float | None:

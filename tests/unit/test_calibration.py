@@ -1,5 +1,6 @@
 """The planner against published training runs (loom/plan/published.py): every row within ±20%,
-the rows' models and conversions true to their sources, and docs/calibration.md current."""
+and within ±25% when held out of the fit; the rows' models and conversions true to their
+sources, and docs/calibration.md current."""
 
 from __future__ import annotations
 
@@ -88,3 +89,21 @@ def test_constants_are_the_fit():
     got = {"A100": efficiency.A100, "H100": efficiency.H100, "D0_SCALE": efficiency.D0_SCALE,
            "LINK": efficiency.LINK}
     assert got == pytest.approx(values, rel=0.01)
+
+
+def test_rows_held_out_of_the_fit_within_25_percent():
+    """Out of sample: each row priced by the constants fitted to the other rows (5 folds, row i in
+    fold i mod 5, each fit from mid-range constants). ±25%: the ±20% band of the in-sample check
+    plus the 5% the constants move when a fifth of the rows is withheld. Measured: worst 0.768
+    (row 30, torchtitan's cross-node FSDP, 0.833 in sample), rms log ratio 0.108 against 0.098 in
+    sample: no row is priced well only because the constants were fitted to it."""
+    import math
+    import statistics
+
+    held = bench().held_out()
+    assert sorted(held) == list(range(1, len(ROWS) + 1))
+    outside = {n: round(q, 3) for n, q in held.items() if not 0.75 <= q <= 1.25}
+    assert not outside, f"held-out rows outside ±25%: {outside}"
+    rms = math.sqrt(statistics.fmean(math.log(q) ** 2 for q in held.values()))
+    in_sample = math.sqrt(statistics.fmean(math.log(r.planned() / r.tokens_per_s) ** 2 for r in ROWS))
+    assert rms <= 1.25 * in_sample, (rms, in_sample)

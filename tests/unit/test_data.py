@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from loom.checked import translated
+from loom.data import sources, token_files
 from loom.data.corpus import load_tokens, resolve_source
 from loom.data.loader import (
     GlobalBatchSampler,
@@ -20,6 +22,7 @@ from loom.data.loader import (
 )
 from loom.data.tokenizer import BPETokenizer, ByteTokenizer, _chunks, make_tokenizer
 from loom.errors import ConfigError, LoomError
+from loom.hf_config import MAX_VOCAB
 
 SAMPLE = "def add(a, b):\n    return a + b\n\n# héllo wörld — ünïcode ✓ 日本語\n" * 40
 
@@ -82,6 +85,76 @@ def test_bad_sources_raise_one_line_errors(tmp_path: Path):
     (tmp_path / "emptydir").mkdir()
     one_line_error(LoomError, load_tokens, str(tmp_path / "emptydir"))
     one_line_error(ConfigError, load_tokens, str(tmp_path / "empty.txt"), tokenizer_kind="wordpiece")
+
+
+def test_blank_sources_name_nothing_never_the_working_directory(tmp_path: Path, monkeypatch):
+    (tmp_path / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----")
+    monkeypatch.chdir(tmp_path)
+    for spec in ("", "  ", "\t"):
+        assert "names no file" in one_line_error(LoomError, resolve_source, spec)
+        assert "names no file" in one_line_error(LoomError, sources.resolve, spec)
+
+
+def test_folders_skip_hidden_files_and_folders(tmp_path: Path):
+    for name in ("a.txt", "sub/b.txt", ".hidden.txt", ".git/config", ".ssh/id_rsa", "sub/.cache/c.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    assert resolve_source(str(tmp_path)) == [tmp_path / "a.txt", tmp_path / "sub" / "b.txt"]
+    assert sources.resolve(str(tmp_path)).files == (tmp_path / "a.txt", tmp_path / "sub" / "b.txt")
+
+
+def test_links_may_stay_inside_a_folder_or_glob_never_leave_it(tmp_path: Path):
+    corpus, home = tmp_path / "corpus", tmp_path / "home"
+    corpus.mkdir()
+    home.mkdir()
+    (corpus / "a.txt").write_text("aa")
+    (corpus / "again.txt").symlink_to(corpus / "a.txt")  # inside: read like any file
+    assert resolve_source(str(corpus)) == [corpus / "a.txt", corpus / "again.txt"]
+    (home / "id_rsa").write_text("secret")
+    (corpus / "b.txt").symlink_to(home / "id_rsa")
+    for spec in (str(corpus), str(corpus / "*.txt"), str(corpus / "**" / "b*")):
+        msg = one_line_error(LoomError, resolve_source, spec)
+        assert "b.txt links outside" in msg and "id_rsa" in msg
+        one_line_error(LoomError, sources.resolve, spec)
+    assert len(resolve_source(str(tmp_path / "*" / "*"))) == 4  # the glob's folder holds home/ too
+    (corpus / "b.txt").unlink()
+    (corpus / "linked").symlink_to(home, target_is_directory=True)  # a linked folder is not entered
+    assert resolve_source(str(corpus)) == [corpus / "a.txt", corpus / "again.txt"]
+    assert resolve_source(str(home / "id_rsa")) == [home / "id_rsa"]  # a file named itself: the user's choice
+    repo = tmp_path / "hub" / "datasets--org--notes"  # a Hub cache snapshot: links into ../../blobs
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "9f2c").write_text("notes")
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "snapshots" / "abc" / "notes.txt").symlink_to(Path("..") / ".." / "blobs" / "9f2c")
+    assert resolve_source(str(repo / "snapshots" / "abc")) == [repo / "snapshots" / "abc" / "notes.txt"]
+
+
+def test_check_ids_finds_the_id_and_its_position_in_any_chunk(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(token_files, "_CHECK_CHUNK", 10)  # several chunks for 35 ids
+    tokens = np.arange(35, dtype=np.int32) % 7
+    token_files.check_ids(tokens, 7, "t", "fix")
+    for position, bad, shown in ((0, 7, "7"), (23, 9, "9"), (34, -1, "-1"), (12, 2**31 - 1, "2147483647")):
+        broken = tokens.copy()
+        broken[position] = bad
+        msg = one_line_error(LoomError, token_files.check_ids, broken, 7, "t", "fix")
+        assert f"token id {shown} (at position {position})" in msg and "0..6" in msg
+    floats = tokens.astype(np.float32)
+    assert "float32" in one_line_error(LoomError, token_files.check_ids, floats, 7, "t", "fix")
+    token_files.check_ids(np.zeros(0, dtype=np.uint16), 7, "t", "fix")
+
+
+def test_open_npy_refuses_what_is_not_a_list_of_ids(tmp_path: Path):
+    np.save(tmp_path / "ok.npy", np.arange(5, dtype=np.uint16))
+    assert token_files.open_npy(tmp_path / "ok.npy", "fix").tolist() == [0, 1, 2, 3, 4]
+    np.save(tmp_path / "2d.npy", np.zeros((2, 2), dtype=np.uint16))
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with open(tmp_path / "zip.npy", "wb") as f:
+        np.savez(f, a=np.zeros(2))
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "ok.npy").read_bytes()[:-4])
+    for name, said in (("2d", "shape [2, 2]"), ("obj", "Python objects"), ("zip", "archive"),
+                       ("cut", "readable"), ("missing", "readable")):
+        msg = one_line_error(LoomError, token_files.open_npy, tmp_path / f"{name}.npy", "fix it")
+        assert name in msg and said in msg and msg.endswith("fix it")
 
 
 # ---------------------------------------------------------------- .bin token files
@@ -313,3 +386,48 @@ def test_loader_workers_match_in_process_loading():
         assert torch.equal(a, b)
     one_line_error(ConfigError, make_loader, ds, GlobalBatchSampler(len(ds), 8, 0, 1, 1, SEED),
                    -1, None, False)
+
+
+class _FailingWindows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 37:
+            raise LoomError("window 37 of the data is damaged; fix it")
+        return torch.zeros(9, dtype=torch.long)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_worker_loom_error_reaches_the_user_as_its_one_line(num_workers: int):
+    sampler = GlobalBatchSampler(64, 8, 0, 1, 1, SEED, num_steps=8)
+    with pytest.raises(LoomError) as info:
+        list(make_loader(_FailingWindows(), sampler, num_workers, prefetch_factor=2, pin_memory=False))
+    assert str(info.value) == "window 37 of the data is damaged; fix it"
+
+
+# ---------------------------------------------------------------- third-party errors
+
+
+def test_bpe_vocab_beyond_any_model_is_refused_before_the_trainer_allocates(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(BPETokenizer, "_train", lambda *a: pytest.fail("the trainer ran"))
+    msg = one_line_error(ConfigError, BPETokenizer, SAMPLE, MAX_VOCAB + 1, tmp_path)
+    assert f"{MAX_VOCAB + 1:,}" in msg and "at most" in msg
+
+
+def test_library_errors_and_rust_panics_are_one_line_but_interrupts_are_not():
+    PanicException = type("PanicException", (BaseException,), {})  # pyo3's, as tokenizers raises it
+
+    def raising(error: BaseException):
+        with translated("training the tokenizer failed", "use a smaller vocabulary"):
+            raise error
+
+    msg = one_line_error(LoomError, raising, PanicException("capacity overflow\nbacktrace…"))
+    assert msg == ("training the tokenizer failed (the library panicked: PanicException: capacity "
+                   "overflow); use a smaller vocabulary")
+    msg = one_line_error(LoomError, raising, Exception("data did not match any variant"))
+    assert msg == "training the tokenizer failed (data did not match any variant); use a smaller vocabulary"
+    with pytest.raises(KeyboardInterrupt):
+        raising(KeyboardInterrupt())
+    with pytest.raises(LoomError, match="^mine$"):
+        raising(LoomError("mine"))  # already one line: passed through as it is

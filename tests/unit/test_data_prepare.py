@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fuzz import bounded
 
 from loom.cli import main
 from loom.config import Config
@@ -182,6 +183,66 @@ def test_bad_prepare_inputs_are_one_line(tmp_path: Path, tokenizer_json: Path, c
     cfg.data.source, cfg.data.format = str(out), "sft"
     with pytest.raises(LoomError, match="SFT data is tokenized at the start of the run"):
         build_run_data(cfg)
+
+
+def _prepare(tmp_path: Path, out: Path, docs: list[str] | None = None, **kwargs) -> dict:
+    if docs is not None:
+        write_jsonl(tmp_path / "a.jsonl", docs)
+    return prepare(str(tmp_path / "a.jsonl"), out, workers=1, cache_dir=tmp_path / "cache", progress=None,
+                   **kwargs)
+
+
+def test_a_damaged_index_or_shard_is_one_line_naming_the_file(tmp_path: Path, tokenizer_json: Path):
+    out, docs = tmp_path / "out", texts(12)
+    good = _prepare(tmp_path, out, docs, shard_docs=4, tokenizer=str(tokenizer_json))
+    vocab, first = good["vocab_size"], good["shards"][0]["num_tokens"]
+
+    def refused(edit, said: str, shard_file: str | None = None, array=None) -> None:
+        index = json.loads(json.dumps(good))
+        edit(index)
+        (out / INDEX_FILE).write_text(json.dumps(index))
+        saved = (out / shard_file).read_bytes() if shard_file else b""
+        if shard_file:
+            np.save(out / shard_file, array)
+        try:
+            with pytest.raises(LoomError) as info:
+                load_prepared(out)
+        finally:
+            if shard_file:
+                (out / shard_file).write_bytes(saved)
+        assert "\n" not in str(info.value) and said in str(info.value), str(info.value)
+
+    refused(lambda i: i.update(format="v0"), "index.json: format must be one of 'loom-prepared-v1'")
+    refused(lambda i: i.update(eos_id=vocab), f"eos_id must be an integer in [0, {vocab - 1}], got {vocab}")
+    refused(lambda i: i.update(vocab_size=100_000), "dtype must be wide enough for vocab_size 100000")
+    refused(lambda i: i["shards"][0].update(tokens=7), "shards[0].tokens must be a string, got 7 (int)")
+    refused(lambda i: i["shards"].append("x"), "shards must be a list of objects")
+    refused(lambda i: (i["shards"][0].update(num_tokens=3), i.update(num_tokens=i["num_tokens"] - first + 3)),
+            f"shard_00000.tokens.npy has {first} tokens but index.json says 3")
+    starts = np.load(out / "shard_00001.docs.npy")
+    refused(lambda i: None, "shard_00001.docs.npy does not hold rising document starts",
+            "shard_00001.docs.npy", starts[::-1].copy())
+    refused(lambda i: None, "shard_00001.docs.npy has 3 documents but index.json says 4",
+            "shard_00001.docs.npy", starts[:3].copy())
+    (out / INDEX_FILE).write_text(json.dumps(good))
+    tokens, _ = load_prepared(out)[0].streams()
+    assert np.asarray(tokens).tolist() == expected_stream(docs)  # put back: read as before
+
+
+def test_a_rerun_with_a_damaged_job_file_is_one_line(tmp_path: Path):
+    out = tmp_path / "out"
+    _prepare(tmp_path, out, texts(6), shard_docs=3)
+    (out / INDEX_FILE).unlink()  # as a killed run leaves it
+    job = json.loads((out / "prepare.json").read_text())
+    for edit, said in (({"num_docs": 10**18}, "num_docs = 1000000000000000000, but the source has 6"),
+                       ({"dtype": "int8"}, "dtype must be one of 'uint16', 'uint32'"),
+                       ({"shard_docs": None}, "another source, tokenizer, text field or shard size")):
+        (out / "prepare.json").write_text(json.dumps(job | edit))
+        with pytest.raises(LoomError, match=said), bounded(seconds=60):  # never a loop over 10¹⁸ documents
+            _prepare(tmp_path, out, shard_docs=3)
+    (out / "prepare.json").write_bytes(b"\xff")
+    with pytest.raises(LoomError, match="prepare.json is not UTF-8 text"):
+        _prepare(tmp_path, out, shard_docs=3)
 
 
 def test_token_dtype_fits_the_vocabulary():

@@ -4,6 +4,7 @@ packing, SFT masks, streaming and the bad inputs — all on data made here (no n
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,44 @@ def test_hf_tokenizer_eos_vocab_and_auto(tmp_path: Path, tokenizer_json: Path):
     assert resolve_tokenizer("auto", tmp_path) == "byte"  # a model folder without a tokenizer.json
     assert resolve_tokenizer("bpe", model) == "bpe"
     assert resolve_tokenizer(str(model), None) == model / "tokenizer.json"
+    assert "names no file" in one_line(ConfigError, resolve_tokenizer, " ", model)  # never the working dir
+
+
+def test_hf_vocabulary_is_the_largest_id_plus_one_whatever_the_tokenizer_reports(tmp_path: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "hello": 2, "sky": 999}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert tok.get_vocab_size() == 4  # what the library reports: a count, not the largest id + 1
+    (tmp_path / "gaps").mkdir()
+    tok.save(str(tmp_path / "gaps" / "tokenizer.json"))
+    gaps = HFTokenizer(tmp_path / "gaps" / "tokenizer.json")
+    assert gaps.vocab_size == 1000 and gaps.encode("hello sky").tolist() == [2, 999]
+    doc = json.loads((tmp_path / "gaps" / "tokenizer.json").read_text())
+    doc["added_tokens"] = [{"id": 1500, "content": "<|im_end|>", "single_word": False, "lstrip": False,
+                            "rstrip": False, "normalized": False, "special": True}]
+    (tmp_path / "gaps" / "tokenizer.json").write_text(json.dumps(doc))  # the library gives it id 4
+    added = HFTokenizer(tmp_path / "gaps" / "tokenizer.json")
+    assert added.vocab_size == 1000 and added.encode("sky <|im_end|>").tolist() == [999, 4]
+
+
+def test_tokenizer_files_are_read_through_the_checked_boundary(tmp_path: Path, tokenizer_json: Path):
+    folder = tmp_path / "tok"
+    path = write_tokenizer(folder)
+    for settings, said in (({"eos_token": ["</s>"]}, "eos_token must be a string, got ['</s>'] (list)"),
+                           ({"eos_token": {"content": 5}}, "eos_token.content must be a string"),
+                           ({"chat_template": 7}, "chat_template must be a string, got 7 (int)"),
+                           ({"chat_template": [{"name": "default"}]}, "chat_template[0].template is missing"),
+                           ([1, 2], "must be a JSON object (a mapping), got list")):
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+        msg = one_line(LoomError, HFTokenizer, path)
+        assert "tokenizer_config.json" in msg and said in msg, msg
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"},
+                                                             "chat_template": [{"name": "default",
+                                                                                "template": "{{ 1 }}"}]}))
+    assert HFTokenizer(path).chat_template == "{{ 1 }}"
+    (folder / "chat_template.jinja").write_bytes(b"{{ 1 }}\xff")
+    assert "chat_template.jinja is not UTF-8" in one_line(LoomError, HFTokenizer, path)
 
 
 def test_auto_tokenizer_follows_the_model_folder(tmp_path: Path):
@@ -377,7 +416,7 @@ def test_bad_inputs_are_one_line(tmp_path: Path, tokenizer_json: Path):
     write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "hi", "completion": "fine"}, {"prompt": "hello"}])
     msg = one_line(LoomError, build_run_data,
                    config(tmp_path, str(tmp_path / "sft.jsonl"), tokenizer_json, format="sft"))
-    assert "record 2 of" in msg and "'completion'" in msg
+    assert "sft.jsonl line 2 has no" in msg and "'completion'" in msg
     write_jsonl(tmp_path / "sft2.jsonl", [{"prompt": "hi"}])
     msg = one_line(ConfigError, build_run_data,
                    config(tmp_path, str(tmp_path / "sft2.jsonl"), tokenizer_json, format="sft"))
@@ -405,7 +444,7 @@ def test_bad_inputs_are_one_line(tmp_path: Path, tokenizer_json: Path):
     write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     msg = one_line(LoomError, build_run_data,
                    config(tmp_path, str(tmp_path / "chat.jsonl"), tokenizer_json, format="sft"))
-    assert "record 1" in msg and "assistant" in msg
+    assert "chat.jsonl line 1" in msg and "assistant" in msg
     msg = one_line(ConfigError, build_run_data, config(tmp_path, str(tmp_path / "a.jsonl"), "bpe"))
     assert "bpe" in msg and "tokenizer.json" in msg
     typo = [{"source": str(tmp_path / "a.jsonl"), "wieght": 2}]
@@ -419,3 +458,152 @@ def test_bad_inputs_are_one_line(tmp_path: Path, tokenizer_json: Path):
     msg = one_line(ConfigError, build_run_data,
                    config(tmp_path, str(tmp_path / "docs.txt"), tokenizer_json, streaming=True))
     assert "data.streaming" in msg
+
+
+# ---------------------------------------------------------------- chat templates, in bounds
+
+
+CHATML = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+          "{{ '<|im_start|>' ~ m['role'] ~ '\\n' ~ m.content|trim ~ '<|im_end|>' }}"
+          "{{ '' if loop.last else '\\n' }}"
+          "{% if m.tool_calls is defined %}{{ m.tool_calls|tojson }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant %d' % ns.n }}{% endif %}")
+CONVERSATION = [{"role": "user", "content": " hello "},
+                {"role": "assistant", "content": "hi", "tool_calls": [{"name": "f", "arguments": {"x": 1}}]}]
+
+
+def test_chat_templates_render_as_jinja_does_within_the_bounds():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from loom.data.chat_template import ChatTemplate
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    plain = env.from_string(CHATML)  # as Hugging Face renders it: tojson keeps the keys' order
+    ours = ChatTemplate(CHATML, {"eos_token": "</s>"}, "tokenizer_config.json")
+    for gen in (False, True):
+        expected = plain.render(messages=CONVERSATION, add_generation_prompt=gen)
+        assert ours.render(CONVERSATION, gen, "record 1") == expected
+    assert ours.render(CONVERSATION, True, "r").endswith("<|im_start|>assistant 2")
+
+
+@pytest.mark.parametrize("template, said", [
+    ("{% set ns = namespace(s='xy') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "more than 1,048,576 characters"),
+    ("{% set ns = namespace(s='x' * 600000) %}{% set t = ns.s ~ ns.s %}{{ t|length }}",
+     "joins a value of more than 1,048,576 characters with ~"),
+    ("{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set ns.l = ns.l + ns.l %}{% endfor %}",
+     "more than 1,048,576 characters"),
+    ("{{ ('y' * 1000).replace('', 'x' * 100000) }}", "could make up to 100,000,000 characters"),
+    ("{{ 'a'|indent(10**8) }}", "could make up to 100,000,000 characters"),
+    ("{{ '%*d' % (10**8, 1) }}", "widths adding up to 100,000,001"),
+    ("{{ '{:>99999999}'.format(1) }}", "widths adding up to 100,000,000"),
+    ("{{ 10 ** 100000 }}", "computes 10 ** 100000"),
+    ("{{ [messages] * 10**6 }}", "repeats a value 1,000,000 times"),
+    ("{% for i in range(60000) %}{{ 'abcdefghijklmnopqrst' }}{% endfor %}", "renders more than 1,048,576"),
+    ("{{ (range(99999)|map('string')|list)|join('x' * 1000) }}", "could make up to"),
+    ("{% macro m(n) %}{{ m(n + 1) }}{% endmacro %}{{ m(0) }}", "(RecursionError"),
+    ("{{ raise_exception('roles must alternate') }}", "(TemplateError: roles must alternate)"),
+    ("{{ ''.__class__.__mro__ }}", "fails on"),  # the sandbox: an unsafe attribute is undefined
+    ("{{ messages.append(1) }}", "(SecurityError"),
+])
+def test_a_template_past_a_bound_is_one_line_naming_its_file_and_the_record(template: str, said: str):
+    from loom.data.chat_template import ChatTemplate
+
+    start = time.perf_counter()
+    with pytest.raises(LoomError) as info:
+        ChatTemplate(template, {}, "/m/tokenizer_config.json").render(CONVERSATION, False,
+                                                                      "/d/chat.jsonl line 3")
+    message = str(info.value)
+    assert message.startswith("/m/tokenizer_config.json: the chat template ") and "\n" not in message
+    assert "/d/chat.jsonl line 3" in message and said in message, message
+    assert time.perf_counter() - start < 1.5  # refused before the work, not after it
+
+
+def test_a_runaway_template_is_stopped_and_a_callers_timer_survives(monkeypatch: pytest.MonkeyPatch):
+    import signal
+
+    from loom.data import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.2)
+    loop = "{% for i in range(100000) %}{% for c in messages[0].content * 100 %}{% endfor %}{% endfor %}"
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 30)
+    try:
+        start = time.perf_counter()
+        with pytest.raises(LoomError, match="runs longer than 0.2 s on record 1"):
+            chat_template.ChatTemplate(loop, {}, "t.jinja").render(CONVERSATION, False, "record 1")
+        assert time.perf_counter() - start < 1.5
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 25 < left <= 30 and not fired  # the caller's timer: put back with what was left of it
+        assert signal.getsignal(signal.SIGALRM) is not chat_template._expired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_compile_errors_name_the_template_file(tmp_path: Path):
+    from loom.data.chat_template import ChatTemplate
+
+    compile_error = r"^t.jinja: the chat template does not compile \("
+    with pytest.raises(LoomError, match=compile_error + "TemplateSyntaxError"):
+        ChatTemplate("{% for %}", {}, "t.jinja")
+    with pytest.raises(LoomError, match=compile_error):  # nested too deep: RecursionError
+        ChatTemplate("{% if 1 %}" * 2000 + "x" + "{% endif %}" * 2000, {}, "t.jinja")
+
+
+# ---------------------------------------------------------------- the tokenizing cache, damaged
+
+
+def test_a_damaged_tokenizing_cache_is_one_line_saying_to_delete_it(tmp_path: Path, tokenizer_json: Path):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts(30)])
+    cfg = config(tmp_path, str(tmp_path / "a.jsonl"), tokenizer_json)
+    expected = all_tokens(build_run_data(cfg))
+    assert all_tokens(build_run_data(cfg)) == expected  # read back from the cache
+    (tokens_file,) = (tmp_path / "cache" / "tokens").glob("*.tokens.npy")
+    key = tokens_file.name.removesuffix(".tokens.npy")
+    good = np.load(tokens_file)
+    for damaged, said in ((np.where(good == EOS, len(VOCAB) + 5, good), f"holds token id {len(VOCAB) + 5}"),
+                          (good[:-3], "but the arrays beside it hold")):
+        np.save(tokens_file, damaged.astype(good.dtype))
+        msg = one_line(LoomError, build_run_data, cfg)
+        assert said in msg and f"delete {tmp_path / 'cache' / 'tokens' / key}.*" in msg, msg
+    np.save(tokens_file, good)
+    assert all_tokens(build_run_data(cfg)) == expected
+
+
+def test_a_bare_null_line_is_one_line_not_a_crash(tmp_path: Path):
+    """pyarrow's JSON reader segfaults on a block that starts with `null`: loom finds the line first
+    (in a child process, so that a regression crashes it, not the test session)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "a.jsonl").write_text('\n  null\n{"text": "the cat"}\n')
+    code = ("from pathlib import Path; from loom.data.records import open_records; "
+            "from loom.data.sources import resolve; from loom.errors import LoomError\n"
+            f"try: open_records(resolve({str(tmp_path / 'a.jsonl')!r}), Path({str(tmp_path)!r}))\n"
+            "except LoomError as e: print(e)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = f"{tmp_path / 'a.jsonl'} line 2 is null, not a JSON object (a record); fix or remove it"
+    assert done.stdout.strip() == said
+
+
+# ---------------------------------------------------------------- where a record is
+
+
+def test_a_record_is_named_by_its_file_and_line(tmp_path: Path):
+    from loom.data.records import record_places
+    from loom.data.sources import resolve
+
+    folder = tmp_path / "records"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "x"}\n\n  \n{"text": "y"}\n')  # blank lines are not records
+    (folder / "b.jsonl").write_text('{"text": "z"}\n{"text": "w"}\n')
+    place = record_places(resolve(str(folder)))
+    assert [place(i) for i in range(4)] == [f"{folder / 'a.jsonl'} line 1", f"{folder / 'a.jsonl'} line 4",
+                                            f"{folder / 'b.jsonl'} line 1", f"{folder / 'b.jsonl'} line 2"]
+    assert place(9) == f"record 10 of {folder}"
+    write_parquet(tmp_path / "p.parquet", [{"text": "a"}] * 3)
+    assert record_places(resolve(str(tmp_path / "p.parquet")))(2) == f"row 3 of {tmp_path / 'p.parquet'}"

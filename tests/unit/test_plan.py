@@ -232,7 +232,7 @@ def test_bad_hf_config(tmp_path, capsys):
     assert "is not valid JSON" in capsys.readouterr().err
     bad.write_text(json.dumps({"hidden_size": 64}))
     assert main(["plan", str(bad)]) == 2
-    assert "lacks positive integer field(s)" in capsys.readouterr().err
+    assert "config.json: vocab_size is missing; it must be an integer in [1, " in capsys.readouterr().err
 
 
 def test_catalog_covers_required_gpus():

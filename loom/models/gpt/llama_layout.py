@@ -71,7 +71,7 @@ def hf_state_dict(tensors: dict[str, torch.Tensor], gpt: GPTConfig) -> dict[str,
 
 
 def hf_config(gpt: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A `LlamaConfig` (config.json) for the same model."""
+    """A `LlamaConfig` (config.json) for the same model: loom.hf_config reads it back as this GPT."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -92,29 +92,3 @@ def hf_config(gpt: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
         "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-
-
-def gpt_from_hf(config: dict) -> tuple[GPTConfig | None, str]:
-    """loom's GPT for a Hugging Face decoder config when it expresses that model exactly, else
-    (None, why not)."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or config.get("rope_theta", 10000.0)
-    d, heads = config["hidden_size"], config["num_attention_heads"]
-    reasons = {
-        "architecture": config.get("model_type") not in ("llama", "mistral"),
-        "biases": bool(config.get("attention_bias") or config.get("mlp_bias")),
-        f"rope_type {rope_type}": rope_type != "default",
-        "a sliding window": config.get("sliding_window") is not None,
-        f"activation {config.get('hidden_act')}": config.get("hidden_act", "silu") != "silu",
-        "its head_dim": config.get("head_dim", d // heads) != d // heads,
-    }
-    why = [reason for reason, present in reasons.items() if present]
-    if why:
-        return None, ", ".join(why)
-    return GPTConfig(vocab_size=config["vocab_size"], d_model=d, n_layers=config["num_hidden_layers"],
-                     n_heads=heads, n_kv_heads=config.get("num_key_value_heads") or heads,
-                     ffn_hidden=config["intermediate_size"],
-                     max_seq_len=config.get("max_position_embeddings", 2048), rope_theta=float(theta),
-                     norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                     tie_embeddings=bool(config.get("tie_word_embeddings", False))), ""

@@ -1,0 +1,197 @@
+"""A Hugging Face decoder's `config.json` as typed, range-checked values, and where a model
+folder's files may link to. Torch-free: `loom plan --model config.json` reads it too.
+
+Every place loom reads a config.json reads it here (model.init_from in loom/models/pretrained.py,
+the model a run trains in loom/train/task.py, the planner's loom/plan/shapes.py), so a string
+where a number belongs, a NaN epsilon, `"false"` as a boolean or 20000 layers is one line naming
+the file and the field, before anything is sized from it. Sizes have upper bounds well above any
+released model, so that nothing is allocated from an absurd one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from loom.checked import Fields, read_json
+from loom.models.gpt.config import GPTConfig
+
+MAX_BYTES = 1 << 20  # a config.json is a few KB
+MAX_VOCAB = 1 << 22
+MAX_WIDTH = 1 << 17  # hidden_size, head_dim
+MAX_FFN = 1 << 20
+MAX_LAYERS = 1024
+MAX_POSITIONS = 1 << 22  # loom's GPT keeps a RoPE table of this many rows
+DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# rope_scaling / rope_parameters fields (transformers' rope_config_validation): finite and > 0.
+_ROPE_POSITIVE = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                  "attention_factor")
+_FIX = "it is damaged or not a decoder's config.json"
+_BOOL = "write true or false (JSON booleans, without quotes)"
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """The fields of a Llama/Mistral/Qwen2-style config.json that loom uses, checked; `raw` is the
+    whole file (what transformers builds the model from, and what a checkpoint records)."""
+
+    source: str
+    raw: dict
+    model_type: str
+    architectures: tuple[str, ...]
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    head_dim: int
+    max_position_embeddings: int | None
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    attention_dropout: float
+    sliding_window: int | None
+    hidden_act: str
+    dtype: str | None
+
+    def gpt(self) -> tuple[GPTConfig | None, str]:
+        """loom's GPT when it expresses this model exactly, else (None, why not)."""
+        d, heads = self.hidden_size, self.num_attention_heads
+        reasons = {
+            "architecture": self.model_type not in ("llama", "mistral"),
+            "biases": self.attention_bias or self.mlp_bias,
+            f"rope_type {self.rope_type}": self.rope_type != "default",
+            "a sliding window": self.sliding_window is not None,
+            f"activation {self.hidden_act}": self.hidden_act != "silu",
+            "its head_dim": d % heads != 0 or self.head_dim != d // heads,
+            "attention dropout": self.attention_dropout > 0,  # loom's GPT has none
+        }
+        why = [reason for reason, present in reasons.items() if present]
+        if why:
+            return None, ", ".join(why)
+        return GPTConfig(vocab_size=self.vocab_size, d_model=d, n_layers=self.num_hidden_layers,
+                         n_heads=heads, n_kv_heads=self.num_key_value_heads,
+                         ffn_hidden=self.intermediate_size, max_seq_len=self.max_position_embeddings or 2048,
+                         rope_theta=self.rope_theta,
+                         norm_eps=self.rms_norm_eps, tie_embeddings=self.tie_word_embeddings), ""
+
+
+def read_hf_config(path: Path, source: str | Path | None = None) -> HFConfig:
+    """`path` (a config.json) read and checked; any fault is one line naming the file and field."""
+    return hf_config_from(read_json(Path(path), source, max_bytes=MAX_BYTES), source or path)
+
+
+def hf_config_from(raw: object, source: str | Path) -> HFConfig:
+    """A config.json's parsed content (or one a checkpoint recorded), checked."""
+    doc = Fields(raw, source)
+
+    def given(key: str) -> bool:  # config.json writes null for an unset optional field
+        return doc.raw.get(key) is not None
+
+    def need(key: str, most: int) -> int:
+        return doc.int(key, min=1, max=most, fix=_FIX)
+
+    def size(key: str, most: int, default: int | None = None) -> int | None:
+        return need(key, most) if given(key) else default
+
+    vocab = need("vocab_size", MAX_VOCAB)
+    hidden = need("hidden_size", MAX_WIDTH)
+    layers = need("num_hidden_layers", MAX_LAYERS)
+    heads = need("num_attention_heads", hidden)
+    kv = size("num_key_value_heads", heads, heads)
+    if heads % kv:
+        raise doc.error("num_key_value_heads", f"a divisor of num_attention_heads ({heads})", kv, _FIX)
+    head_dim = size("head_dim", MAX_WIDTH, hidden // heads)
+    if head_dim % 2 and given("head_dim"):
+        raise doc.error("head_dim", "even (RoPE rotates pairs)", head_dim, _FIX)
+    if head_dim % 2:
+        raise doc.error("hidden_size", f"a multiple of 2 × num_attention_heads = {2 * heads} (RoPE rotates "
+                                       f"pairs within each head)", hidden, _FIX)
+    if given("layer_types"):  # Qwen2: each layer's attention
+        kinds = doc.list("layer_types", of=str, max_len=MAX_LAYERS)
+        if len(kinds) != layers or any(k not in LAYER_TYPES for k in kinds):
+            raise doc.error("layer_types", f"a list of {layers} of {', '.join(LAYER_TYPES)}", kinds, _FIX)
+    if given("pad_token_id"):  # the embedding's padding row
+        doc.int("pad_token_id", min=0, max=vocab - 1, fix=_FIX)
+    if given("use_sliding_window"):
+        doc.bool("use_sliding_window", fix=_BOOL)
+    if given("max_window_layers"):
+        doc.int("max_window_layers", min=0, max=MAX_LAYERS, fix=_FIX)
+    dtype = None
+    for key in ("torch_dtype", "dtype"):  # transformers 5 writes dtype, older releases torch_dtype
+        if given(key):
+            dtype = doc.str(key, choices=DTYPES)
+    rope_theta, rope_type = _rope(doc)
+    return HFConfig(
+        source=str(source), raw=doc.raw, model_type=doc.str("model_type", default=""),
+        architectures=tuple(doc.list("architectures", of=str, max_len=64)) if given("architectures") else (),
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, intermediate_size=need("intermediate_size", MAX_FFN),
+        head_dim=head_dim, max_position_embeddings=size("max_position_embeddings", MAX_POSITIONS),
+        rms_norm_eps=doc.float("rms_norm_eps", min=0, min_open=True, max=1, fix=_FIX) if given("rms_norm_eps")
+        else 1e-6,
+        rope_theta=rope_theta, rope_type=rope_type,
+        tie_word_embeddings=doc.bool("tie_word_embeddings", default=False, fix=_BOOL),
+        attention_bias=doc.bool("attention_bias", default=False, fix=_BOOL),
+        mlp_bias=doc.bool("mlp_bias", default=False, fix=_BOOL),
+        attention_dropout=doc.float("attention_dropout", default=0.0, min=0, max=1, fix=_FIX),
+        sliding_window=size("sliding_window", MAX_POSITIONS),
+        hidden_act=doc.str("hidden_act", default="silu", nonempty=True), dtype=dtype)
+
+
+def _rope(doc: Fields) -> tuple[float, str]:
+    """(theta, rope type) from rope_parameters (transformers 5) or rope_scaling + rope_theta (before),
+    every field of either typed."""
+    theta = doc.float("rope_theta", min=0, min_open=True, fix=_FIX) if doc.raw.get("rope_theta") is not None \
+        else 10000.0
+    rope_type = "default"
+    for key in ("rope_scaling", "rope_parameters"):  # the latter wins, as in transformers 5
+        if doc.raw.get(key) is None:
+            continue
+        rope = doc.section(key)
+        for field in _ROPE_POSITIVE:
+            if field in rope:
+                value = rope.float(field, min=0, min_open=True, fix=_FIX)
+                theta = value if field == "rope_theta" else theta
+        for field in ("mscale", "mscale_all_dim"):
+            if field in rope:
+                rope.float(field, min=0, fix=_FIX)
+        for field in ("short_factor", "long_factor"):  # longrope's per-frequency factors
+            if field in rope:
+                factors = rope.list(field, of=(int, float), max_len=MAX_WIDTH)
+                if not all(_positive(x) for x in factors):
+                    raise rope.error(field, "a list of finite numbers > 0", factors, _FIX)
+        if "original_max_position_embeddings" in rope:
+            rope.int("original_max_position_embeddings", min=1, max=MAX_POSITIONS, fix=_FIX)
+        if "truncate" in rope:
+            rope.bool("truncate", fix=_BOOL)
+        if "partial_rotary_factor" in rope:
+            rope.float("partial_rotary_factor", min=0, min_open=True, max=1, fix=_FIX)
+        for name in ("type", "rope_type"):  # rope_type wins over the older type
+            if name in rope:
+                rope_type = rope.str(name, nonempty=True)
+    return theta, rope_type
+
+
+def folder_root(folder: Path) -> Path:
+    """How far a model folder's files may link: a Hugging Face cache snapshot
+    (`models--org--name/snapshots/<rev>/`) holds links into its repository's `blobs/`, so its
+    repository folder; any other folder, itself."""
+    real = Path(os.path.realpath(folder))
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
+
+
+def _positive(x: int | float) -> bool:
+    try:
+        return math.isfinite(x) and x > 0
+    except OverflowError:  # an integer too large for a float
+        return False
