@@ -163,7 +163,8 @@ def _stop_record(run_dir: Path, launch: str) -> dict | None:
         doc = Fields(read_json(path, max_bytes=1 << 16), path)
     except BadFile:  # not written by this launch: rank 0 writes it whole (atomic_write)
         return None
-    if doc.raw.get("launch") != launch:  # whatever it holds: only this launch's id makes it ours
+    launches = doc.raw.get("launches")  # every node's launch id: only ours makes the record ours
+    if not isinstance(launches, list) or launch not in launches:
         return None
     signum = doc.int("signal", min=1, max=signal.NSIG - 1)
     if signum not in {s.value for s in signal.Signals}:

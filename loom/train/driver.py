@@ -52,8 +52,8 @@ from loom.train.stop import Stopped, StopRequest, preempt_signal, slurm_requeue
 from loom.train.task import Task, config_task
 from loom.train.tracking import Trackers, require_trackers
 
-# Set by loom's launcher for its ranks: rank 0 writes it into stopped.json, so that the launcher
-# trusts only a stop record of its own launch (loom/cli.py, _stop_record).
+# Set by each node's loom launcher for its ranks: rank 0 writes every node's id into stopped.json,
+# so that a launcher trusts only a stop record of its own launch (loom/cli.py, _stop_record).
 LAUNCH_ENV = "LOOM_LAUNCH_ID"
 
 # The root module returns logits from a Linear (a view); the loss never edits them in place.
@@ -361,9 +361,11 @@ def _stop_here(signum: int, step: int, ckpt, run_dir: Path | None, d: Dist, prof
     note = None
     if d.is_main and cfg.train.requeue and signum == preempt_signal(cfg):
         note = slurm_requeue()  # the checkpoint is published: Slurm may end this job's steps from now on
+    launches = [None] * d.world_size if d.is_main else None
+    dist.gather_object(os.environ.get(LAUNCH_ENV), launches, dst=0)  # one launcher per node
     if d.is_main and run_dir is not None:
         record = {"signal": signum, "step": step, "checkpoint": str(path) if path else None, "note": note,
-                  "launch": os.environ.get(LAUNCH_ENV)}
+                  "launches": sorted({x for x in launches if x})}
         atomic_write(run_dir / "stopped.json", json.dumps(record).encode())
     dist.barrier()
     raise Stopped(signum, step, path, note)

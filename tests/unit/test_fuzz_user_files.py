@@ -34,7 +34,7 @@ def test_tokenizer_record(meta, tmp_path_factory):
 
 
 @FUZZ
-@given(record=perturbed({"signal": 15, "step": 2, "checkpoint": None, "note": None, "launch": "L"}))
+@given(record=perturbed({"signal": 15, "step": 2, "checkpoint": None, "note": None, "launches": ["L"]}))
 def test_stop_record(record, tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
     write_json(run / "stopped.json", record)

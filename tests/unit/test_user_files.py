@@ -244,14 +244,15 @@ def test_a_stop_record_counts_only_for_the_launch_that_wrote_it(tmp_path):
     later = time.time() + 3600  # the old check trusted any file newer than the launch
     os.utime(stopped, (later, later))
     assert loom.cli._stop_record(tmp_path, "this-launch") is None
-    stopped.write_text(json.dumps({"signal": 15, "step": 2, "launch": "another-launch"}))
+    stopped.write_text(json.dumps({"signal": 15, "step": 2, "launches": ["another-launch"]}))
     assert loom.cli._stop_record(tmp_path, "this-launch") is None
     stopped.write_bytes(b"\xff{")
     assert loom.cli._stop_record(tmp_path, "this-launch") is None
-    stopped.write_text(json.dumps({"signal": "TERM", "launch": ["this-launch"]}))  # planted: not an error
+    stopped.write_text(json.dumps({"signal": "TERM", "launches": "this-launch"}))  # planted: not an error
     assert loom.cli._stop_record(tmp_path, "this-launch") is None
-    stopped.write_text(json.dumps({"signal": 15, "step": 2, "note": "requeued", "launch": "this-launch"}))
+    record = {"signal": 15, "step": 2, "note": "requeued", "launches": ["other-node", "this-launch"]}
+    stopped.write_text(json.dumps(record))
     assert loom.cli._stop_record(tmp_path, "this-launch") == {"signal": 15, "note": "requeued"}
-    stopped.write_text(json.dumps({"signal": "15", "launch": "this-launch"}))
+    stopped.write_text(json.dumps({"signal": "15", "launches": ["this-launch"]}))
     with pytest.raises(LoomError, match="signal must be an integer"):
         loom.cli._stop_record(tmp_path, "this-launch")
