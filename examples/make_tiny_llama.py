@@ -62,7 +62,7 @@ def main(model_dir: Path, data_dir: Path) -> None:
     config = transformers.LlamaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        eos_token_id=tok.token_to_id("<|endoftext|>"))
+        eos_token_id=tok.token_to_id("<|endoftext|>"), bos_token_id=None)  # no BOS (LlamaConfig's is 1)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(model_dir, max_shard_size="1MB")
 

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from loom import __version__
 from loom.errors import LoomError
 
 
@@ -37,12 +38,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from loom.config import load_config, validate
+    from loom.config import validate
     from loom.launch import LaunchSpec, check_spec, default_nproc, under_launcher
 
     if args.out is not None:
         args.out = _out_dir(args.out)
-    cfg = load_config(args.config, args.set)
+    cfg, run_config, note = _run_config(args)
     launching = args.nproc is not None or args.nnodes > 1 or args.rdzv_endpoint is not None
     if under_launcher(launching):  # a rank started by torchrun/srun: join and train
         return _train_rank(cfg, args)
@@ -60,6 +61,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     replace = _check_run_dir(cfg, run_dir, args, spec)
     model = _preflight_data(cfg, spec.world_size)
     _check_resume(cfg, run_dir, args.resume, model)
+    if note:  # (on stdout, as the run's other news: stderr stays one line when a rank fails)
+        print(f"loom: {note}", flush=True)
+    if run_config is not None:
+        _print_changes(run_config, cfg)
+    again = _continue_command(args, run_dir)
     if spec.nnodes == 1 or spec.node_rank == 0:  # every check has passed: only now is anything removed
         _take_run_dir(run_dir, replace)
     if spec.world_size == 1 and spec.nnodes == 1:
@@ -70,7 +76,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         try:
             train(cfg, run_dir, resume=args.resume)
         except Stopped as e:
-            return _stopped(e.signum, run_dir, e.note)
+            return _stopped(e.signum, run_dir, again, e.note)
         finally:
             shutdown()
         return 0
@@ -80,7 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     ended, launch = _relaunch(spec, ["train", *forwarded, "--out", str(run_dir)], preempt_signal(cfg))
     stopped = _stop_record(run_dir, launch)
     if stopped is not None:
-        return _stopped(stopped["signal"], run_dir, stopped.get("note"))
+        return _stopped(stopped["signal"], run_dir, again, stopped.get("note"))
     if ended.report is not None:
         print(f"loom: error: {ended.report}", file=sys.stderr)
         return 1
@@ -115,7 +121,9 @@ def _train_rank(cfg, args: argparse.Namespace) -> int:
     except Stopped as e:  # checkpoint saved: rank 0 left stopped.json
         if STOP_FILE_ENV in os.environ:
             return 0
-        return _stopped(e.signum, args.out, e.note) if first and args.out else e.code
+        if first and args.out:
+            return _stopped(e.signum, args.out, _continue_command(args, args.out), e.note)
+        return e.code
     except AgreedError as e:
         if report_to_launcher(str(e)):
             return 0
@@ -178,8 +186,9 @@ def _latest(run_dir: Path):
     return latest_checkpoint(run_dir) if run_dir.is_dir() else None
 
 
-def _stopped(signum: int, run_dir: Path, note: str | None = None) -> int:
-    """The one line of a graceful stop (and what became of the Slurm job), the signal's exit code."""
+def _stopped(signum: int, run_dir: Path, again: str, note: str | None = None) -> int:
+    """The one line of a graceful stop (and what became of the Slurm job), the signal's exit code.
+    `again`: the command that continues the run (_continue_command)."""
     import signal
 
     from loom.launch import exit_code
@@ -188,10 +197,81 @@ def _stopped(signum: int, run_dir: Path, note: str | None = None) -> int:
     last = _latest(run_dir)
     step = read_meta(last)["step"] if last is not None else None
     print(f"loom: interrupted ({signal.Signals(signum).name}) at step {step}; checkpoint {last}; "
-          f"continue with: loom train --resume auto --out {run_dir}", file=sys.stderr)
+          f"continue with: {again}", file=sys.stderr)
     if note:
         print(f"loom: {note}", file=sys.stderr)
     return exit_code(signum)
+
+
+def _continue_command(args: argparse.Namespace, run_dir: Path) -> str:
+    """The command that continues this run, to be copied as it is: --resume auto reads every
+    setting from the run's config.toml; the launch options are this command's own."""
+    import shlex
+
+    launch = []
+    for flag, value, default in (("--nproc", args.nproc, None), ("--nnodes", args.nnodes, 1),
+                                 ("--node-rank", args.node_rank, None),
+                                 ("--rdzv-endpoint", args.rdzv_endpoint, None),
+                                 ("--max-restarts", args.max_restarts, 0)):
+        if value != default:
+            launch += [flag, str(value)]
+    return shlex.join(["loom", "train", "--resume", "auto", "--out", str(run_dir), *launch])
+
+
+def _run_config(args: argparse.Namespace):
+    """(the config this command trains, the run's config it continues or None, a note or None).
+
+    A resume continues the run as it was configured, its config.toml (what the run trains; the
+    checkpoint's saved config where the run has none), with only what this command gives on top:
+    a config file, then --set. Every rank computes the same: the file and --set applied again
+    over a config.toml that already holds them (rank 0 rewrites it at the start) change nothing."""
+    from loom.config import load_config
+
+    base, note = _resumed_config(args) if args.resume else (None, None)
+    return load_config(args.config, args.set, base), base, note
+
+
+def _resumed_config(args: argparse.Namespace):
+    """The config of the run --resume continues, and a note where it is not its config.toml."""
+    from loom.checked import BadFile, read_text
+    from loom.config import load_config_text
+    from loom.errors import ConfigError
+    from loom.train.checkpoint import CHECKPOINTS, read_meta, resolve_resume
+
+    if args.resume == "auto":
+        if args.out is None:
+            raise LoomError("--resume auto continues the run --out names; pass --out RUN_DIR")
+        run, ckpt = args.out, resolve_resume("auto", args.out) if args.out.is_dir() else None
+    else:
+        ckpt = resolve_resume(args.resume, None)
+        run = ckpt.parent.parent if ckpt.parent.name == CHECKPOINTS else None
+    path = run / "config.toml" if run is not None else None
+    if path is not None and path.is_symlink() and ckpt is not None:  # planted: loom writes a file there
+        return (load_config_text(read_meta(ckpt)["config"], f"{ckpt}'s config"),
+                f"{path} is a symbolic link, not the config loom wrote; continuing with the config saved in "
+                f"{ckpt} (the link is replaced, its target left as it is)")
+    if path is not None and (path.exists() or path.is_symlink()):
+        try:
+            return load_config_text(read_text(path, max_bytes=1 << 20), str(path)), None
+        except (BadFile, ConfigError) as e:
+            instead = (f"to continue with the config saved in {ckpt / 'meta.json'}" if ckpt is not None
+                       else "to start the run again from your config and --set")
+            raise LoomError(f"{e} (config.toml is the run's config, which --resume continues: fix it, or "
+                            f"delete it {instead})") from None
+    if ckpt is None:  # nothing to continue yet: a new run
+        return None, None
+    note = None if run is None else f"{run} has no config.toml; continuing with the config saved in {ckpt}"
+    return load_config_text(read_meta(ckpt)["config"], f"{ckpt}'s config"), note
+
+
+def _print_changes(before, after) -> None:
+    """One line per setting this command changes versus the run's config."""
+    from loom.config import config_changes
+
+    for key, old, new in config_changes(before, after):
+        why = f" (the LR schedule follows the new total: it now decays to step {new})" \
+            if key == "train.steps" else ""
+        print(f"loom: resume changes {key} {old!r} → {new!r}{why}", flush=True)
 
 
 def _out_dir(text: str) -> Path:
@@ -304,10 +384,37 @@ def _check_resume(cfg, run_dir: Path, resume: str | None, model) -> None:
     if path is not None:
         meta = read_meta(path)
         check_resumable(meta, cfg, path)
+        _check_same_model(meta, cfg, model, path)
         check_rng_files(path, meta)
         expected = safe_load.adamw_entries(model.build("meta"))
         safe_load.check_entries(path, safe_load.read_metadata(path), expected)
         kept_metrics(run_dir / "metrics.jsonl", meta["step"])
+
+
+def _check_same_model(meta: dict, cfg, model, path: Path) -> None:
+    """The model this config builds is the checkpoint's (its meta.json's model record): a resume
+    that changes model.init_from, or the folder it names, is told so, not that the tensors of the
+    other model it meets look altered."""
+    from loom.config import load_config_text
+
+    saved, now = meta.get("model_config") or {}, model.record() or {}
+    kind = next((k for k in ("gpt", "hf_config") if isinstance(saved.get(k), dict)), None)
+    if kind is None or saved[kind] == now.get(kind):  # (a checkpoint without a record: the tensor check)
+        return
+    names = {"gpt": "loom's GPT", "hf_config": "a Hugging Face model"}
+    if isinstance(now.get(kind), dict):
+        a, b = saved[kind], now[kind]
+        differ = [f"{k} {a.get(k)!r} in the checkpoint, {b.get(k)!r} now" for k in sorted(a.keys() | b.keys())
+                  if a.get(k) != b.get(k)]
+    else:
+        differ = [f"the checkpoint holds {names[kind]}, this config builds {names[next(iter(now), kind)]}"]
+    init = load_config_text(meta["config"]).model.init_from
+    what = (f"model.init_from = {init!r} in the checkpoint, {cfg.model.init_from!r} now"
+            if init != cfg.model.init_from else f"model.init_from = {init!r} now gives another model")
+    keep = f"keep model.init_from = {init!r}" if init else "leave model.init_from unset"
+    raise LoomError(f"cannot resume from {path}: {what} ({'; '.join(differ[:3])}); {keep} (the run's "
+                    f"config.toml has it), or start a new run from these weights with "
+                    f"--set model.init_from={path} and no --resume")
 
 
 def _preflight_data(cfg, world_size: int):
@@ -409,13 +516,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     first = args.gpu == "local" and not default_path().is_file()
     if args.calibrate or first:  # measuring needs torch; planning after it does not
-        from loom.observe.calibrate import calibrate
+        from loom.observe.calibrate import calibrate, calibration_notice
         from loom.plan.device import save
 
-        if first:
-            print(f"no device profile at {default_path()}: measuring this machine once "
-                  f"(`loom plan --calibrate` measures it again, more precisely)", file=sys.stderr)
         quick = args.quick or (first and not args.calibrate)
+        print(calibration_notice(default_path(), first, quick), file=sys.stderr)
         path = save(calibrate(quick=quick, say=lambda m: print(m, file=sys.stderr)))
         print(f"wrote {path}", file=sys.stderr)
     from loom.plan.command import run  # pure Python: `loom plan` imports no torch
@@ -492,6 +597,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="PyTorch-native distributed training")
+    parser.add_argument("--version", action="version", version=f"loom {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model with the configured strategy")
     _add_train_args(train)

@@ -8,6 +8,7 @@ range (`RULES`), their combinations (`validate`), and a user's DeepSpeed JSON
 
 from __future__ import annotations
 
+import copy
 import ctypes.util
 import dataclasses
 import difflib
@@ -231,7 +232,7 @@ RULES: dict[str, Rule] = {
                              "it unset", optional=True),
     # data
     "data.source": _name(f"give {SOURCE_KINDS} (an empty path would read the working directory)"),
-    "data.tokenizer": _name("give auto, byte, bpe or the path of a tokenizer.json"),
+    "data.tokenizer": _name("give auto, byte, bpe or the path of a tokenizer.json (or its folder)"),
     "data.text_field": _name("name the records' text field, e.g. text"),
     "data.format": _one_of(DATA_FORMATS),
     "data.prompt_field": _name("name the records' prompt field, e.g. prompt"),
@@ -428,9 +429,11 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Defaults ← TOML file ← `--set section.key=value` overrides, each checked as it is applied."""
-    cfg = Config()
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (),
+                base: Config | None = None) -> Config:
+    """Defaults (or `base`: the config of a run that a resume continues) ← TOML file ←
+    `--set section.key=value` overrides, each checked as it is applied."""
+    cfg = copy.deepcopy(base) if base is not None else Config()
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -470,6 +473,13 @@ def _apply_toml(cfg: Config, text: str, origin: str) -> None:
                 _apply(cfg, f"{section}.{key}", value)
             except ConfigError as e:
                 raise ConfigError(f"{origin}: {e}") from None
+
+
+def config_changes(before: Config, after: Config) -> list[tuple[str, Any, Any]]:
+    """(section.key, before, after) of every value that differs, in the sections' order."""
+    old, new = before.to_dict(), after.to_dict()
+    return [(f"{section}.{key}", value, new[section][key]) for section, table in old.items()
+            for key, value in table.items() if value != new[section][key]]
 
 
 def to_toml(cfg: Config | dict) -> str:
@@ -548,6 +558,10 @@ def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
     if s.dp_mesh != "hybrid":
         replicate, shard = s.dp_dims(dp)
         return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp)
+    if p.dp_replicate == 1:  # one replica group: zero3's sharding plus an all-reduce over itself
+        raise ConfigError("parallel.strategy = hsdp with parallel.dp_replicate = 1 is zero3 with a useless "
+                          "all-reduce; use parallel.strategy=zero3, or set parallel.dp_replicate ≥ 2 "
+                          "(the replica groups, e.g. one per node)")
     shard = p.dp_shard if p.dp_shard != -1 else dp // max(p.dp_replicate, 1)
     product = pp * p.dp_replicate * shard * tp
     if product != world_size or shard < 1:
@@ -563,11 +577,16 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
     """Check every value and their combinations for `world_size` ranks; returns the dp layout."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
     _check_fields(cfg)
-    if d.tokenizer not in TOKENIZERS and not d.tokenizer.endswith(".json"):  # nor a tokenizer.json
+    # Else a tokenizer.json, or a model folder holding one: what `loom data prepare --tokenizer` takes.
+    given = Path(d.tokenizer).expanduser()
+    if d.tokenizer not in TOKENIZERS and not (d.tokenizer.endswith(".json") or "/" in d.tokenizer
+                                              or (this_machine and given.is_dir())):
         _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
-    if d.tokenizer.endswith(".json") and this_machine and not Path(d.tokenizer).expanduser().is_file():
-        raise ConfigError(f"data.tokenizer = '{d.tokenizer}' does not exist; give the path of a Hugging Face "
-                          f"tokenizer.json, or auto, byte or bpe")
+    if d.tokenizer not in TOKENIZERS and this_machine and not (given.is_file()
+                                                               or (given / "tokenizer.json").is_file()):
+        raise ConfigError(f"data.tokenizer = '{d.tokenizer}' does not exist (or is a folder without a "
+                          f"tokenizer.json); give the path of a Hugging Face tokenizer.json or of a model "
+                          f"folder holding one, or auto, byte or bpe")
     _check_mix(d.mix)
     prof = cfg.profile
     if prof.enabled and prof.wait + prof.warmup + prof.active > t.steps:
@@ -611,11 +630,12 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
                           "use train.precision=bf16")
     per = dims.dp * t.grad_accum * (pipeline_microbatches(p) if dims.pp > 1 else 1)
     if t.batch_size % per:
-        multiples = ", ".join(str(per * k) for k in range(1, 4))
+        below = t.batch_size // per * per  # the nearest valid sizes around the one given
+        multiples = " or ".join(str(n) for n in (below, below + per) if n > 0)
         pipeline = f" × pipeline micro-batches ({pipeline_microbatches(p)})" if dims.pp > 1 else ""
         raise ConfigError(
             f"train.batch_size = {t.batch_size} is not divisible by grad_accum ({t.grad_accum}) × "
-            f"data-parallel size ({dims.dp}){pipeline} = {per}; use a multiple of {per} such as {multiples}")
+            f"data-parallel size ({dims.dp}){pipeline} = {per}; use a multiple of {per}: {multiples}")
     return dims
 
 

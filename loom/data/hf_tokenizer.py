@@ -133,6 +133,10 @@ class HFTokenizer:
         digest.update(f"|eos={self.eos_id}|template={self.chat_template or ''}".encode())
         self.fingerprint = "hf-" + digest.hexdigest()[:20]
 
+    def token_id(self, token: str | None) -> int | None:
+        """The id of a token's text (None: no such token)."""
+        return None if token is None else self._tok.token_to_id(token)
+
     def _find_eos(self, config: Fields, path: Path) -> tuple[str, int]:
         named = _token_text(config, "eos_token")
         if named is not None:

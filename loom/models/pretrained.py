@@ -49,6 +49,10 @@ _WHAT = ("give a Hugging Face model folder (config.json + *.safetensors), a loom
 _NOT_PARAMETERS = ("rotary_emb.inv_freq",)
 # A decoder layer's tensors, by index: Hugging Face names (model.layers.N.…) and loom's (layers.N.…).
 _HF_LAYER, _LOOM_LAYER = re.compile(r"model\.layers\.(\d+)\."), re.compile(r"layers\.(\d+)\.")
+# The token ids a model's config.json names (generate() starts, pads and stops with them); a run
+# records its source's under this key of meta.json's model_config, for `loom export --layout hf`.
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+SPECIAL_TOKENS = "special_token_ids"
 
 
 @dataclass
@@ -68,6 +72,11 @@ class Pretrained:
     @property
     def model_dir(self) -> Path | None:
         return self.path if self.kind == HF else None
+
+    def special_token_ids(self) -> dict:
+        """The bos/eos/pad ids its config.json names (none for a loom checkpoint or export)."""
+        raw = self.hf_config.raw if self.hf_config is not None else {}
+        return {key: raw[key] for key in SPECIAL_IDS if raw.get(key) is not None}
 
     def describe(self) -> str:
         as_what = "loom's GPT" if self.gpt is not None else f"Hugging Face {self.hf_config.model_type}"

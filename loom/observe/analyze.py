@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import time
 from pathlib import Path
 
-from loom.checked import Fields, read_json, read_toml
+import loom
+from loom.checked import Fields, parse_json, read_json, read_text, read_toml
 from loom.files import atomic_write
-from loom.observe.diagnose import diagnose
+from loom.observe.diagnose import diagnose, try_text
 from loom.observe.ledger import analyze_dir
 from loom.observe.report import render_report
 from loom.observe.stragglers import find_stragglers, match_collectives
@@ -27,7 +30,7 @@ def analyze(trace_dir: Path) -> dict:
     run_dir = trace_dir.parent if trace_dir.name == "traces" else trace_dir
     config = run_config(run_dir / "config.toml")
     analysis["run"] = {"name": run_dir.name, "strategy": (config or {}).get("parallel", {}).get("strategy"),
-                       "world_size": len(analysis["ranks"])}
+                       "world_size": len(analysis["ranks"])} | run_facts(run_dir, config, analysis)
     analysis["plan"] = run_plan(run_dir / "plan.json")
     analysis["measured_vs_planned"] = measured_vs_planned(run_dir / "summary.json")
     analysis["findings"] = diagnose(analysis, config)
@@ -40,21 +43,120 @@ MAX_RECORD_BYTES = 64 << 20
 
 
 def run_config(path: Path) -> dict | None:
-    """The values of a run's config.toml that the analysis names (diagnose.py's findings)."""
+    """The values of a run's config.toml that the analysis names (diagnose.py's findings: the
+    layout that ran and current values; the report's header: model and batch)."""
     if not path.is_file():
         return None
     doc = Fields(read_toml(path), path)
-    par, data = doc.section("parallel", default={}), doc.section("data", default={})
     config: dict = {"parallel": {}, "data": {}}
-    if "strategy" in par:
-        config["parallel"]["strategy"] = par.str("strategy", nonempty=True)
-    if "fsdp_prefetch" in par:
-        config["parallel"]["fsdp_prefetch"] = par.int("fsdp_prefetch", min=0, max=1024)
-    if "ddp_bucket_mb" in par:
-        config["parallel"]["ddp_bucket_mb"] = par.float("ddp_bucket_mb", min=0, min_open=True, max=1e6)
-    if "num_workers" in data:
-        config["data"]["num_workers"] = data.int("num_workers", min=0, max=4096)
+    for section, keys in _CONFIG_KEYS.items():
+        fields, out = doc.section(section, default={}), {}
+        for key, (kind, low, high) in keys.items():
+            if key not in fields:
+                continue
+            if kind is str:
+                out[key] = fields.str(key, nonempty=True)
+            elif kind is int:
+                out[key] = fields.int(key, min=low, max=high)
+            else:  # sizes: ddp_bucket_mb above 0, fsdp_unit_mb 0 or more (0: one unit per module)
+                out[key] = fields.float(key, min=low, min_open=key == "ddp_bucket_mb", max=high)
+        if out or section in config:
+            config[section] = out
     return config
+
+
+# What run_config reads: section -> key -> (type, low, high).
+_TEXT, _COUNT = (str, None, None), (int, 0, 1 << 20)
+_CONFIG_KEYS = {
+    "model": {"preset": _TEXT},
+    "data": {"num_workers": (int, 0, 4096), "seq_len": _COUNT},
+    "parallel": {"strategy": _TEXT, "engine": _TEXT, "fsdp_prefetch": (int, 0, 1024),
+                 "fsdp_unit_mb": (float, 0, 1e6), "ddp_bucket_mb": (float, 0, 1e6), "tp": _COUNT,
+                 "pp": _COUNT, "pp_schedule": _TEXT, "microbatches": _COUNT},
+    "train": {"batch_size": _COUNT, "grad_accum": _COUNT, "precision": _TEXT, "optimizer_impl": _TEXT},
+}
+
+
+def run_facts(run_dir: Path, config: dict | None, analysis: dict) -> dict:
+    """What the report's header says about the run: model, batch, loss, per-rank peak memory,
+    when it was profiled, loom's commit and the trace files (each only where known)."""
+    cfg = config or {}
+    model, data, train = cfg.get("model", {}), cfg.get("data", {}), cfg.get("train", {})
+    memory = run_memory(run_dir / "memory.json")
+    facts: dict = {"model": model.get("preset"), "params": memory.get("num_params"),
+                   "peak_memory_bytes": memory.get("peak_bytes") or None,
+                   "precision": train.get("precision"), "commit": loom_commit()}
+    if "batch_size" in train:
+        facts["batch"] = (f"{train['batch_size']} sequences" + (f" × {data['seq_len']} tokens"
+                                                               if "seq_len" in data else "")
+                          + (f", grad_accum {train['grad_accum']}" if train.get("grad_accum", 1) > 1 else ""))
+    # per rank its trace files (several where a repeating schedule wrote more than one: "a; b")
+    facts["traces"] = {r: info["trace"].split("; ") for r, info in sorted(analysis["ranks"].items(),
+                                                                       key=lambda kv: int(kv[0]))
+                       if info.get("trace")}
+    stamps = [Path(t).stat().st_mtime for ts in facts["traces"].values() for t in ts if Path(t).is_file()]
+    if stamps:
+        facts["profiled_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(max(stamps)))
+    profiled = {s["step"] for info in analysis["ranks"].values() for s in info.get("steps", [])}
+    facts["loss"] = run_losses(run_dir / "summary.json", run_dir / "metrics.jsonl", profiled)
+    return facts
+
+
+def loom_commit() -> str | None:
+    """The git commit of the loom checkout doing the analysis (`+` when it has changes), if any."""
+    root = Path(loom.__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=10", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if sha.returncode != 0 or not sha.stdout.strip():
+        return None
+    return sha.stdout.strip() + ("+" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
+def run_memory(path: Path) -> dict:
+    """memory.json's parameter count and per-rank peak bytes ({} when absent)."""
+    if not path.is_file():
+        return {}
+    ranks = Fields(read_json(path, max_bytes=MAX_RECORD_BYTES), path).section("ranks", default={})
+    out: dict = {"peak_bytes": {}}
+    for rank in ranks.keys():
+        row = ranks.section(rank)
+        if row.raw.get("peak_bytes") is not None:
+            out["peak_bytes"][rank] = row.int("peak_bytes", min=0)
+        if row.raw.get("num_params") is not None:
+            out["num_params"] = row.int("num_params", min=0)
+    return out
+
+
+def run_losses(summary: Path, metrics: Path, profiled: set) -> dict:
+    """First, final and eval loss (summary.json) and the profiled steps' losses (metrics.jsonl).
+    The profiler starts before a run's first step, so its ProfilerStep#N is training step
+    start_step + N + 1; without summary.json that mapping is unknown and the losses are left out."""
+    out: dict = {}
+    if not summary.is_file():
+        return out
+    doc = Fields(read_json(summary, max_bytes=MAX_RECORD_BYTES), summary)
+    for key in ("first_loss", "final_loss", "eval_loss"):
+        if doc.raw.get(key) is not None:
+            out[key.removesuffix("_loss")] = doc.float(key)
+    start = doc.int("start_step", min=0, default=0)
+    profiled = {start + n + 1 for n in profiled if isinstance(n, int) and n >= 0}
+    if metrics.is_file():
+        steps = {}
+        for i, line in enumerate(read_text(metrics, max_bytes=MAX_RECORD_BYTES).splitlines()):
+            if not line.strip():
+                continue
+            row = Fields(parse_json(line, f"{metrics}:{i + 1}"), f"{metrics}:{i + 1}")
+            step = row.int("step", min=0) if "step" in row else None
+            if step in profiled and row.raw.get("loss") is not None:
+                steps[str(step)] = row.float("loss")
+        if steps:
+            out["profiled_steps"] = steps
+    return out
 
 
 def run_plan(path: Path) -> dict | None:
@@ -139,7 +241,8 @@ def render_table(analysis: dict) -> str:
     lines.append("\nfindings:" if findings else "\nfindings: none (compute-bound, nothing to fix)")
     for i, f in enumerate(findings, 1):
         lines += [f"{i}. {f['title']}", f"   evidence: {f['evidence']}", f"   cause:    {f['cause']}",
-                  f"   try:      {f['knob']} = {f['value']}", f"   expect:   {f['expected_effect']}"]
+                  f"   {'try:   ' if f.get('knob') else 'do:    '}   {try_text(f)}",
+                  f"   expect:   {f['expected_effect']}"]
     return "\n".join(lines)
 
 

@@ -12,16 +12,20 @@ rank, so the rates include what ranks share (cores, memory bandwidth):
   - the optimizer step (gradient clipping + AdamW) per parameter: seconds;
   - the collectives loom issues (all-reduce, all-gather, reduce-scatter, broadcast, send/recv)
     at sizes from 4 KB to 16 MB, fitted to t = α + bytes/β per kind (gloo on CPU, NCCL on GPU).
+`loom plan --calibrate` measures the full grid; the first `loom plan` (and --quick) a thin one
+within QUICK_BUDGET_S. The shapes' rates are timed in passes, each rate the median of its windows.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import statistics
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,29 +49,11 @@ MAX_FLOPS = 1e10  # skip grid points slower than a tenth of a second or so on a 
 
 
 def _timed(fn, min_time: float, device: torch.device) -> float:
-    """Seconds per call as training sees it. Every rank makes the same number of calls at once (the
+    """Seconds per call as training sees it: every rank makes the same number of calls at once (the
     count agreed, the slowest rank's), a window's time is the slowest rank's (training waits for it
-    at its next collective), and the median of three windows is taken: ranks share cores and memory
+    at its next collective), and the median of PASSES windows is taken: ranks share cores and memory
     bandwidth all along, which a best-of — or a rank timing alone after the others finished — hides."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    _barrier()
-    fn()  # warm up
-    sync()
-    calls, start = 0, time.perf_counter()
-    while calls < 2 or time.perf_counter() - start < min_time / 3:
-        fn()
-        calls += 1
-    sync()
-    calls = int(_agreed(calls, device, "min"))
-    windows = []
-    for _ in range(3):
-        _barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        windows.append(_agreed((time.perf_counter() - start) / calls, device, "max"))
-    return statistics.median(windows)
+    return _in_passes([fn], min_time, device)[0]
 
 
 def _barrier() -> None:
@@ -84,12 +70,41 @@ def _agreed(value: float, device: torch.device, op: str) -> float:
     return t.item()
 
 
-def measure_compute(device: torch.device, dtype: torch.dtype, min_time: float) -> dict:
-    linear = {}
-    for rows in LINEAR_ROWS:
-        for size in LINEAR_SIZES:
+@dataclass(frozen=True)
+class Grid:
+    """The shapes a calibration measures, and how long: the full grid for `--calibrate`, a thin one
+    (the planner interpolates between its points) for the first `loom plan`, which must be quick."""
+    linear_rows: tuple = LINEAR_ROWS
+    linear_sizes: tuple = LINEAR_SIZES
+    attention_seqs: tuple = ATTENTION_SEQS
+    attention_head_dims: tuple = ATTENTION_HEAD_DIMS
+    elementwise_sizes: tuple = ELEMENTWISE_SIZES
+    block_shapes: tuple = BLOCK_SHAPES
+    in_situ_shapes: tuple = IN_SITU_SHAPES
+    collective_sizes: tuple = COLLECTIVE_SIZES
+    max_flops: float = MAX_FLOPS  # on a CPU, grid points above this many FLOPs are skipped
+    min_time: float = 0.15  # seconds a measurement runs for, split over its PASSES windows
+
+
+FULL = Grid()
+QUICK = Grid(linear_rows=(128, 1024, 4096), linear_sizes=(64, 256, 1024, 4096), attention_seqs=(128, 512),
+             attention_head_dims=(32, 128), elementwise_sizes=(2**18, 2**24), block_shapes=BLOCK_SHAPES[:1],
+             in_situ_shapes=IN_SITU_SHAPES[:1], collective_sizes=(2**12, 2**18, 2**22), max_flops=2e9,
+             min_time=0.03)
+QUICK_BUDGET_S = 30  # the first `loom plan`'s calibration: later passes are dropped past it
+PASSES = 3  # each rate: the median of this many windows, spread over the calibration (not back to back)
+
+
+def measure_compute(device: torch.device, dtype: torch.dtype, grid: Grid = FULL,
+                    deadline: float = math.inf) -> dict:
+    """The rates of the grid's shapes. Every probe is timed once per pass and the passes run one after
+    another, so a rate's windows lie seconds to minutes apart: the median rides over a burst of load
+    from another process. Passes after the first are dropped once `deadline` (time.time()) is past."""
+    probes = []  # (table, key, work per call, call): rate = work / seconds per call
+    for rows in grid.linear_rows:
+        for size in grid.linear_sizes:
             flops = 6 * rows * size * size
-            if device.type == "cpu" and flops > MAX_FLOPS:
+            if device.type == "cpu" and flops > grid.max_flops:
                 continue
             x = torch.randn(rows, size, device=device, dtype=dtype, requires_grad=True)
             w = torch.randn(size, size, device=device, dtype=dtype, requires_grad=True)
@@ -98,10 +113,9 @@ def measure_compute(device: torch.device, dtype: torch.dtype, min_time: float) -
             def step(x=x, w=w, grad=grad):
                 F.linear(x, w).backward(grad)
                 x.grad = w.grad = None
-            linear[f"{rows}x{size}"] = flops / _timed(step, min_time, device)
-    attention = {}
-    for seq in ATTENTION_SEQS:
-        for head_dim in ATTENTION_HEAD_DIMS:
+            probes.append(("linear_flops", f"{rows}x{size}", flops, step))
+    for seq in grid.attention_seqs:
+        for head_dim in grid.attention_head_dims:
             heads = 8
             flops = 12 * heads * seq * seq * head_dim  # the planner's count: 12·H·Q·T per token
             q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
@@ -110,9 +124,8 @@ def measure_compute(device: torch.device, dtype: torch.dtype, min_time: float) -
             def step(q=q, k=k, v=v):
                 F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
                 q.grad = k.grad = v.grad = None
-            attention[f"{seq}x{head_dim}"] = flops / _timed(step, min_time, device)
-    elementwise = {}
-    for size in ELEMENTWISE_SIZES:
+            probes.append(("attention_flops", f"{seq}x{head_dim}", flops, step))
+    for size in grid.elementwise_sizes:
         n = size // 4
         a, b = torch.randn(n, device=device), torch.randn(n, device=device)
         out = torch.empty(n, device=device)
@@ -123,19 +136,58 @@ def measure_compute(device: torch.device, dtype: torch.dtype, min_time: float) -
             F.silu(a, inplace=False)
             a.to(torch.bfloat16)
         moved = 3 * size + 3 * size + 2 * size + size * 3 // 2  # bytes read + written by the four
-        elementwise[str(size)] = moved / _timed(step, min_time, device)
+        probes.append(("elementwise_bytes", str(size), moved, step))
     one = torch.ones(1, device=device, requires_grad=True)
-    op_overhead = _timed(lambda: (one + one) * one, min_time, device) / 2
+    probes.append(("op_overhead_s", "", 0.5, lambda: (one + one) * one))  # two ops: seconds / 2
+
+    seconds = _in_passes([call for *_, call in probes], grid.min_time, device, deadline)
+    rates: dict = {"linear_flops": {}, "attention_flops": {}, "elementwise_bytes": {}}
+    for (table, key, work, _), t in zip(probes, seconds):
+        if table == "op_overhead_s":
+            rates[table] = t * work
+        else:
+            rates[table][key] = work / t
     block = {}
-    for tokens, d_model in BLOCK_SHAPES:
-        moved, seconds = _block_elementwise(tokens, d_model, device, dtype, min_time)
-        block[str(tokens * d_model * 4)] = moved / seconds
-    rates = {"linear_flops": linear, "attention_flops": attention, "elementwise_bytes": elementwise,
-             "block_elementwise_bytes": block, "op_overhead_s": op_overhead}
+    for tokens, d_model in grid.block_shapes:
+        moved, spent = _block_elementwise(tokens, d_model, device, dtype, grid.min_time)
+        block[str(tokens * d_model * 4)] = moved / spent
+    rates["block_elementwise_bytes"] = block
     in_situ = {}
-    for tokens, d_model in IN_SITU_SHAPES:
-        in_situ[str(tokens * d_model * 4)] = _block_in_situ(tokens, d_model, device, dtype, min_time, rates)
-    return {**rates, "block_in_situ": in_situ, "optimizer_s_per_param": _optimizer_step(device, min_time)}
+    for tokens, d_model in grid.in_situ_shapes:
+        in_situ[str(tokens * d_model * 4)] = _block_in_situ(tokens, d_model, device, dtype, grid.min_time,
+                                                            rates)
+    optimizer = _optimizer_step(device, grid.min_time)
+    return {**rates, "block_in_situ": in_situ, "optimizer_s_per_param": optimizer}
+
+
+def _in_passes(calls: list, min_time: float, device: torch.device, deadline: float = math.inf) -> list[float]:
+    """Seconds per call of each of `calls`: the median over up to PASSES windows, one per pass through
+    all of them. The ranks agree on each window's call count (the slowest rank's) and on whether to
+    run another pass, so that they make the same calls together."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    counts = []
+    for fn in calls:  # warm up, and the calls that fill a window
+        _barrier()
+        fn()
+        sync()
+        made, start = 0, time.perf_counter()
+        while made < 1 or time.perf_counter() - start < min_time / PASSES:
+            fn()
+            made += 1
+        sync()
+        counts.append(int(_agreed(made, device, "min")))
+    windows: list[list[float]] = [[] for _ in calls]
+    for done in range(PASSES):
+        if done and _agreed(float(time.time() > deadline), device, "max"):
+            break
+        for fn, count, samples in zip(calls, counts, windows):
+            _barrier()
+            start = time.perf_counter()
+            for _ in range(count):
+                fn()
+            sync()
+            samples.append(_agreed((time.perf_counter() - start) / count, device, "max"))
+    return [statistics.median(samples) for samples in windows]
 
 
 MATMULS = {"mm", "addmm", "bmm", "linear", "_scaled_dot_product_flash_attention_for_cpu",
@@ -188,7 +240,7 @@ def _block_elementwise(tokens: int, d_model: int, device: torch.device, dtype: t
 
     cfg, (block,), rope, x, grad = _blocks(1, tokens, d_model, device, dtype)
     runs = []
-    for _ in range(3 if min_time < 0.1 else 5):
+    for _ in range(3 if min_time < FULL.min_time else 5):
         _barrier()  # the ranks run the block together, as in training; the slowest rank counts
         with _ElementwiseClock(device) as clock:
             block(x, rope).backward(grad)
@@ -248,12 +300,12 @@ def _optimizer_step(device: torch.device, min_time: float) -> float:
     return _timed(step, min_time, device) / sum(p.numel() for p in params)
 
 
-def measure_collectives(device: torch.device, min_time: float) -> dict:
+def measure_collectives(device: torch.device, min_time: float, sizes: tuple = COLLECTIVE_SIZES) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
         return {}
     samples: dict[str, list[tuple[float, float]]] = {}
-    for size in COLLECTIVE_SIZES:
+    for size in sizes:
         n = size // 4
         full = torch.zeros(n * world, device=device)
         part = torch.zeros(n, device=device)
@@ -291,7 +343,7 @@ def _timed_together(call, min_time: float, device: torch.device) -> float:
     return (time.perf_counter() - start) / int(count.item())
 
 
-def _rank(ranks: int, threads: int, device_type: str, min_time: float, queue) -> None:
+def _rank(ranks: int, threads: int, device_type: str, grid: Grid, deadline: float, queue) -> None:
     # torch 2.13 renames the *_tensor collectives; the ones FSDP2 calls are what we time
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(threads)
@@ -303,43 +355,69 @@ def _rank(ranks: int, threads: int, device_type: str, min_time: float, queue) ->
     try:
         dist.barrier()
         dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-        compute = measure_compute(device, dtype, min_time)
-        comm = measure_collectives(device, min_time)
+        compute = measure_compute(device, dtype, grid, deadline)
+        comm = measure_collectives(device, grid.min_time, grid.collective_sizes)
         if rank == 0:
             queue.put({**compute, "collectives": comm, "threads": threads})
     finally:
         dist.destroy_process_group()
 
 
-def _spawned(index: int, ranks: int, threads: int, device_type: str, min_time: float, port: int,
+def _spawned(index: int, ranks: int, threads: int, device_type: str, grid: Grid, deadline: float, port: int,
              queue) -> None:
     os.environ.update(RANK=str(index), WORLD_SIZE=str(ranks), LOCAL_RANK=str(index),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _rank(ranks, threads, device_type, min_time, queue)
+    _rank(ranks, threads, device_type, grid, deadline, queue)
+
+
+def rank_counts(quick: bool, cuda: bool) -> list[int]:
+    """The rank counts measured: 1 (and 2 with two GPUs) on a GPU; on a CPU 1, 2, 4, … up to twice
+    the cores (oversubscribed runs happen: hsdp 2×2 on 2 cores), or quick: up to the cores."""
+    if cuda:
+        return [1] + ([2] if torch.cuda.device_count() > 1 else [])
+    cores = os.cpu_count() or 1
+    return sorted({1, 2, *(r for r in (4, 8, 16, 32) if r <= (cores if quick else 2 * cores))})
+
+
+FULL_SECONDS = 120  # `loom plan --calibrate` on the 2-core development machine, unloaded
+
+
+def calibration_notice(path, first: bool, quick: bool) -> str:
+    """What the user is told before measuring starts: why, and how long it takes."""
+    how_long = (f"about {QUICK_BUDGET_S} s" if quick else f"about {FULL_SECONDS // 60} minutes") + \
+        " (longer while other processes load the cores)"
+    if first:
+        return (f"no device profile at {path}: measuring this machine once, {how_long} "
+                f"(`loom plan --calibrate` measures it again, more precisely, in about {FULL_SECONDS // 60} "
+                f"minutes)")
+    return f"measuring this machine into {path}: {how_long}"
 
 
 def calibrate(quick: bool = False, say=print) -> DeviceProfile:
+    """Measure this machine. quick (the first `loom plan`): the thin grid, within about
+    QUICK_BUDGET_S seconds (each rank count's later passes dropped past its share of it)."""
     from loom.launch import free_port
 
     cuda = torch.cuda.is_available()
     cores = os.cpu_count() or 1
+    counts = rank_counts(quick, cuda)
     if cuda:
-        counts = [1] + ([2] if torch.cuda.device_count() > 1 else [])
         name, memory = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory
     else:
-        # up to twice the cores (oversubscribed runs happen: hsdp 2×2 on 2 cores); quick: the cores
-        counts = sorted({1, 2, *(r for r in (4, 8, 16, 32) if r <= (cores if quick else 2 * cores))})
         name, memory = platform.processor() or platform.machine(), _host_memory()
-    min_time = 0.03 if quick else 0.15
+    grid = QUICK if quick else FULL
+    started = time.time()
     by_ranks = {}
     ctx = torch.multiprocessing.get_context("spawn")
-    for ranks in counts:
+    for done, ranks in enumerate(counts):
+        # quick: each rank count gets its share of the budget, less the children's start-up
+        deadline = started + QUICK_BUDGET_S * (done + 1) / len(counts) - 5 if quick else math.inf
         threads = 1 if cuda else max(1, cores // ranks)  # what loom.launch gives a rank
         say(f"calibrating {ranks} rank(s) × {threads} thread(s) on {'cuda' if cuda else 'cpu'} …")
         queue = ctx.SimpleQueue()
         port = free_port()
         kind = "cuda" if cuda else "cpu"
-        procs = [ctx.Process(target=_spawned, args=(i, ranks, threads, kind, min_time, port, queue))
+        procs = [ctx.Process(target=_spawned, args=(i, ranks, threads, kind, grid, deadline, port, queue))
                  for i in range(ranks)]
         for p in procs:
             p.start()

@@ -22,6 +22,7 @@ from pathlib import Path
 from loom.errors import LoomError
 from loom.files import atomic_write
 from loom.observe.analyze import analyze
+from loom.observe.diagnose import try_text
 from loom.observe.ledger import PHASES, TOP_OPS, collective_kind
 from loom.observe.report import _CSS, _e, _section, _table, size_text
 
@@ -45,8 +46,8 @@ _OP_PHASE_HINTS = (("optimizer", ("optimizer", "adam", "sgd", "multi_tensor_appl
 _COLLECTIVE_PHASES = {"reduce_scatter": ("backward", "other"), "all_gather": ("forward", "backward", "other"),
                       "all_reduce": ("backward", "optimizer", "other")}
 # Which findings (diagnose.py categories) speak to a part, phase or culprit of the difference.
-_CATEGORIES = {"comm_exposed": ("comm", "straggler"), "io": ("io",), "idle": ("idle", "sync"),
-               "optimizer": ("optimizer",), "data": ("io",), "collective": ("comm", "straggler"),
+_CATEGORIES = {"comm_exposed": ("comm", "straggler", "imbalance"), "io": ("io",), "idle": ("idle", "sync"),
+               "optimizer": ("optimizer",), "data": ("io",), "collective": ("comm", "straggler", "imbalance"),
                "sync": ("sync",), "op": ("kernels",)}
 _SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
@@ -97,7 +98,7 @@ def summarize(analysis: dict) -> dict:
             k["ms"] += c.get("duration_ms", 0.0) / n
         for op in info.get("top_ops") or []:
             o = ops.setdefault(op["name"], {"ms": 0.0, "count": 0.0})
-            o["ms"] += op["total_ms"] / n
+            o["ms"] += op.get("self_ms", op["total_ms"]) / n  # self: nested ops counted once
             o["count"] += op["count"] / n
     for table in (kinds, ops):  # per rank-step: the mean over ranks (a rank without it counts 0)
         for v in table.values():
@@ -187,7 +188,7 @@ def _findings(fa: list[dict], fb: list[dict]) -> dict:
     ka, kb = {_key(f) for f in fa}, {_key(f) for f in fb}
 
     def brief(f: dict) -> dict:
-        return {k: f.get(k) for k in ("category", "title", "knob", "value")}
+        return {k: f.get(k) for k in ("category", "title", "knob", "value", "note")}
 
     return {"a": [brief(f) for f in fa], "b": [brief(f) for f in fb],
             "new_in_b": [brief(f) for f in fb if _key(f) not in ka],
@@ -274,10 +275,12 @@ def _why(r: dict, ops: list[dict]) -> dict:
         f = ranked[0]
         out["config_key"], out["finding"] = f.get("knob"), f
         if d >= 0:
-            sentences.append(f"B's diagnosis: \"{f['title']}\"; look at {f['knob']} = {f['value']}.")
+            sentences.append(f"B's diagnosis: \"{f['title']}\"; "
+                             + (f"look at {try_text(f)}." if f.get("knob") else f"{f.get('note')}."))
         else:
             state = "is gone in B" if _key(f) not in fast_keys else "remains in B"
-            sentences.append(f"A's finding \"{f['title']}\" ({f['knob']}) {state}.")
+            sentences.append(f"A's finding \"{f['title']}\"" + (f" ({f['knob']})" if f.get("knob") else "")
+                             + f" {state}.")
     out["text"] = " ".join(sentences)
     return out
 
@@ -407,7 +410,8 @@ def render_compare(result: dict) -> str:
     f = result["findings"]
     for label, key in (("new in B", "new_in_b"), ("gone in B", "gone_in_b")):
         if f[key]:
-            lines.append(f"\nfindings {label}: " + "; ".join(f"{x['title']} ({x['knob']})" for x in f[key]))
+            lines.append(f"\nfindings {label}: " + "; ".join(
+                x["title"] + (f" ({x['knob']})" if x.get("knob") else "") for x in f[key]))
     lines += [""] + textwrap.wrap("why: " + result["why"]["text"], 100, break_on_hyphens=False)
     return "\n".join(lines)
 

@@ -1,20 +1,27 @@
 """Findings from a step ledger, in the order an expert debugs a slow step.
 
-1. Compute share first: when compute is not most of the step, which of IO, exposed
-   communication (a late peer, or collectives not hidden under compute) or idle host time takes
-   the rest.
+1. Compute share first: when compute is not most of the step, which of IO, a slower peer (a
+   straggler arriving late, or a rank that computes longer: imbalance), communication not hidden
+   under compute (split by collective kind) or idle host time takes the rest.
 2. Then the forward / backward / optimizer split.
 3. Then the specific op, kernel or collective (host syncs, tiny kernels).
-Each finding names the evidence (numbers), the likely cause, the config key and value to try and
-the expected effect. A healthy ledger gives no finding.
+Each finding names the evidence (numbers), the likely cause, what to try and the expected
+effect. What to try is a config key with a valid TOML value (`knob`, `value`) and prose beside
+it (`note`); where no config key can fix the cause, `knob` is None and `note` says what to do.
+Keys fit the layout that ran: no FSDP prefetch for DDP or a model that is one FSDP unit, no DDP
+bucket size for FSDP. A healthy ledger gives no finding.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+from collections import defaultdict
 
 # A part of the step worth a finding (percent of wall time).
 SHARE = 15.0
+# Strategies whose collectives are FSDP's all-gathers and reduce-scatters (torch engine).
+_SHARDED = ("zero2", "zero3", "hsdp")
 
 
 def _mean(values) -> float:
@@ -30,24 +37,51 @@ def _share(steps: list[dict], part: str) -> float:
     return _mean(s["shares"][part] for s in steps)
 
 
-def _finding(category: str, title: str, evidence: str, cause: str, knob: str, value: str,
-             effect: str) -> dict:
+def _ms(step: dict, part: str) -> float:
+    """A part of the step in ms: its `<part>_ms`, else its share of the wall time."""
+    if step.get(f"{part}_ms") is not None:
+        return step[f"{part}_ms"]
+    return step["shares"][part] * step["wall_ms"] / 100
+
+
+def toml_value(value) -> str:
+    """A value as TOML writes it: true, 2, 12.5, "zero2"."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return f"{value:g}" if isinstance(value, float) else str(value)
+    return json.dumps(str(value))
+
+
+def try_text(finding: dict) -> str:
+    """What a finding says to try as one line: `key = value  (note)`, or the note alone."""
+    note = finding.get("note") or ""
+    if not finding.get("knob"):
+        return note
+    line = f"{finding['knob']} = {toml_value(finding['value'])}"
+    return f"{line}  ({note})" if note else line
+
+
+def _finding(category: str, title: str, evidence: str, cause: str, knob: str | None, value, note: str,
+             effect: str, **extra) -> dict:
     return {"category": category, "title": title, "evidence": evidence, "cause": cause, "knob": knob,
-            "value": value, "expected_effect": effect}
+            "value": value, "note": note, "expected_effect": effect, **extra}
 
 
 def diagnose(analysis: dict, config: dict | None = None) -> list[dict]:
-    """`analysis`: {"ranks": {rank: {"steps", "collectives", ...}}, "stragglers": [...]};
-    `config`: the run's resolved loom config (as a dict) when known, to name current values."""
+    """`analysis`: {"ranks": {rank: {"steps", "collectives", "top_ops", "kind"}}, "collectives":
+    matched across ranks, "stragglers": [...]}; `config`: the run's loom config (as a dict) when
+    known, to name current values and the layout that ran."""
     ranks = analysis.get("ranks", {})
     steps = _steps(ranks)
     if not steps:
         return []
     cfg = config or {}
-    data_cfg, par = cfg.get("data", {}), cfg.get("parallel", {})
+    data_cfg, train_cfg = cfg.get("data", {}), cfg.get("train", {})
     findings: list[dict] = []
     wall = _mean(s["wall_ms"] for s in steps)
     compute = _share(steps, "compute")
+    stragglers = analysis.get("stragglers") or []
 
     # 1. What takes the step when compute does not.
     io = _share(steps, "io")
@@ -61,82 +95,73 @@ def diagnose(analysis: dict, config: dict | None = None) -> list[dict]:
             f"{_mean(s.get('data_ms', 0) for s in steps):.1f} ms per step",
             "batches are produced in the training process (or by too few workers), so the step waits for "
             "them",
-            "data.num_workers", (f"{suggest} (now {workers if workers is not None else 'unknown'}); and "
-                                 "data.prefetch_factor ≥ 2"),
+            "data.num_workers", suggest,
+            f"now {workers if workers is not None else 'unknown'}; and data.prefetch_factor ≥ 2",
             f"up to {io:.0f}% shorter steps once loading overlaps compute"))
 
-    for s in analysis.get("stragglers", []):
+    for s in stragglers:
         rank = str(s["rank"])
         mine = ranks.get(rank, {}).get("steps", [])
         others = [st for r, info in ranks.items() if r != rank for st in info.get("steps", [])]
         own_io, own_idle = _share(mine, "io") if mine else 0.0, _share(mine, "idle") if mine else 0.0
         waiting = _share(others, "comm_exposed") if others else 0.0
-        knob, value = ("data.num_workers",
-                       "more workers on every rank (rank's IO is high)") if own_io >= SHARE else \
-            ("the host of rank " + rank, "remove what stalls it before each step (sleeps, CPU contention, "
-             "a slow disk, uneven data)")
+        if own_io >= SHARE:
+            workers = data_cfg.get("num_workers")
+            knob, value, note = ("data.num_workers", max(4, 2 * workers) if workers else 4,
+                                 f"on every rank (rank {rank}'s IO is high)")
+        else:
+            knob, value, note = None, None, (f"remove what stalls rank {rank}'s host before each step "
+                                             "(sleeps, CPU contention, a slow disk, uneven data)")
         findings.append(_finding(
             "straggler", f"Rank {rank} is a straggler; the other ranks wait for it",
             f"{s['evidence']}; rank {rank}'s step is {own_idle:.0f}% idle and {own_io:.0f}% IO, the others' "
             f"{waiting:.0f}% exposed communication",
-            f"rank {rank} reaches each collective late, so every collective waits for it", knob, value,
+            f"rank {rank} reaches each collective late, so every collective waits for it", knob, value, note,
             f"about {s['late_ms_mean']:.1f} ms less per step on the other ranks "
             f"(their exposed communication {waiting:.0f}% → near the transfer time)"))
 
-    comm = _share(steps, "comm_exposed")
-    if comm >= SHARE and not analysis.get("stragglers"):
-        overlap = _mean(s.get("overlap_pct", 0.0) for s in steps)
-        kinds = {}
-        for info in ranks.values():
-            for c in info.get("collectives", []):
-                kinds[c["kind"]] = kinds.get(c["kind"], 0.0) + c.get("duration_ms", 0.0)
-        sharded = (kinds.get("all_gather", 0.0) + kinds.get("reduce_scatter", 0.0)
-                   > kinds.get("all_reduce", 0.0))
-        if sharded:
-            knob, value = "parallel.fsdp_prefetch", (f"{int(par.get('fsdp_prefetch', 1)) + 1} (gather the "
-                                                     "next FSDP units earlier); or parallel.strategy=zero2 "
-                                                     "to keep parameters gathered through backward")
-        else:
-            bucket = par.get("ddp_bucket_mb", 25.0)
-            knob, value = "parallel.ddp_bucket_mb", (f"{max(bucket / 2, 1):g} (now {bucket:g}): smaller "
-                                                     "buckets start reducing earlier in backward")
-        findings.append(_finding(
-            "comm", f"Communication is exposed: {comm:.0f}% of the step waits on collectives",
-            f"exposed {comm:.0f}%, overlap {overlap:.0f}% of collective time hidden under compute; by kind "
-            + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "collectives run after the compute that could hide them", knob, value,
-            f"up to {comm:.0f}% shorter steps as more of the communication overlaps compute"))
+    waits = _waits(analysis.get("collectives") or [])
+    if not stragglers:
+        imbalance = _imbalance(ranks, waits, analysis.get("collectives") or [], data_cfg)
+        if imbalance:
+            findings.append(imbalance)
+
+    findings += _exposed_by_kind(ranks, waits, analysis.get("collectives") or [], cfg)
 
     idle = _share(steps, "idle")
-    if idle >= SHARE and not analysis.get("stragglers"):
+    if idle >= SHARE and not stragglers:
         findings.append(_finding(
             "idle", f"The step is {idle:.0f}% idle",
             f"idle {idle:.0f}% of a {wall:.1f} ms step: nothing computing, communicating or loading",
             "host-side gaps: Python overhead between small ops, synchronizations, sleeps", "train.compile",
-            "true (fewer, larger kernels and less Python per step)", f"up to {idle:.0f}% shorter steps"))
+            True, "fewer, larger kernels and less Python per step", f"up to {idle:.0f}% shorter steps"))
 
     # 2. The forward / backward / optimizer split.
     opt = _mean(100 * s.get("optimizer_ms", 0.0) / s["wall_ms"] for s in steps if s["wall_ms"] > 0)
     if opt >= 30.0:
+        gpu = any(info.get("kind") == "gpu" for info in ranks.values())
         findings.append(_finding(
             "optimizer", f"The optimizer step takes {opt:.0f}% of the step",
             f"optimizer {opt:.0f}%, forward {_mean(s.get('forward_ms', 0) for s in steps):.1f} ms, backward "
             f"{_mean(s.get('backward_ms', 0) for s in steps):.1f} ms, optimizer "
             f"{_mean(s.get('optimizer_ms', 0) for s in steps):.1f} ms per step",
             "a per-parameter optimizer loop (many small kernels) or states far from the compute",
-            "train.optimizer_impl", "fused on GPUs (foreach on CPU)",
+            "train.optimizer_impl", "fused" if gpu else "foreach",
+            f"now {train_cfg.get('optimizer_impl', 'unknown')}; one kernel (fused, on GPUs) or one op per "
+            "tensor list (foreach) instead of a loop over parameters",
             "the optimizer share falls to a few percent of the step"))
 
-    # 3. The specific op: host syncs in the step, tiny kernels.
+    # 3. The specific op: host syncs in the step (loom's own loop is never counted: ledger.py),
+    # tiny kernels.
     syncs = _mean(s.get("host_syncs", 0) for s in steps)
     if syncs >= 1:
         findings.append(_finding(
-            "sync", f"{syncs:.0f} host synchronization(s) per step outside the optimizer",
+            "sync", f"{syncs:.0f} host synchronization(s) per step in the training step's code",
             f"{syncs:.1f} ops per step that read a tensor's value on the host (aten::item / "
             "_local_scalar_dense / stream syncs), each one stalls the host until the device catches up",
-            "a .item(), .cpu(), print or Python branch on a tensor inside the training step",
-            "code: the training step",
-            "read losses and metrics a step late (as loom does) instead of .item()",
+            "a .item(), .cpu(), print or Python branch on a tensor inside the model, the loss or the data",
+            None, None, "in the model, loss or data code: read values a step late (as loom's loop does) or "
+            "keep them as tensors, instead of .item() or a Python branch on a tensor",
             "the host runs ahead again; on GPUs the device no longer idles at every sync"))
     kernel_steps = [s for s in steps if s.get("kernels")]
     if kernel_steps:
@@ -147,6 +172,218 @@ def diagnose(analysis: dict, config: dict | None = None) -> list[dict]:
                 "kernels", f"{per_step:.0f} kernels per step averaging {mean_us:.1f} µs",
                 f"{per_step:.0f} kernels per step, mean {mean_us:.1f} µs, occupancy "
                 f"{_mean(s.get('occupancy_pct', 0.0) for s in kernel_steps):.0f}%",
-                "many tiny kernels: launch overhead and unfused elementwise ops", "train.compile", "true",
-                "fewer, fused kernels; compute share rises"))
+                "many tiny kernels: launch overhead and unfused elementwise ops", "train.compile", True,
+                "fused kernels from torch.compile", "fewer, fused kernels; compute share rises"))
     return findings
+
+
+# -- waiting for a slower rank -------------------------------------------------------------------
+
+def _waits(matched: list[dict]) -> dict[str, dict]:
+    """Per rank and step, the ms its matched collectives spent waiting for the last rank."""
+    out: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+    for m in matched:
+        for rank, v in m["per_rank"].items():
+            out[str(rank)][m.get("step")] += v["wait_ms"]
+    return out
+
+
+def _imbalance(ranks: dict, waits: dict, matched: list[dict], data_cfg: dict) -> dict | None:
+    """A rank that waits a large part of its step at collectives for a slower one, which is not
+    late for lack of work on its host (a straggler) but slow at the same work."""
+    share: dict[str, float] = {}
+    for rank, info in ranks.items():
+        per = [100 * min(waits.get(rank, {}).get(s.get("step"), 0.0), _ms(s, "comm_exposed")) / s["wall_ms"]
+               for s in info.get("steps", []) if s["wall_ms"] > 0]
+        share[rank] = _mean(per)
+    if not share:
+        return None
+    waiter = max(share, key=share.get)
+    if share[waiter] < SHARE:
+        return None
+    caused: dict[str, float] = defaultdict(float)  # the wait a rank caused by arriving last
+    for m in matched:
+        caused[str(m["last_rank"])] += max(v["wait_ms"] for v in m["per_rank"].values())
+    slow = max((r for r in caused if r != waiter and r in ranks), key=caused.get, default=None)
+    if slow is None:
+        return None
+    w_steps, s_steps = ranks[waiter]["steps"], ranks[slow]["steps"]
+    others = [st for r, info in ranks.items() if r != slow for st in info.get("steps", [])]
+    mine = waits[waiter]
+    wait_ms = _mean(min(mine.get(s.get("step"), 0.0), _ms(s, "comm_exposed")) for s in w_steps)
+    transfer = _mean(max(_ms(s, "comm_exposed") - mine.get(s.get("step"), 0.0), 0.0) for s in w_steps)
+    parts = {p: _mean(_ms(s, p) for s in s_steps) - _mean(_ms(s, p) for s in others)
+             for p in ("compute", "io", "idle")}
+    behind = max(parts, key=parts.get)
+    slow_compute = _mean(_ms(s, "compute") for s in s_steps)
+    other_compute = _mean(_ms(s, "compute") for s in others)
+    step_ms = _mean(s["wall_ms"] for s in w_steps)
+    evidence = (f"rank {waiter} waits {wait_ms:,.0f} ms per step ({share[waiter]:.0f}% of its "
+                f"{step_ms:,.0f} ms step) at collectives for rank {slow}, and moves bytes for "
+                f"{transfer:,.0f} ms; "
+                f"rank {slow} computes {slow_compute:,.0f} ms per step against "
+                f"{other_compute:,.0f} ms on the other rank(s)") + _slowest_op(ranks, slow)
+    if behind == "io":
+        workers = data_cfg.get("num_workers")
+        cause = f"rank {slow} waits longer for its batches than the others, and they wait for it"
+        knob, value, note = ("data.num_workers", max(4, 2 * workers) if workers else 4,
+                             f"now {workers if workers is not None else 'unknown'}: rank {slow}'s loading "
+                             "holds every rank back")
+    elif behind == "idle":
+        cause = f"rank {slow}'s host stalls between ops (CPU contention, Python overhead), the others wait"
+        knob, value, note = None, None, f"find what else runs on rank {slow}'s host and move it off"
+    else:
+        cause = (f"rank {slow} is slower at the same work (a slower or shared device or core, another "
+                 "process on it, or heavier batches), so the others wait at the next collective: "
+                 "imbalance, which no overlap setting can hide")
+        knob, value, note = None, None, (
+            f"give every rank the same hardware share: one device (or core set) per rank with nothing else "
+            f"on rank {slow}'s; on CPU no more ranks than free cores (OMP_NUM_THREADS = cores / ranks)")
+    return _finding(
+        "imbalance", f"Imbalance: rank {waiter} waits {share[waiter]:.0f}% of its step for rank {slow}",
+        evidence, cause, knob, value, note,
+        f"about {wait_ms:,.0f} ms less per step on rank {waiter} once rank {slow} keeps pace",
+        slow_rank=int(slow) if slow.lstrip("-").isdigit() else slow, slow_compute_ms=round(slow_compute, 3))
+
+
+def _slowest_op(ranks: dict, slow: str) -> str:
+    """"; its aten::mm takes 900 ms a step against 600 ms": the op (self time) that differs most."""
+    def per_step(rank: str) -> dict[str, float]:
+        n = max(len(ranks[rank].get("steps", [])), 1)
+        return {op["name"]: op.get("self_ms", op["total_ms"]) / n for op in ranks[rank].get("top_ops") or []}
+
+    mine = per_step(slow)
+    others = [per_step(r) for r in ranks if r != slow]
+    best, gap = None, 0.0
+    for name, ms in mine.items():
+        rest = [o[name] for o in others if name in o]
+        if rest and ms - max(rest) > gap:
+            best, gap = name, ms - max(rest)
+    if best is None:
+        return ""
+    rest = max(o[best] for o in others if best in o)
+    return f"; its {best} takes {mine[best]:,.0f} ms a step (self time) against {rest:,.0f} ms"
+
+
+# -- exposed transfer, by collective kind ---------------------------------------------------------
+
+def _exposed_by_kind(ranks: dict, waits: dict, matched: list[dict], cfg: dict) -> list[dict]:
+    """Exposed communication less the waiting for a slower rank, shared among the collective
+    kinds by their transfer time; a finding for each kind holding a quarter of it or more."""
+    transfer: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # rank -> kind -> ms
+    if matched:
+        for m in matched:
+            for rank, v in m["per_rank"].items():
+                transfer[str(rank)][m["kind"]] += v["transfer_ms"]
+    else:
+        for rank, info in ranks.items():
+            for c in info.get("collectives", []):
+                transfer[rank][c["kind"]] += c.get("duration_ms", 0.0)
+    per_kind: dict[str, list[float]] = defaultdict(list)  # kind -> exposed share per rank-step
+    shares = []
+    for rank, info in ranks.items():
+        kinds = transfer.get(rank, {})
+        total = sum(kinds.values())
+        for s in info.get("steps", []):
+            if s["wall_ms"] <= 0:
+                continue
+            exposed = max(_ms(s, "comm_exposed") - waits.get(rank, {}).get(s.get("step"), 0.0), 0.0)
+            shares.append(100 * exposed / s["wall_ms"])
+            for kind, ms in kinds.items():
+                per_kind[kind].append(100 * exposed * ms / total / s["wall_ms"] if total else 0.0)
+    exposed = _mean(shares)
+    if exposed < SHARE:
+        return []
+    overall = {k: sum(v) / len(shares) for k, v in per_kind.items()}
+    if not overall:  # exposed time with no collective recorded (sizes and kinds unknown)
+        overall = {"unknown": exposed}
+    layout = _layout(ranks, cfg)
+    wall = _mean(s["wall_ms"] for s in _steps(ranks))
+    groups: dict[tuple, list[tuple[str, float]]] = {}  # kinds one key moves share one finding
+    ranked = sorted(overall.items(), key=lambda kv: -kv[1])
+    for i, (kind, share) in enumerate(ranked):
+        if i and share < exposed / 4:
+            break
+        groups.setdefault(_kind_knob(kind, layout), []).append((kind, share))
+    out = []
+    for (knob, value, note), members in groups.items():
+        kind, share = " + ".join(k for k, _ in members), sum(v for _, v in members)
+        out.append(_finding(
+            "comm", f"{kind} exposed: {share:.0f}% of the step waits on the transfers",
+            f"exposed communication {exposed:.0f}% of a {wall:.1f} ms step once waiting for slower ranks is "
+            f"taken out; {kind} {share:.0f}% ({share * wall / 100:.1f} ms per step); by kind "
+            + ", ".join(f"{k} {v:.0f}%" for k, v in ranked) + f"; layout {layout['label']}",
+            f"{kind} transfers run after the compute that could hide them", knob, value, note,
+            f"up to {share:.0f}% shorter steps as {kind} overlaps compute", kind=kind))
+    return out
+
+
+def _layout(ranks: dict, cfg: dict) -> dict:
+    """What ran: strategy, engine, tp, pp and the FSDP units (one reduce-scatter each per step)."""
+    par = cfg.get("parallel", {})
+    counts: dict[str, float] = defaultdict(float)
+    sizes: dict[str, float] = defaultdict(float)
+    stepped = [info for info in ranks.values() if info.get("steps")]
+    for info in stepped:
+        for c in info.get("collectives", []):
+            counts[c["kind"]] += 1 / len(info["steps"]) / len(stepped)
+            sizes[c["kind"]] = max(sizes[c["kind"]], c.get("bytes") or 0)
+    strategy = par.get("strategy")
+    if strategy is None:  # not a loom run: what its collectives say
+        strategy = "fsdp" if counts.get("reduce_scatter") or counts.get("all_gather") else "ddp"
+    units = round(counts.get("reduce_scatter") or counts.get("all_gather") or 0)
+    layout = {"strategy": strategy, "engine": par.get("engine", "torch"), "tp": par.get("tp", 1),
+              "pp": par.get("pp", 1), "units": units,
+              "unit_mib": max(sizes.get("all_gather", 0), sizes.get("reduce_scatter", 0)) / 2**20, **par}
+    label = f"{strategy}" + (f" ({layout['engine']})" if layout["engine"] != "torch" else "")
+    if strategy in (*_SHARDED, "fsdp"):
+        label += f", {units} FSDP unit(s) per step"
+    label += "".join(f", {k} {layout[k]}" for k in ("tp", "pp") if layout[k] > 1)
+    layout["label"] = label
+    return layout
+
+
+def _kind_knob(kind: str, layout: dict) -> tuple[str | None, object, str]:
+    """The key that moves a kind's exposed transfer, for the layout that ran: (key, value, note)."""
+    strategy, tp, pp = layout["strategy"], layout["tp"], layout["pp"]
+    if layout["engine"] == "deepspeed" and kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        return None, None, ("DeepSpeed overlaps ZeRO's collectives itself: overlap_comm and the bucket sizes "
+                            "in the JSON of parallel.deepspeed_config")
+    if tp > 1 and (kind == "all_reduce" or (kind in ("all_gather", "reduce_scatter")
+                                            and strategy not in (*_SHARDED, "fsdp"))):
+        return "parallel.tp", max(tp // 2, 1), (f"now {tp}: tensor-parallel collectives sit on the critical "
+                                                "path of every layer; fewer tp ranks, within one node")
+    if kind in ("all_gather", "reduce_scatter") and strategy in (*_SHARDED, "fsdp"):
+        if layout["units"] <= 1:
+            unit = layout["unit_mib"]
+            size = max(1, int(unit // 4)) if unit else 1
+            now = layout.get("fsdp_unit_mb")
+            return "parallel.fsdp_unit_mb", size, (
+                f"now {now if now is not None else 'unknown'}: the model is one FSDP unit"
+                + (f" of {unit:.1f} MiB" if unit else "") + ", so its gather and reduce-scatter have no "
+                "compute to run under; smaller units overlap each other's transfers with their compute")
+        prefetch = int(layout.get("fsdp_prefetch", 1))
+        return "parallel.fsdp_prefetch", prefetch + 1, (
+            f"now {prefetch}: gather the next FSDP units earlier"
+            + ('; or keep parameters gathered through backward: parallel.strategy = "zero2"'
+               if strategy == "zero3" and kind == "all_gather" else ""))
+    if kind == "all_reduce" and strategy in ("ddp", "zero1"):
+        bucket = float(layout.get("ddp_bucket_mb", 25.0))
+        return "parallel.ddp_bucket_mb", max(bucket / 2, 1.0), (
+            f"now {bucket:g}: smaller buckets start reducing earlier in backward")
+    if kind == "all_reduce":
+        return None, None, ("the all-reduces of a sharded run are small (the loss, the gradient norm, loom's "
+                            "stop agreement): latency, not a layout setting; fewer optimizer steps per "
+                            "token (a larger train.batch_size) amortize them")
+    if kind in ("p2p", "send", "recv") and pp > 1:
+        if layout.get("pp_schedule") == "gpipe":
+            return "parallel.pp_schedule", "1f1b", "now gpipe: 1F1B sends while the next micro-batch computes"
+        micro = int(layout.get("microbatches") or 0) or pp
+        return "parallel.microbatches", 2 * micro, (f"now {micro}: more, smaller micro-batches keep the "
+                                                    "stages computing while activations move")
+    if kind in ("p2p", "send", "recv"):
+        return None, None, "point-to-point transfers come from the model's own code, not from loom's layout"
+    if kind == "all_to_all":
+        return None, None, ("all-to-all comes from the model's own code (expert or context-parallel layers): "
+                            "no loom key moves it; keep the exchange within a node, or exchange less")
+    return None, None, f"{kind} on the step's path comes from the step's own code (a barrier, a broadcast)"

@@ -14,7 +14,14 @@ exposed communication, IO and idle, so the four add up to the step's wall time:
   main-thread DataLoader time while the GPU runs nothing else, idle the rest.
 
 Only interval arrays per thread and class are kept while a trace streams by (not its events),
-so a rank's 100 MB trace costs tens of MB. `analyze_dir` runs one process per trace.
+plus three integers per CPU op for its self time (its time minus the ops nested in it, which is
+what "top ops" ranks by), so a rank's 100 MB trace costs tens of MB. `analyze_dir` runs one
+process per trace.
+
+Host syncs are counted per step outside the optimizer (its step counters are the library's) and,
+in a loom run, inside loom's forward / backward / pipeline / data ranges only: the syncs between
+them are loom's own loop (`host_syncs_loop`: the stop agreement's reads of a gloo-reduced CPU
+tensor, the step before's loss read back a step late), needed and not the user's to fix.
 
 Events of a kind the ledger does not use (metadata, instants, flows) are skipped. A complete
 event (`ph` X) whose fields the ledger reads have the wrong type or range — `ts`/`dur` not finite
@@ -49,6 +56,11 @@ PHASES = ("forward", "backward", "optimizer", "data")
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "record_param_comms")
 _WORK_PREFIXES = ("gloo:", "nccl:")  # a collective's work span (async: not a main-thread scope)
+# loom's ranges around the code a user brings (model, loss, data): a host sync outside them and
+# outside the optimizer is loom's own loop (the gloo stop agreement on a CPU tensor, reading the
+# step before's loss back), known, needed and not the user's to fix.
+_LOOM_STEP = ("loom/forward", "loom/backward", "loom/pipeline", "loom/data")
+LOOM_STEP = "loom:step"
 _TORCH_FORWARD = ("DistributedDataParallel.forward", "FullyShardedDataParallel.forward")
 _SYNC_OPS = frozenset({
     "aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero",
@@ -139,6 +151,8 @@ def _classify(name: str, cat: str) -> tuple[str, ...]:
         out.append("loom:optimizer")
     elif name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
         out.append("torch:optimizer")
+    if name.startswith(_LOOM_STEP):
+        out.append(LOOM_STEP)
     if name.startswith("loom/data"):
         out.append("loom:data")
     elif io and not name.startswith("loom/checkpoint"):
@@ -164,6 +178,8 @@ class _Collector:
     steps: list = field(default_factory=list)  # (thread, N, start, end)
     comm: list = field(default_factory=list)  # _CommEvent
     cpu_ops: dict = field(default_factory=dict)  # name -> [ns, count]
+    op_spans: dict = field(default_factory=dict)  # thread -> array('q') [start, end, name id, ...]
+    op_ids: dict = field(default_factory=dict)  # cpu_op name -> id (self time per name)
     kernel_ops: dict = field(default_factory=dict)
     k_start: array = field(default_factory=lambda: array("q"))
     k_end: array = field(default_factory=lambda: array("q"))
@@ -212,6 +228,10 @@ class _Collector:
                 self.comm.append(_CommEvent(thread, start, end, name, _comm_args(args), WORK in classes))
         if cat == "cpu_op":
             _tally(self.cpu_ops, name, end - start)
+            spans = self.op_spans.get(thread)
+            if spans is None:
+                spans = self.op_spans[thread] = array("q")
+            spans.extend((start, end, self.op_ids.setdefault(name, len(self.op_ids))))
 
     def _gpu(self, ev: dict, name: str, cat: str, start: int, end: int) -> None:
         if cat != "kernel":
@@ -535,6 +555,11 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
     # those are the library's; the syncs worth a finding are the ones outside it.
     in_optimizer = _inside(syncs, phases["optimizer"])
     opt_syncs, syncs = syncs[in_optimizer], syncs[~in_optimizer]
+    loom_step = union_all(LOOM_STEP)
+    loop_syncs = syncs[:0]
+    if len(loom_step[0]):  # a loom run: the user's code runs inside its ranges
+        in_step = _inside(syncs, loom_step)
+        loop_syncs, syncs = syncs[~in_step], syncs[in_step]
     io = _union(_pairs([arrays[IO]] if IO in arrays else []))
     ops = _union(_pairs([arrays[c] for c in (CPU, COMM) if c in arrays]))
 
@@ -588,6 +613,8 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
         row["host_syncs"] = int(np.searchsorted(syncs, hi, "left") - np.searchsorted(syncs, lo, "left"))
         row["host_syncs_optimizer"] = int(np.searchsorted(opt_syncs, hi, "left")
                                           - np.searchsorted(opt_syncs, lo, "left"))
+        row["host_syncs_loop"] = int(np.searchsorted(loop_syncs, hi, "left")
+                                     - np.searchsorted(loop_syncs, lo, "left"))
         if gpu:
             a, b = np.searchsorted(kstart, lo, "left"), np.searchsorted(kstart, hi, "left")
             dur, occ = kdur[a:b], kocc[a:b]
@@ -611,10 +638,34 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
                          "start_us": (base_ns + c["_start"]) / 1000, "end_us": (base_ns + c["_end"]) / 1000,
                          "duration_ms": (c["_end"] - c["_start"]) / 1e6})
     table = col.kernel_ops if gpu else col.cpu_ops
-    top = sorted(table.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]
+    # kernels do not nest (self = total); CPU ops do (aten::linear calls aten::mm): ranked by self
+    own = ({k: v[0] for k, v in table.items()} if gpu else
+           dict(zip(col.op_ids, _self_ns(col.op_spans, len(col.op_ids)).tolist())))
+    top = sorted(table.items(), key=lambda kv: (-own[kv[0]], -kv[1][0]))[:TOP_OPS]
     return {"rank": rank, "kind": "gpu" if gpu else "cpu", "trace": trace, "warnings": warnings,
             "steps": steps, "collectives": out_coll,
-            "top_ops": [{"name": k, "total_ms": v[0] / 1e6, "count": v[1]} for k, v in top]}
+            "top_ops": [{"name": k, "total_ms": v[0] / 1e6, "self_ms": own[k] / 1e6, "count": v[1]}
+                        for k, v in top]}
+
+
+def _self_ns(spans_by_thread: dict, names: int) -> np.ndarray:
+    """Per op name id, its events' time minus the time of the ops directly inside them (per thread)."""
+    out = np.zeros(names, np.int64)
+    for flat in spans_by_thread.values():
+        a = np.frombuffer(flat, dtype=np.int64).reshape(-1, 3)
+        a = a[np.lexsort((-a[:, 1], a[:, 0]))]  # parents before the children they hold
+        inner = [0] * len(a)
+        stack: list[tuple[int, int]] = []  # (index, end) of the ops open at this point
+        for i, (s, e) in enumerate(a[:, :2].tolist()):
+            while stack and stack[-1][1] <= s:
+                stack.pop()
+            if stack:
+                parent, parent_end = stack[-1]
+                inner[parent] += min(e, parent_end) - s
+            stack.append((i, e))
+        own = np.maximum(a[:, 1] - a[:, 0] - np.array(inner, np.int64), 0)
+        np.add.at(out, a[:, 2], own)
+    return out
 
 
 def _forward_by_bounds(lo: int, hi: int, backward, ops, io) -> int:
@@ -733,9 +784,10 @@ def _merge(ledgers: list[dict]) -> dict:
     ops: dict[str, list] = {}
     for led in ledgers:
         for op in led["top_ops"]:
-            t = ops.setdefault(op["name"], [0.0, 0])
+            t = ops.setdefault(op["name"], [0.0, 0, 0.0])
             t[0] += op["total_ms"]
             t[1] += op["count"]
+            t[2] += op.get("self_ms", op["total_ms"])
     names = ", ".join(Path(led["trace"]).name for led in ledgers)
     return {"rank": ledgers[0]["rank"],
             "kind": "gpu" if any(led["kind"] == "gpu" for led in ledgers) else "cpu",
@@ -746,5 +798,5 @@ def _merge(ledgers: list[dict]) -> dict:
             "collectives": sorted((c for led in ledgers for c in led["collectives"]),
                                   key=lambda c: (c["enqueue_us"] if c["enqueue_us"] is not None
                                                  else c["start_us"])),
-            "top_ops": [{"name": k, "total_ms": v[0], "count": v[1]}
-                        for k, v in sorted(ops.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]]}
+            "top_ops": [{"name": k, "total_ms": v[0], "self_ms": v[2], "count": v[1]}
+                        for k, v in sorted(ops.items(), key=lambda kv: -kv[1][2])[:TOP_OPS]]}

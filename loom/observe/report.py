@@ -12,13 +12,14 @@ out rather than drawn empty.
 from __future__ import annotations
 
 import html
-import json
 import math
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from loom.files import atomic_write
+from loom.observe.diagnose import toml_value
 
 # The ledger's four parts, in bar order: (key, label, fill, text color on the fill).
 LEDGER_PARTS: tuple[tuple[str, str, str, str], ...] = (
@@ -39,6 +40,7 @@ RANK_COLORS = ("#1b9e77", "#7570b3", "#d95f02", "#e7298a", "#66a61e", "#a6761d",
 LEDGER_BAR_W = 720  # px of a 100% ledger bar
 _LABEL_W, _BAR_H, _BAR_GAP = 120, 26, 10
 _MAX_TABLE_ROWS, _MAX_OPS, _MAX_COLLECTIVES, _MAX_RANK_COLUMNS = 400, 20, 20, 8
+OFF_PLAN = 0.25  # measured this far from planned (either way) is flagged
 
 _CSS = """
 *{box-sizing:border-box}
@@ -66,10 +68,10 @@ font-family:ui-monospace,"DejaVu Sans Mono","Liberation Mono",monospace}
 .legend i{display:inline-block;width:12px;height:12px;border-radius:2px}
 svg{display:block;max-width:100%;height:auto;overflow:visible}
 svg text{font-size:12px;fill:#1f2328}
-.scroll{overflow-x:auto;max-height:560px;overflow-y:auto}
+.scroll{max-width:100%}
 table{border-collapse:collapse;width:100%;font-size:13px;font-variant-numeric:tabular-nums}
 th,td{padding:4px 8px;border-bottom:1px solid #eaeef2;text-align:left;white-space:nowrap}
-th{background:#f6f8fa;position:sticky;top:0;font-weight:600}
+th{background:#f6f8fa;font-weight:600;white-space:normal}
 td.n,th.n{text-align:right}
 td.name{white-space:normal;word-break:break-all;max-width:420px}
 tr.straggler td{background:#fdecea}
@@ -79,6 +81,8 @@ margin-left:6px}
 .callout{border-left:4px solid #d6616b;background:#fdf3f3;padding:8px 12px;margin:8px 0;\
 border-radius:0 6px 6px 0}
 .callout p{margin:2px 0}
+.off{color:#b42318;font-weight:700}
+.traces a{margin-right:14px}
 """
 
 
@@ -318,24 +322,77 @@ def _section(sid: str, title: str, body: str) -> str:
 
 # ---- sections -----------------------------------------------------------------------------------
 
-def _header(analysis: dict, ranks: list[tuple[str, dict]]) -> str:
+def _header(analysis: dict, ranks: list[tuple[str, dict]], base: Path | None = None) -> str:
     run = analysis.get("run") if isinstance(analysis.get("run"), dict) else {}
     plan = analysis.get("plan") if isinstance(analysis.get("plan"), dict) else {}
     steps = {_num(s.get("step")) for _, r in ranks for s in _steps(r)}
     kinds = sorted({str(r.get("kind")) for _, r in ranks if r.get("kind")})
     walls = [_wall(s) for _, r in ranks for s in _steps(r)]
+    params = _num(run.get("params"))
+    model = " · ".join(x for x in (run.get("model") and str(run["model"]),
+                                   params is not None and f"{params / 1e6:.2f}M params") if x)
     items = [
+        ("model", model or None),
         ("strategy", run.get("strategy") or plan.get("strategy") or "—"),
         ("ranks", run.get("world_size") or len(ranks)),
+        ("batch", run.get("batch")),
+        ("precision", run.get("precision")),
         ("steps profiled", len(steps - {None})),
         ("device", " / ".join(kinds) or "—"),
         ("mean step", f"{_ms(_mean(walls))} ms"),
+        ("loss", _loss_text(run.get("loss"))),
+        ("peak memory", _peaks_text(run.get("peak_memory_bytes"))),
+        ("profiled", run.get("profiled_at")),
+        ("loom commit", run.get("commit")),
     ]
     if plan.get("label"):
         items.append(("plan", plan["label"]))
-    meta = "".join(f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in items)
+    meta = "".join(f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in items if v not in (None, ""))
     name = run.get("name") or "training run"
-    return f'<header><h1>Step ledger · {_e(name)}</h1><dl class="meta">{meta}</dl></header>'
+    return (f'<header><h1>Step ledger · {_e(name)}</h1><dl class="meta">{meta}</dl>'
+            f"{_trace_links(run.get('traces'), base)}</header>")
+
+
+def _loss_text(loss: Any) -> str | None:
+    """"5.574 → 2.595 (eval 2.811); profiled, training steps 3–5: 4.222, 4.012, 4.090"."""
+    if not isinstance(loss, dict):
+        return None
+    first, final, held = (_num(loss.get(k)) for k in ("first", "final", "eval"))
+    text = " → ".join(f"{v:.3f}" for v in (first, final) if v is not None)
+    if held is not None:
+        text += f" (eval {held:.3f})"
+    steps = loss.get("profiled_steps")
+    if isinstance(steps, dict) and steps:
+        named = sorted((int(k), _num(v)) for k, v in steps.items()
+                       if str(k).isdigit() and _num(v) is not None)
+        if named:
+            # training steps (analyze.py: ProfilerStep#N, the charts' steps, is step start_step + N + 1)
+            text += (f"; profiled, training steps {named[0][0]}–{named[-1][0]}: "
+                     + ", ".join(f"{v:.3f}" for _, v in named))
+    return text.strip("; ") or None
+
+
+def _peaks_text(peaks: Any) -> str | None:
+    """Per rank peak memory: "rank 0 136 MiB · rank 1 136 MiB"."""
+    if not isinstance(peaks, dict) or not peaks:
+        return None
+    return " · ".join(f"rank {r} {size_text(v)}" for r, v in sorted(
+        peaks.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0))
+
+
+def _trace_links(traces: Any, base: Path | None) -> str:
+    """Links to the per-rank Chrome traces, relative to the page (they travel with the run)."""
+    if not isinstance(traces, dict) or not traces:
+        return ""
+    links = []
+    for rank, paths in sorted(traces.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0):
+        paths = [paths] if isinstance(paths, str) else paths if isinstance(paths, list) else []
+        for i, path in enumerate(paths):
+            href = os.path.relpath(path, base) if base is not None else str(path)
+            label = f"rank {rank} trace" + (f" {i + 1}" if len(paths) > 1 else "")
+            links.append(f'<a href="{_e(Path(href).as_posix())}">{_e(label)}</a>')
+    return ('<p class="note traces">' + "".join(links) + " Chrome traces: open one in Perfetto "
+            "(ui.perfetto.dev, “Open trace file”) or chrome://tracing.</p>")
 
 
 def _findings(analysis: dict) -> str:
@@ -348,11 +405,13 @@ def _findings(analysis: dict) -> str:
         for key, label in (("evidence", "evidence"), ("cause", "cause")):
             if f.get(key):
                 parts.append(f'<p><span class="k">{label}</span>{_e(f[key])}</p>')
-        if f.get("knob"):
-            value = "" if "value" not in f else f" = {json.dumps(f['value'], default=str)}"
-            effect = f" — {_e(f['expected_effect'])}" if f.get("expected_effect") else ""
-            parts.append(f'<p><span class="k">try</span><code>{_e(f["knob"])}{_e(value)}</code>{effect}</p>')
-        elif f.get("expected_effect"):
+        note = f" {_e(f['note'])}" if f.get("note") else ""
+        if f.get("knob"):  # a TOML line to paste into the config, the prose beside it
+            value = "" if f.get("value") is None else f" = {toml_value(f['value'])}"
+            parts.append(f'<p><span class="k">try</span><code>{_e(f["knob"])}{_e(value)}</code>{note}</p>')
+        elif note:
+            parts.append(f'<p><span class="k">do</span>{note}</p>')
+        if f.get("expected_effect"):
             parts.append(f'<p><span class="k">expected</span>{_e(f["expected_effect"])}</p>')
         cards.append(f'<div class="finding">{"".join(parts)}</div>')
     return _section("findings", f"Findings ({len(findings)})", "".join(cards))
@@ -452,8 +511,10 @@ def _top_ops(ranks: list[tuple[str, dict]]) -> str:
             if not isinstance(op, dict) or op.get("name") is None:
                 continue
             total, count = _num(op.get("total_ms")) or 0.0, _num(op.get("count")) or 0.0
-            prev = ops.setdefault(str(op["name"]), {}).get(rid, (0.0, 0.0))
-            ops[str(op["name"])][rid] = (prev[0] + total, prev[1] + count)
+            own = _num(op.get("self_ms"))
+            own = total if own is None else own  # a ledger from before self times: totals
+            prev = ops.setdefault(str(op["name"]), {}).get(rid, (0.0, 0.0, 0.0))
+            ops[str(op["name"])][rid] = (prev[0] + own, prev[1] + count, prev[2] + total)
     kernel_rows = []
     for rid, r in ranks:
         k = {key: _mean(s.get(key) for s in _steps(r))
@@ -468,22 +529,24 @@ def _top_ops(ranks: list[tuple[str, dict]]) -> str:
         return ""
     body = ""
     if ops:
-        top = sorted(ops.items(), key=lambda kv: -sum(t for t, _ in kv[1].values()))[:_MAX_OPS]
+        top = sorted(ops.items(), key=lambda kv: -sum(t for t, _, _ in kv[1].values()))[:_MAX_OPS]
         head = [("op / kernel", False), ("ranks", True), ("calls", True),
-                ("total ms (mean over ranks)", True), ("ms per call", True), ("min ms (rank)", True),
-                ("max ms (rank)", True)]
+                ("self ms (mean over ranks)", True), ("self ms per call", True), ("min self ms (rank)", True),
+                ("max self ms (rank)", True), ("with nested ops ms", True)]
         rows = []
         for name, per in top:
-            totals = [t for t, _ in per.values()]
-            calls = sum(c for _, c in per.values())
+            owns = [t for t, _, _ in per.values()]
+            calls = sum(c for _, c, _ in per.values())
             lo = min(per.items(), key=lambda kv: kv[1][0])
             hi = max(per.items(), key=lambda kv: kv[1][0])
             rows.append(([(_e(name), "name"), (str(len(per)), "n"), (f"{calls:,.0f}", "n"),
-                          (_ms(sum(totals) / len(totals)), "n"),
-                          (_ms(sum(totals) / calls) if calls else "—", "n"),
-                          (f"{_ms(lo[1][0])} ({_e(lo[0])})", "n"), (f"{_ms(hi[1][0])} ({_e(hi[0])})", "n")],
-                         ""))
-        body += _table(head, rows)
+                          (_ms(sum(owns) / len(owns)), "n"),
+                          (_ms(sum(owns) / calls) if calls else "—", "n"),
+                          (f"{_ms(lo[1][0])} ({_e(lo[0])})", "n"), (f"{_ms(hi[1][0])} ({_e(hi[0])})", "n"),
+                          (_ms(sum(t for _, _, t in per.values()) / len(per)), "n")], ""))
+        body += ('<p class="note">Self time: an op\'s own time, without the ops it calls (aten::linear '
+                 "without its aten::mm), so the rows add up to no more than the profiled steps. Over all "
+                 "profiled steps.</p>") + _table(head, rows)
     if kernel_rows:
         head = [("rank", True), ("kernels / step", True), ("mean kernel µs", True), ("occupancy", True)]
         body += '<h3 style="margin-top:14px">GPU kernels</h3>' + _table(head, kernel_rows)
@@ -602,7 +665,7 @@ def _planned(analysis: dict, ranks: list[tuple[str, dict]]) -> str:
               "comm_count": "collectives / step (observed)",
               "comm_modelled_wire_bytes": "wire bytes / step (ring model, not observed)",
               "comm_sent_bytes": "wire bytes / step (ring model, not observed)"}  # runs before the split
-    rows = []
+    rows, flagged = [], []
     for entry in analysis.get("measured_vs_planned") or []:
         if not isinstance(entry, dict):
             continue
@@ -620,37 +683,61 @@ def _planned(analysis: dict, ranks: list[tuple[str, dict]]) -> str:
                 continue
             m, p = _num(pair[0]), _num(pair[1])
             ratio = f"{m / p:.2f}×" if m is not None and p else "—"
+            off = _off_plan(m, p)
+            if off:
+                ratio = f'<span class="off">{ratio} · {_e(off)}</span>'
+                flagged.append(f"rank {entry.get('rank', '—')} {label}")
             fmt = _count if is_count else size_text
             rows.append(([(_e(entry.get("rank", "—")), "n"), (_e(label), ""), (fmt(m), "n"),
-                          (fmt(p), "n"), (ratio, "n"), (_pair_bar(m, p), "")], ""))
+                          (fmt(p), "n"), (ratio, "n"), (_pair_bar(m, p), "")], "off-plan" if off else ""))
     plan = analysis.get("plan") if isinstance(analysis.get("plan"), dict) else {}
     facts = []
     if plan:
         mem = plan.get("memory_bytes")
         mem_total = mem.get("total") if isinstance(mem, dict) else mem
         if _num(mem_total) is not None:
-            facts.append(("memory per rank", size_text(mem_total)))
+            facts.append(("memory per rank", size_text(mem_total), None))
         if _num(plan.get("comm_payload_bytes_per_step")) is not None:
-            facts.append(("collective payload per step", size_text(plan["comm_payload_bytes_per_step"])))
+            payload = size_text(plan["comm_payload_bytes_per_step"])
+            facts.append(("collective payload per step", payload, None))
         if _num(plan.get("comm_bytes_per_step")) is not None:
-            facts.append(("wire bytes per step (ring model)", size_text(plan["comm_bytes_per_step"])))
+            facts.append(("wire bytes per step (ring model)", size_text(plan["comm_bytes_per_step"]), None))
         planned_s = _num(plan.get("step_time_s"))
         measured = _mean(_wall(s) for _, r in ranks for s in _steps(r))
         planned = "not predicted" if planned_s is None else f"{_ms(planned_s * 1000)} ms"
-        facts.append(("step time", f"{planned} planned · {_ms(measured)} ms measured"))
+        off = _off_plan(measured, planned_s * 1000 if planned_s is not None else None)
+        if off:
+            flagged.append("step time")
+        facts.append(("step time", f"{planned} planned · {_ms(measured)} ms measured"
+                      + (f" · {off}" if off else ""), off))
     if not rows and not facts:
         return ""
     body = ""
+    if flagged:
+        body += (f'<div class="callout"><p><b>Off plan by more than {OFF_PLAN:.0%}</b>: '
+                 + _e(", ".join(flagged)) + ". The planner's model of this run is wrong there: "
+                 "the measured number is the true one.</p></div>")
     if facts:
         label = f"<div><dt>plan</dt><dd>{_e(plan['label'])}</dd></div>" if plan.get("label") else ""
         body += '<dl class="meta">' + label + "".join(
-            f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in facts) + "</dl>"
+            f'<div><dt>{_e(k)}</dt><dd{" class=off" if off else ""}>{_e(v)}</dd></div>'
+            for k, v, off in facts) + "</dl>"
     if rows:
         head = [("rank", True), ("what", False), ("measured", True), ("planned", True),
                 ("measured / planned", True), ("", False)]
         body += '<div style="height:10px"></div>' + _legend([("measured", "#4c78a8"), ("planned", "#bab0ac")])
         body += _table(head, rows)
     return _section("measured-vs-planned", "Measured vs planned", body)
+
+
+def _off_plan(measured: float | None, planned: float | None) -> str | None:
+    """"measured 42% below plan" when measured is more than OFF_PLAN away from planned."""
+    if measured is None or not planned:
+        return None
+    change = measured / planned - 1
+    if abs(change) <= OFF_PLAN:
+        return None
+    return f"measured {abs(change):.0%} {'above' if change > 0 else 'below'} plan"
 
 
 def _count(v: Any) -> str:
@@ -672,14 +759,15 @@ def _pair_bar(m: float | None, p: float | None, width: int = 180) -> str:
 
 # ---- the page -----------------------------------------------------------------------------------
 
-def render_html(analysis: dict) -> str:
-    """The report as one HTML string (see render_report)."""
+def render_html(analysis: dict, base: Path | None = None) -> str:
+    """The report as one HTML string (see render_report); `base`: the page's folder, which the
+    links to the trace files are relative to."""
     analysis = analysis if isinstance(analysis, dict) else {}
     ranks = _ranks(analysis)
     stragglers = _stragglers(analysis)
     run = analysis.get("run") if isinstance(analysis.get("run"), dict) else {}
     sections = [
-        _header(analysis, ranks),
+        _header(analysis, ranks, base),
         _findings(analysis),
         _ledger(ranks, stragglers),
         _step_times(ranks),
@@ -699,5 +787,6 @@ def render_html(analysis: dict) -> str:
 def render_report(analysis: dict, out_path: Path) -> Path:
     """Write the step-ledger report for `analysis` to `out_path` as one self-contained HTML file."""
     out_path = Path(out_path)
-    atomic_write(out_path, render_html(analysis).encode("utf-8"))  # replaces a planted link, never follows it
+    page = render_html(analysis, out_path.parent.resolve())
+    atomic_write(out_path, page.encode("utf-8"))  # replaces a planted link, never follows it
     return out_path

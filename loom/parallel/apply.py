@@ -22,6 +22,7 @@ from loom.parallel.activation_checkpointing import apply_activation_checkpointin
 from loom.parallel.adapter import ModelAdapter
 from loom.parallel.ddp import apply_ddp
 from loom.parallel.fsdp import apply_fsdp
+from loom.parallel.known_warnings import silence_dtensor_sequential_redistribute
 from loom.parallel.mesh import Dist
 from loom.parallel.pipeline import rank_stages, stage_layers, validate_pipeline
 from loom.parallel.weights import WeightSource
@@ -52,6 +53,7 @@ def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdap
     if not adapter.meta_init:
         model.to(d.device)  # built whole on every rank; sharding below frees what is not ours
     if p.tp > 1:
+        silence_dtensor_sequential_redistribute()
         adapter.apply_tensor_parallel(model, d.mesh["tp"], p.sequence_parallel)
     layers = adapter.layers(model)
     apply_activation_checkpointing(layers, p.activation_checkpointing, p.ac_every)

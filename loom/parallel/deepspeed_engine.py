@@ -31,6 +31,7 @@ from torch import nn
 from loom import heap, strategies
 from loom.config import Config, read_deepspeed_json
 from loom.parallel.adapter import ModelAdapter
+from loom.parallel.known_warnings import silence_deepspeed_collective_names
 from loom.parallel.mesh import Dist
 from loom.parallel.weights import WeightSource, plain_name, read_flat
 from loom.parallel.zero1 import create_states
@@ -115,6 +116,7 @@ def join_process_group() -> None:
     import deepspeed
     import torch.distributed as dist
 
+    silence_deepspeed_collective_names()
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
 
 

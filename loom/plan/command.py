@@ -9,6 +9,7 @@ from pathlib import Path
 
 from loom.config import (
     Config,
+    ModelConfig,
     ParallelDims,
     load_config,
     pipeline_microbatches,
@@ -26,8 +27,8 @@ from loom.plan.explain import explain
 from loom.plan.hardware import GPU, Cluster, lookup, with_overrides
 from loom.plan.memory import RECIPES
 from loom.plan.report import render_table
-from loom.plan.search import Plan, config_candidate, emit_config, estimate, search
-from loom.plan.shapes import ModelShape, from_hf_config, from_params, from_preset
+from loom.plan.search import Plan, config_candidate, emit_config, estimate, search, size_text
+from loom.plan.shapes import ModelShape, from_hf_config, from_params, from_preset, llama_like
 
 
 def model_shape(cfg, model: str | None, params: float | None) -> ModelShape:
@@ -152,6 +153,8 @@ def run(args) -> tuple[Config, Plan, str | None]:
     # GPUs train in 16-bit; this machine trains in the config's precision
     precision = "bf16" if cfg.train.precision == "fp32" and not local else cfg.train.precision
     workload, origin = workload_of(args, cfg, shape, model, cluster.world_size, precision)
+    if args.emit:  # a model --emit cannot write is refused before anything is printed
+        planned_model(cfg, shape, model, workload.seq_len)
     plan = search(workload, cluster)
     plan.workload_origin = origin
     yours = None  # the config's own layout, priced on its own batch (not on an assumed workload)
@@ -168,7 +171,8 @@ def run(args) -> tuple[Config, Plan, str | None]:
         if yours is not None:
             verdict = "fits" if yours["fits"] else f"does not fit: {yours['why_not']}"
             print(f"your config ({yours['label']}, micro-batch {yours['micro_batch']} × "
-                  f"{yours['grad_accum']}): {yours['memory_bytes']['total'] / 1e9:.1f} GB per GPU, "
+                  f"{yours['grad_accum']}): {size_text(yours['memory_bytes']['total'])} per "
+                  f"{'GPU' if not local or cluster.profile.device == 'cuda' else 'rank'}, "
                   f"{yours['tokens_per_s']:,.0f} tokens/s, {verdict}")
     if args.emit:
         emit_all(args.emit, cfg, plan, cluster, shape, model, quiet=args.format == "json",
@@ -198,19 +202,55 @@ def emit_all(target: str, cfg, plan: Plan, cluster: Cluster, shape: ModelShape, 
         for old in target.parent.glob(f"{target.stem}.*{suffix}"):
             if old.name[len(target.stem) + 1:-len(suffix)].isdigit() and _emitted_by_loom(old):
                 old.unlink()
+    job = planned_model(cfg, shape, model, plan.workload.seq_len)
     for path, record in chosen:
         emitted = emit_config(cfg, record)
-        if shape.known and model is not None and not model.endswith(".json"):
-            emitted.model.preset = model
+        emitted.model = dataclasses.replace(job)
         emitted.data.seq_len, emitted.train.batch_size = plan.workload.seq_len, plan.workload.global_batch
+        emitted.train.precision = plan.workload.precision
         validate(emitted, cluster.world_size, cuda_available=True, this_machine=False)
         header = (f"# loom plan: {record['label']} on {cluster.describe()}: {record['tokens_per_s']:,.0f} "
                   f"tokens/s predicted\n# run: loom train {path} --nproc {cluster.gpus_per_node} "
-                  f"--nnodes {cluster.nodes}\n")
+                  f"--nnodes {cluster.nodes}\n# model: {_model_words(job)}, {plan.workload.precision}, "
+                  f"batch {plan.workload.global_batch} × {plan.workload.seq_len} tokens\n")
         atomic_write(path, (header + to_toml(emitted)).encode())
     if not quiet:
         others = f" and {len(chosen) - 1} alternatives ({chosen[1][0].name} …)" if len(chosen) > 1 else ""
         print(f"wrote {target}{others}")
+
+
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings")
+EMIT_PARAMS_TOLERANCE = 0.10  # a Llama-style shape for --params must be this close to the count
+
+
+def planned_model(cfg, shape: ModelShape, model: str | None, seq_len: int) -> ModelConfig:
+    """The model section that builds the model the plan priced: a preset by name; a model folder's
+    config.json as init_from when the folder holds weights, else its shape; a parameter count as a
+    Llama-style shape of about that many parameters; else the config's own model."""
+    if model is None and shape.known:
+        return cfg.model
+    if shape.known and not model.endswith(".json"):
+        return ModelConfig(preset=model, max_seq_len=seq_len if seq_len > preset(model).max_seq_len else None)
+    if shape.known and any(Path(model).parent.glob("*.safetensors")):
+        return ModelConfig(init_from=str(Path(model).parent))
+    if not shape.known:
+        sized = llama_like(shape.num_params)
+        if abs(sized.num_params / shape.num_params - 1) > EMIT_PARAMS_TOLERANCE:
+            raise ConfigError(f"--emit needs a model shape, and --params {shape.num_params:g} is too small "
+                              f"for a Llama-style one (the nearest has {sized.num_params:,}); pass --model "
+                              f"PRESET or --model config.json")
+        shape = sized
+    base = "8b"  # Llama-3's RoPE and norms; every shape field below replaces the preset's
+    return ModelConfig(preset=base, **{k: getattr(shape, k) for k in SHAPE_FIELDS},
+                       max_seq_len=max(seq_len, preset(base).max_seq_len))
+
+
+def _model_words(m: ModelConfig) -> str:
+    if m.init_from:
+        return f"the weights of {m.init_from}"
+    params = preset(m.preset, **shape_overrides(m)).num_params()
+    shaped = " with its shape below" if m.d_model is not None else ""
+    return f"preset {m.preset}{shaped} ({params / 1e9:.3g}B parameters)"
 
 
 def _emitted_by_loom(path: Path) -> bool:

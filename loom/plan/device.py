@@ -138,7 +138,7 @@ def load(path: Path | None = None, required: bool = True) -> DeviceProfile | Non
         if not required:
             return None
         raise ConfigError(f"no device profile at {path}; measure this machine first with "
-                          f"`loom plan --calibrate` (about a minute)")
+                          f"`loom plan --calibrate` (about two minutes; --quick: about 30 s)")
     try:
         return checked_profile(read_json(path, f"device profile {path}", max_bytes=MAX_PROFILE_BYTES),
                                f"device profile {path}")

@@ -32,13 +32,14 @@ from loom.plan.memory import (
     model_state_bytes,
     stage_memory,
 )
-from loom.plan.search import estimate
+from loom.plan.search import estimate, size_text
 from loom.plan.shapes import (
     activation_bytes_per_layer,
     checkpointed_layers,
     head_saved_bytes,
     head_transient_bytes,
     layers_of_stage,
+    llama_like,
     residual_bytes,
 )
 
@@ -283,6 +284,11 @@ def _memory(out: _Out, record: dict, w, c: Candidate, cluster) -> None:
         activations = 0.0
         if deepspeed:
             buffers.insert(0, ("DeepSpeed buckets", DEEPSPEED_BUCKETS))
+        if c.offload != "none":
+            layer = llama_like(shape.num_params).layer_params
+            out.note(f"offload: a layer's parameters staged in from the host, and the next: 2·e·layer/tp, a "
+                     f"Llama-style layer of Ψ having {num(layer)} parameters")
+            buffers.append(("2 staged layers", 2 * w.act_bytes * layer / c.tp))
     buffer_total = sum(v for _, v in buffers)
     if len(buffers) > 1:
         out.item("buffers", " + ".join(n for n, _ in buffers), " + ".join(gb(v) for _, v in buffers),
@@ -304,7 +310,8 @@ def _memory(out: _Out, record: dict, w, c: Candidate, cluster) -> None:
     gpu = cluster.gpu
     if gpu is not None:
         verdict = "fits" if record["fits"] else f"does not fit: {record['why_not']}"
-        out.note(f"{gb(m['total'])} of {gpu.memory_gb:g} GB per GPU; {verdict}")
+        unit = "rank" if memory_device(cluster) == "cpu" else "GPU"
+        out.note(f"{gb(m['total'])} of {size_text(gpu.memory_gb * GB)} per {unit}; {verdict}")
     if mem.host or mem.nvme:
         per_node = cluster.gpus_per_node
         where, value, key = (("host", mem.host, "host_memory_bytes") if mem.host

@@ -16,6 +16,7 @@ from loom.plan.shapes import (
     head_saved_bytes,
     head_transient_bytes,
     layers_of_stage,
+    llama_like,
     residual_bytes,
 )
 
@@ -163,8 +164,10 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
         activations, inflight = _step_peak(w, c, stage, layers, stage_params, replicated, grads,
                                            optimizer, device, moments)
         buffers += inflight
-    elif deepspeed:
-        buffers += DEEPSPEED_BUCKETS
+    else:
+        buffers += DEEPSPEED_BUCKETS if deepspeed else 0.0
+        if c.offload != "none":  # what stays on the GPU: a layer's parameters staged in, and the next
+            buffers += 2 * w.act_bytes * llama_like(shape.num_params).layer_params / c.tp
     allocated = params + grads + optimizer + activations + buffers
     return MemoryAccount(params, grads, optimizer, activations, buffers, fragmentation * allocated,
                          host, nvme, stage)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.memory import gpu_memory
-from loom.plan.search import GB, Plan
+from loom.plan.search import GB, Plan, size_text
 from loom.strategies import STRATEGIES
 
 
@@ -15,7 +15,9 @@ def model_state_account(w: Workload, cluster) -> list[dict]:
     world = cluster.world_size
     rows = []
     unsharded_dp = [(name, "none") for name, s in STRATEGIES.items() if s.dp_mesh != "hybrid"]
-    for strategy, offload in unsharded_dp + [("zero3", "optimizer"), ("zero3", "optimizer+params")]:
+    on_cpu = cluster.profile is not None and cluster.profile.device == "cpu"  # no host to offload to
+    offloaded = [] if on_cpu else [("zero3", "optimizer"), ("zero3", "optimizer+params")]
+    for strategy, offload in unsharded_dp + offloaded:
         c = Candidate(strategy, world, offload=offload)
         m = gpu_memory(w, c, 0.0)
         rows.append({"label": c.label(), "gpu_bytes": m.model_states, "host_bytes_per_gpu": m.host,
@@ -32,12 +34,19 @@ def params_text(count: float) -> str:
     return f"{count:.0f}"
 
 
+def byte_unit(largest: float) -> tuple[str, float]:
+    """The unit a column of byte counts reads best in: GB, or MB when all are under a GB."""
+    return ("GB", GB) if largest >= GB else ("MB", 1e6)
+
+
 def render_table(plan: Plan, top: int = 5) -> str:
     w, cluster, records = plan.workload, plan.cluster, plan.candidates
     shape = w.shape
+    on_cpu = cluster.profile is not None and cluster.profile.device == "cpu"
+    unit, units = ("rank", "ranks") if on_cpu else ("GPU", "GPUs")
     device = (f"({cluster.gpu.memory_gb:g} GB, {cluster.gpu.bf16_tflops:g} bf16 TFLOPs each)"
               if cluster.profile is None else
-              f"({cluster.gpu.memory_gb:.3g} GB of memory each; {cluster.profile.describe()})")
+              f"({size_text(cluster.gpu.memory_gb * GB)} of memory each; {cluster.profile.describe()})")
     out = [(f"loom plan: {shape.name} ({params_text(shape.num_params)} params) on {cluster.describe()} "
             f"{device}, recipe {w.recipe}, {w.precision}, "
             f"global batch {w.global_batch} × {w.seq_len} tokens, {len(records)} candidates")]
@@ -47,19 +56,26 @@ def render_table(plan: Plan, top: int = 5) -> str:
         out.append("  (parameter count only: activations, TP/PP and attention FLOPs are not modeled; "
                    "give a preset or config.json for those)")
     out.append("")
-    out.append(f"model states per GPU on {cluster.world_size} GPUs (GPU | host), GB:")
-    for row in model_state_account(w, cluster):
+    account = model_state_account(w, cluster)
+    name, scale = byte_unit(max(row["gpu_bytes"] + row["host_bytes_per_gpu"] for row in account))
+    where = "" if on_cpu else " (GPU | host)"
+    out.append(f"model states per {unit} on {cluster.world_size} {units}{where}, {name}:")
+    for row in account:
         mark = "fits" if row["fits"] else "does not fit"
-        out.append(f"  {row['label']:<28} GPU {row['gpu_bytes'] / GB:9.1f}   "
-                   f"host {row['host_bytes_per_gpu'] / GB:8.1f}"
-                   f"   (params {row['params'] / GB:.1f} + grads {row['grads'] / GB:.1f} + optimizer "
-                   f"{row['optimizer'] / GB:.1f})  {mark}")
+        host = "" if on_cpu else f"   host {row['host_bytes_per_gpu'] / scale:8.1f}"
+        out.append(f"  {row['label']:<30} {unit} {row['gpu_bytes'] / scale:9.1f}{host}"
+                   f"   (params {row['params'] / scale:.1f} + grads {row['grads'] / scale:.1f} + optimizer "
+                   f"{row['optimizer'] / scale:.1f})  {mark}")
     out.append("")
-    fitting = sorted((i for i, r in enumerate(records) if r["fits"]),
+    # ranked: only what loom runs; what fits but loom does not run is listed apart, below
+    fitting = sorted((i for i, r in enumerate(records) if r["fits"] and r["runs_in_loom"]),
                      key=lambda i: -records[i]["tokens_per_s"])
-    shown = fitting[:top]
+    shown = []
+    for i in fitting:  # the fastest of each label: micro-batch splits that tie would fill the table
+        if len(shown) < top and all(records[j]["label"] != records[i]["label"] for j in shown):
+            shown.append(i)
     for strategy in STRATEGIES:  # each strategy's best, fitting or (if none fits) the smallest
-        mine = [i for i, r in enumerate(records) if r["strategy"] == strategy]
+        mine = [i for i, r in enumerate(records) if r["strategy"] == strategy and r["runs_in_loom"]]
         if not mine:
             continue
         fit = [i for i in mine if records[i]["fits"]]
@@ -70,8 +86,11 @@ def render_table(plan: Plan, top: int = 5) -> str:
     for i in plan.recommendable:  # the near-ties a person would weigh, after the fastest
         if i not in shown:
             shown.append(i)
-    header = (f"{'#':>5} {'candidate':<44} {'mb×acc':>7} {'GPU GB':>7} {'act GB':>7} {'host GB/node':>12} "
-              f"{'comm GB':>8} {'inter%':>6} {'step s':>8} {'tok/s':>11} {'MFU':>5}  fits")
+    name, scale = byte_unit(max(records[i]["memory_bytes"]["total"] for i in shown))
+    comm_name, comm_scale = byte_unit(max(records[i]["comm_bytes_per_step"] for i in shown))
+    host = "" if on_cpu else f" {'host GB/node':>12}"
+    header = (f"{'#':>5} {'candidate':<44} {'mb×acc':>7} {f'{unit} {name}':>8} {f'act {name}':>7}{host} "
+              f"{f'comm {comm_name}':>8} {'inter%':>6} {'step s':>8} {'tok/s':>11} {'MFU':>5}  fits")
     out += [header, "-" * len(header)]
     for i in shown:
         r = records[i]
@@ -80,10 +99,18 @@ def render_table(plan: Plan, top: int = 5) -> str:
         inter = r["comm_bytes_by_link"]["inter_node"] / comm if comm else 0.0
         fits = "yes" if r["fits"] else f"no: {r['why_not']}"
         star = "*" if i == plan.recommended else " "
+        host = "" if on_cpu else f" {r['host_memory_bytes'] / GB:12.0f}"
         out.append(f"{star}{i:>4} {r['label']:<44} {r['micro_batch']:>3}×{r['grad_accum']:<3} "
-                   f"{m['total'] / GB:7.1f} {m['activations'] / GB:7.1f} {r['host_memory_bytes'] / GB:12.0f} "
-                   f"{comm / GB:8.2f} {inter:6.0%} "
+                   f"{m['total'] / scale:8.1f} {m['activations'] / scale:7.1f}{host} "
+                   f"{comm / comm_scale:8.2f} {inter:6.0%} "
                    f"{r['step_time_s']:8.3f} {r['tokens_per_s']:11,.0f} {r['mfu']:5.0%}  {fits}")
+    apart = sorted((i for i, r in enumerate(records) if r["fits"] and not r["runs_in_loom"]),
+                   key=lambda i: -records[i]["tokens_per_s"])
+    if apart:
+        out += ["", f"fit, but not ranked: loom does not run them (its deepspeed engine, which offload "
+                    f"needs here, runs tp = pp = 1 only): {len(apart)}, the fastest:"]
+        out += [f"  {i:>4} {records[i]['label']:<44} {records[i]['tokens_per_s']:11,.0f} tokens/s"
+                for i in apart[:3]]
     best = records[plan.recommended]
     t = best["step_time_breakdown_s"]
     out += ["", "step time of the recommendation: " + ", ".join(

@@ -154,7 +154,7 @@ def _schedules(shape, pp: int) -> list[tuple[str, int]]:
 
 
 NEAR_TIE = 0.05  # this close to the fastest, candidates are ranked by simplicity, not the model's last digits
-TIGHT = 0.8  # of device memory: above it a candidate has little headroom
+TIGHT = 0.8  # of device memory: the README's headroom rule; above it only when nothing fits under it
 
 
 @dataclass
@@ -204,7 +204,8 @@ def assumptions(cluster: Cluster, shape=None) -> list[str]:
 
 
 def search(w: Workload, cluster: Cluster) -> Plan:
-    """Price every candidate and recommend the fastest that fits (loom's own engines first)."""
+    """Price every candidate and recommend, among those loom runs that fit with headroom (under
+    TIGHT of the device; any that fit when none has it), the simplest of the fastest."""
     if cluster.gpu is None:
         raise ConfigError("loom plan needs a GPU model to price step time; pass --gpu (e.g. --gpu H100-SXM)")
     records = [estimate(w, c, cluster) for c in enumerate_candidates(w, cluster)]
@@ -219,11 +220,18 @@ def search(w: Workload, cluster: Cluster) -> Plan:
                           f"{closest['label']}, {closest['why_not']}); "
                           + smallest_fitting_cluster(w, cluster))
     runnable = [i for i in fitting if records[i]["runs_in_loom"]]
-    pool = runnable or fitting
+    if not runnable:
+        other = records[fitting[0]]
+        raise ConfigError(f"only layouts loom does not run fit on {cluster.describe()} (e.g. "
+                          f"{other['label']}: DeepSpeed offload with TP or PP); add GPUs (--nodes) or a "
+                          f"larger GPU")
     capacity = cluster.gpu.memory_gb * GB
-    best, fastest, band = choose(records, pool, capacity)
-    preference = _simpler(records[best], records[fastest], capacity) if best != fastest else ""
-    why = _reason(records, best, cluster, bool(runnable), preference)
+    roomy = [i for i in runnable if records[i]["memory_bytes"]["total"] <= TIGHT * capacity]
+    best, fastest, band = choose(records, roomy or runnable, capacity)
+    preference = _simpler(records, best, fastest, band)
+    why = _reason(records, best, cluster, roomy or runnable, preference)
+    if not roomy:
+        why += f"; nothing loom runs fits under {TIGHT:.0%} of the {_unit(cluster)}'s memory"
     return Plan(w, cluster, records, best, why, _one_per_layout(records, band, best))
 
 
@@ -237,31 +245,50 @@ def choose(records: list[dict], pool: list[int], capacity: float) -> tuple[int, 
 
 
 def simplicity(r: dict, capacity: float) -> tuple:
-    """What a person prefers among near-equals: fewer parallel dimensions, no offload, no
-    recomputation, room in memory, the simpler strategy (ddp < zero1 < zero2 < zero3 < hsdp), the
-    torch engine, then the most headroom."""
+    """What a person prefers among near-equals: fewer parallel dimensions, the torch engine (its
+    code is loom's own), no offload, no recomputation, room in memory, the simpler strategy
+    (ddp < zero1 < zero2 < zero3 < hsdp), then the most headroom."""
     tight = r["memory_bytes"]["total"] > TIGHT * capacity
     order = list(strategies.STRATEGIES).index(r["strategy"])
-    return ((r["tp"] > 1) + (r["pp"] > 1), r["offload"] != "none", r["activation_checkpointing"] != "none",
-            tight, order, r["engine"] == "deepspeed", r["memory_bytes"]["total"], -r["tokens_per_s"])
+    return ((r["tp"] > 1) + (r["pp"] > 1), r["engine"] == "deepspeed", r["offload"] != "none",
+            r["activation_checkpointing"] != "none", tight, order, r["memory_bytes"]["total"],
+            -r["tokens_per_s"])
 
 
-def _simpler(best: dict, fastest: dict, capacity: float) -> str:
+def _simpler(records: list[dict], best: int, fastest: int, band: list[int]) -> str:
+    """Why the pick beat the other near-ties: what it was preferred to, and for what ("" when it is
+    the one fastest)."""
+    if fastest == best:  # the pick is (one of) the fastest: a tie at the top is named, else nothing
+        ties = [i for i in band if i != best and records[i]["tokens_per_s"] >= records[best]["tokens_per_s"]]
+        if not ties:
+            return ""
+        fastest = ties[0]
+    best, fastest = records[best], records[fastest]
     gap = 1 - best["tokens_per_s"] / fastest["tokens_per_s"]
     why = []
     if (best["tp"] > 1) + (best["pp"] > 1) < (fastest["tp"] > 1) + (fastest["pp"] > 1):
         why.append("fewer parallel dimensions")
+    if best["engine"] != "deepspeed" and fastest["engine"] == "deepspeed":
+        why.append("the torch engine")
     if best["offload"] == "none" and fastest["offload"] != "none":
         why.append("no offload")
     if best["activation_checkpointing"] == "none" != fastest["activation_checkpointing"]:
         why.append("no recomputation")
     if best["memory_bytes"]["total"] < fastest["memory_bytes"]["total"]:
-        why.append(f"more memory headroom ({best['memory_bytes']['total'] / GB:.3g} vs "
-                   f"{fastest['memory_bytes']['total'] / GB:.3g} GB per GPU)")
-    if not why:
+        why.append(f"more memory headroom ({size_text(best['memory_bytes']['total'])} vs "
+                   f"{size_text(fastest['memory_bytes']['total'])})")
+    order = list(strategies.STRATEGIES)
+    if order.index(best["strategy"]) < order.index(fastest["strategy"]):
         why.append("a simpler strategy")
-    return (f"preferred to {fastest['label']}, predicted {gap:.1%} faster — within {NEAR_TIE:.0%}, closer "
-            f"than the time model's accuracy — for {', '.join(why)}")
+    if not why:
+        why.append("simplicity")
+    if gap <= 0:
+        speed = "which ties it in predicted throughput"
+    elif gap < 0.0005:
+        speed = "predicted under 0.1% faster"
+    else:
+        speed = f"predicted {gap:.1%} faster — within {NEAR_TIE:.0%}, closer than the time model's accuracy —"
+    return f"preferred to {fastest['label']}, {speed} for {', '.join(why)}"
 
 
 def _one_per_layout(records: list[dict], band: list[int], best: int) -> list[int]:
@@ -297,26 +324,30 @@ def smallest_fitting_cluster(w: Workload, cluster: Cluster) -> str:
     return "no cluster up to 4096× this size fits it either; check the model size and the batch"
 
 
-def _reason(records: list[dict], best: int, cluster: Cluster, runnable: bool, preference: str = "") -> str:
+def _unit(cluster: Cluster) -> str:
+    """What the plan runs on, in words: a GPU, or this machine's CPU."""
+    return "rank" if cluster.profile is not None and cluster.profile.device == "cpu" else "GPU"
+
+
+def _reason(records: list[dict], best: int, cluster: Cluster, pool: list[int], preference: str = "") -> str:
     r = records[best]
     t = r["step_time_breakdown_s"]
     share = {k: v / t["total"] for k, v in t.items() if k != "total"}
     largest = max((k for k in share if k != "compute"), key=share.get)
-    mem = r["memory_bytes"]["total"] / GB
+    mem = r["memory_bytes"]["total"]
     rank = ("the simplest of the fastest that fit" if preference else
             "the highest predicted throughput that fits")
     why = (f"{r['label']}: {rank} ({r['tokens_per_s']:,.0f} tokens/s, "
-           f"MFU {r['mfu']:.0%}, {mem:.3g} of {cluster.gpu.memory_gb:.3g} GB per GPU; "
+           f"MFU {r['mfu']:.0%}, {size_text(mem)} of {size_text(cluster.gpu.memory_gb * GB)} per "
+           f"{_unit(cluster)}; "
            f"compute {share['compute']:.0%} of the step, then {largest.replace('_', ' ')} "
            f"{share[largest]:.0%})")
     if preference:
         why += f"; {preference}"
-    if not runnable:
-        why += ("; only candidates loom cannot run fit (DeepSpeed offload combined with TP or PP)")
     big = cluster.nodes > 1 and cluster.world_size >= 512
     if r["engine"] == "deepspeed":
-        engine = ("engine: DeepSpeed (parallel.engine=deepspeed; loom runs it), needed for optimizer-only or "
-                  "NVMe offload")
+        engine = ("engine: DeepSpeed (parallel.engine=deepspeed; loom runs it): "
+                  + _why_deepspeed(records, best, pool, _unit(cluster)))
     elif big:
         engine = (f"engine: {r['engine']} (loom runs it); at {cluster.world_size} GPUs across nodes the "
                   "seeds' rule also points to DeepSpeed for its mature large-scale and offload configs")
@@ -325,6 +356,44 @@ def _reason(records: list[dict], best: int, cluster: Cluster, runnable: bool, pr
     else:
         engine = f"engine: {r['engine']}: cross-node at moderate scale; torch-native keeps the code minimal"
     return f"{why}. {engine}"
+
+
+def _why_deepspeed(records: list[dict], best: int, pool: list[int], unit: str) -> str:
+    """The true reason a DeepSpeed candidate won, though near-ties go to the torch engine: the same
+    layout on the torch engine needs more memory, or the torch engine's fastest needs more parallel
+    dimensions or is slower by more than NEAR_TIE, or no torch-engine layout fits."""
+    r = records[best]
+    offload = {"optimizer": "ZeRO-Offload of the optimizer to the host",
+               "optimizer-nvme": "ZeRO-Infinity's optimizer on NVMe",
+               "nvme": "ZeRO-Infinity's states on NVMe"}.get(r["offload"])
+    how = f" with {offload}, which the torch engine does not run" if offload else ""
+    shape_of = lambda x: (*_layout(x)[:4], x["activation_checkpointing"])  # noqa: E731
+    same = [x for x in records
+            if x["engine"] != "deepspeed" and x["runs_in_loom"] and shape_of(x) == shape_of(r)]
+    if same and not offload:
+        twin = min(same, key=lambda x: x["memory_bytes"]["total"])
+        verdict = f"more than a {unit} holds" if not twin["fits"] else f"over the {TIGHT:.0%} headroom"
+        return (f"the same layout on the torch engine ({twin['label']}) needs "
+                f"{size_text(twin['memory_bytes']['total'])} per {unit}, {verdict}, against "
+                f"{size_text(r['memory_bytes']['total'])} on DeepSpeed")
+    torch_ones = [i for i in pool if records[i]["engine"] != "deepspeed"]
+    if not torch_ones:
+        return f"it fits{how}, and no torch-engine layout fits with headroom"
+    other = records[max(torch_ones, key=lambda i: records[i]["tokens_per_s"])]
+    gap = r["tokens_per_s"] / other["tokens_per_s"] - 1
+    more = (other["tp"] > 1) + (other["pp"] > 1) - (r["tp"] > 1) - (r["pp"] > 1)
+    if gap <= NEAR_TIE and more > 0:
+        return (f"it fits{how}; the torch engine's fastest ({other['label']}, {gap:.1%} slower) needs {more} "
+                f"more parallel dimension(s)")
+    how = f", with {offload} (which the torch engine does not run)," if offload else ""
+    return f"predicted {gap:.0%} faster{how} than the torch engine's best ({other['label']})"
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes for people: GB (MB under one), three significant figures, no exponent: 12.7 GB, 141 GB,
+    99.3 MB."""
+    value, unit = (nbytes / GB, "GB") if nbytes >= GB else (nbytes / 1e6, "MB")
+    return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
 
 
 def emit_config(base, record: dict):

@@ -225,3 +225,20 @@ def from_params(count: float) -> ModelShape:
         raise ConfigError(f"--params {count:g} must be a positive parameter count (1 to {MAX_PARAMS:g}) "
                           f"such as 70e9")
     return ModelShape(name=f"{count / 1e9:g}B params", params_only=int(count))
+
+
+def llama_like(count: int) -> ModelShape:
+    """A Llama-style decoder of about `count` parameters — heads of 128 (8 KV heads once there are
+    8), SwiGLU's 8/3·d rounded up to 256, a 32,000-token vocabulary, d_model about 128 × the layers
+    as Llama's are — for what only a parameter count leaves open: the shape `--emit` writes, and
+    the layer the planner counts gathered on the GPU under offload."""
+    vocab, head = 32000, 128
+    width = 128 * (count / (12 * 128**2)) ** (1 / 3)  # 12·L·d² ≈ count with d = 128·L
+    step = 1024 if width >= 1024 else head
+    d = max(head, step * round(width / step))
+    heads = d // head
+    kv = 8 if heads % 8 == 0 else heads
+    ffn = 256 * math.ceil(8 * d / 3 / 256)
+    one = ModelShape("", vocab, d, 1, heads, kv, ffn)
+    layers = max(1, round((count - one.embedding_params - one.head_params) / one.layer_params))
+    return ModelShape(f"Llama-style shape of {count / 1e9:.3g}B params", vocab, d, layers, heads, kv, ffn)

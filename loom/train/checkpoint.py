@@ -679,6 +679,10 @@ def _check_adam_steps(path: Path, tensors: dict) -> None:
 
 def _restore_schedule_and_rng(path: Path, meta: dict, optimizer, scheduler, d) -> dict:
     scheduler.load_state_dict(_scheduler_state(path, meta["scheduler"], scheduler))
+    # The next step's LR from this run's config (a resume may change train.lr, steps or warmup):
+    # the same product LambdaLR.step computes, so an unchanged config resumes bit for bit.
+    scheduler._last_lr = [base * factor(scheduler.last_epoch)
+                          for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
     if is_zero1(optimizer):
@@ -704,7 +708,8 @@ def _scheduler_state(path: Path, saved: dict, scheduler) -> dict:
     with _earlier_if_damaged():
         for key in ("base_lrs", "_last_lr"):
             _list_fields(doc, key, groups)  # one learning rate per parameter group of this optimizer
-        return {**state, **_schedule_fields(doc)}
+        # the counters from the file; the base LRs are this run's train.lr (a resume may change it)
+        return {**state, **_schedule_fields(doc), "base_lrs": state["base_lrs"]}
 
 
 def read_tensors(path: Path, prefix: str = "model.", expected: safe_load.Expected | None = None

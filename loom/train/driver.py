@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import statistics
 import time
@@ -324,11 +325,19 @@ def _resume(resume: str | Path | None, run_dir: Path | None, b: Built, cfg: Conf
     return meta["step"]
 
 
+def layout_text(p, replicate: int, shard: int) -> str:
+    """The mesh of the layout line, pp and tp named when above 1: "pp=2 × dp=2 [...] × tp=2"."""
+    dp = f"dp={replicate * shard} [replicate {replicate} × shard {shard}]"
+    pp = [f"pp={p.pp}"] if p.pp > 1 else []
+    tp = [f"tp={p.tp}" + (" (sequence parallel)" if p.sequence_parallel else "")] if p.tp > 1 else []
+    return " × ".join([*pp, dp, *tp])
+
+
 def _print_layout(cfg: Config, d: Dist, task: Task, b: Built, micro_batch: int) -> None:
     t, p = cfg.train, cfg.parallel
     dp = d.dp_mesh.size()
-    print(f"loom: {p.strategy} on {d.world_size} rank(s) ({d.device.type}), dp={dp} "
-          f"[replicate {d.mesh['dp_replicate'].size()} × shard {d.mesh['dp_shard'].size()}], "
+    print(f"loom: {p.strategy} on {d.world_size} rank(s) ({d.device.type}), "
+          f"{layout_text(p, d.mesh['dp_replicate'].size(), d.mesh['dp_shard'].size())}, "
           f"{task.description} = {b.num_params / 1e6:.2f}M params, "
           f"global batch {t.batch_size} = micro-batch {micro_batch} × grad_accum {t.grad_accum} "
           f"× dp {dp}, {task.tokens_per_sample} tokens each, precision {t.precision}", flush=True)
@@ -482,13 +491,21 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
         record.write_end(run_dir, p.strategy, formula, shard, expected, result.memory, summary)
     if quiet:
         return
-    record.print_summary(summary, result.memory, formula, expected, run_dir)
+    # Offloaded states, which the figures beside the formula and the plan count differently (legends).
+    offload = tuple(x for x in (p.offload_optimizer, p.offload_params) if x != "none" and
+                    (x == "nvme" or d.device.type == "cpu")) if b.engine == "deepspeed" else ()
+    record.print_summary(summary, result.memory, formula, expected, run_dir, offload)
     if plan is not None:
-        record.print_measured_vs_planned(summary["measured_vs_planned"])
+        record.print_measured_vs_planned(summary["measured_vs_planned"], offload)
         record.print_step_time(summary["step_time_vs_planned"], d.device.type)
     if last is not None:
-        # `loom train` rebuilds the config's model; a script's own model is rebuilt by the script.
-        again = (f"loom train --resume auto --out {run_dir} --set train.steps=N" if from_config else
+        # `loom train` rebuilds the config's model (every setting from the run's config.toml); a
+        # script's own model is rebuilt by the script. A command to copy as it is: twice the steps,
+        # on as many ranks where they are one node's.
+        one_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size)) == d.world_size
+        again = (f"loom train --resume auto --out {shlex.quote(str(run_dir))} "
+                 f"--set train.steps={2 * cfg.train.steps}{f' --nproc {d.world_size}' if one_node else ''}"
+                 if from_config else
                  f"run your script again with train(cfg, Path('{run_dir}'), task=..., resume='auto') and a "
                  f"higher train.steps")
         print(f"checkpoint: {last}  (continue: {again}; weights: loom export {last} model.safetensors)")

@@ -30,7 +30,9 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from loom.checked import Fields
 from loom.config import load_config_text, shape_overrides
+from loom.data.hf_tokenizer import HFTokenizer
 from loom.errors import ConfigError, LoomError
 from loom.files import atomic_write, fsync_dir
 from loom.hf_config import hf_config_from
@@ -38,17 +40,19 @@ from loom.models.gpt.config import GPTConfig, preset
 from loom.models.gpt.config import validate as validate_gpt
 from loom.models.gpt.llama_layout import hf_config, hf_state_dict
 from loom.models.gpt.model import build_model
+from loom.models.pretrained import SPECIAL_IDS, SPECIAL_TOKENS
 from loom.train import checkpoint as ckpt
 from loom.train import safe_load, tokenizer_copy
 from loom.train.checkpoint import CHECKPOINTS, latest_checkpoint, resolve_resume
 
 LAYOUTS = ("loom", "hf")
 HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"  # generate()'s defaults: the ids it stops at
 # loom's GPT, recognized by these names.
 GPT_KEYS = ("tok_embeddings.weight", "layers.0.attention.wq.weight")
 # The files of a Hugging Face model folder: what makes it hold a model, and what an hf export
 # with --overwrite replaces, all together.
-MODEL_FILES = (HF_CONFIG, "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+MODEL_FILES = (HF_CONFIG, GENERATION_CONFIG, "*.safetensors", "*.safetensors.index.json",
                "pytorch_model*.bin", "pytorch_model.bin.index.json", *tokenizer_copy.NAMES, "tokenizer.model",
                "vocab.json", "merges.txt", "added_tokens.json")
 
@@ -83,6 +87,9 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom",
         gpt = untie_if_trained_apart(gpt, tensors)
         tensors = hf_state_dict(tensors, gpt)
         config = hf_config(gpt, tensors["model.embed_tokens.weight"].dtype)
+    if layout == "hf":  # what generate() stops at, and what it starts and pads with
+        special = special_token_ids(meta, path, tokenizer, config["vocab_size"], config)
+        config = {**config, **special}
     metadata = {"format": "pt", "loom_step": str(meta.get("step", "")), "loom_layout": layout}
     if gpt is not None and layout == "loom":  # what model.init_from needs to rebuild the model
         metadata["loom_model"] = json.dumps(dataclasses.asdict(untie_if_trained_apart(gpt, tensors)))
@@ -94,8 +101,13 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom",
         atomic_write(output, write, durable=True)
         return [output]
     # A folder transformers (and model.init_from) can use whole; config.json last: it completes it.
-    files = {output.name: write, **tokenizer, HF_CONFIG: (json.dumps(config, indent=2) + "\n").encode()}
+    generation = {GENERATION_CONFIG: _json(special)} if "eos_token_id" in special else {}
+    files = {output.name: write, **tokenizer, **generation, HF_CONFIG: _json(config)}
     return _write_model_folder(output.parent, files, overwrite)
+
+
+def _json(doc: dict) -> bytes:
+    return (json.dumps(doc, indent=2) + "\n").encode()
 
 
 def _write_model_folder(folder: Path, files: dict, overwrite: bool) -> list[Path]:
@@ -228,3 +240,32 @@ def untie_if_trained_apart(gpt: GPTConfig, tensors: dict[str, torch.Tensor]) -> 
         # model): export the model that was trained, an untied one.
         return dataclasses.replace(gpt, tie_embeddings=False)
     return gpt
+
+
+def special_token_ids(meta: dict, path: Path, tokenizer: dict[str, bytes], vocab: int,
+                      source_config: dict) -> dict:
+    """bos/eos/pad ids for the export's config.json and generation_config.json: the source model's
+    (model.init_from's config.json: recorded at the run's start, or the Hugging Face config the run
+    trained as itself), each one it lacks from the tokenizer the checkpoint carries. Without them
+    `generate()` never stops at EOS."""
+    saved = meta.get("model_config")
+    recorded = saved.get(SPECIAL_TOKENS) if isinstance(saved, dict) else None
+    source = Fields(recorded if recorded is not None else source_config, path / "meta.json",
+                    f"model_config.{SPECIAL_TOKENS if recorded is not None else 'hf_config'}")
+    ids = {}
+    for key in SPECIAL_IDS:
+        value = source.raw.get(key)
+        if isinstance(value, list) and key == "eos_token_id":  # chat models stop at any of several
+            listed = Fields(dict(enumerate(source.list(key, of=int, max_len=64))), source.source, key)
+            ids[key] = [listed.int(i, min=0, max=vocab - 1) for i in range(len(value))]
+        elif value is not None:
+            ids[key] = source.int(key, min=0, max=vocab - 1)
+    if "tokenizer.json" in tokenizer:  # checked against its sha256 by tokenizer_copy.carried
+        tok = HFTokenizer(path / tokenizer_copy.FOLDER / "tokenizer.json")
+        named = tok.special_tokens.get
+        found = {"eos_token_id": tok.eos_id, "bos_token_id": tok.token_id(named("bos_token")),
+                 "pad_token_id": tok.token_id(named("pad_token"))}
+        for key, token_id in found.items():
+            if key not in ids and token_id is not None and token_id < vocab:
+                ids[key] = token_id
+    return ids

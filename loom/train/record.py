@@ -134,7 +134,8 @@ def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:
     return rows
 
 
-def print_measured_vs_planned(rows: list[dict]) -> None:
+def print_measured_vs_planned(rows: list[dict], offload: tuple[str, ...] = ()) -> None:
+    """Each cell: measured MiB / planned MiB, then their ratio; `offload` as in print_summary."""
     mib = 2**20
 
     def cell(got, want) -> str:
@@ -145,6 +146,8 @@ def print_measured_vs_planned(rows: list[dict]) -> None:
 
     print("measured / planned (MiB)  model states           activation peak        "
           "collective payload per step (observed)")
+    print("  (each: measured MiB / planned MiB, then measured ÷ planned"
+          f"{OFFLOAD_NOTES['cpu'] if 'cpu' in offload else ''})")
     for row in rows:
         keys = ("model_state_bytes", "activation_peak_bytes", "comm_payload_bytes")
         print(f"  rank {row['rank']:<18}" + "   ".join(cell(*row[k]) for k in keys))
@@ -162,6 +165,22 @@ def print_measured_vs_planned(rows: list[dict]) -> None:
               f"{wire or 'n/a'} MiB; plan {rows[0]['comm_modelled_wire_bytes'][1] / mib:.2f} MiB")
 
 
+
+
+def timed_steps(steps: int) -> str:
+    """Which steps the end-of-run tokens/s times (driver.train: the first two only when no others)."""
+    return "warm-up excluded: steps 1-2 not timed" if steps > 2 else "every step timed, warm-up included"
+
+
+# What offload does to the figures beside the formula and the plan.
+OFFLOAD_NOTES = {
+    "nvme": "; the formula counts every state, but those offloaded to NVMe are on disk, not in memory "
+            "(see 'on NVMe' and the resident line), so measured/formula is below 1",
+    "cpu": "; the plan counts states offloaded to cpu as off the device, but on a CPU device they are "
+           "in this rank's memory, so model states measure above plan",
+}
+
+
 def build_summary(cfg: Config, r, expected: float, dp: int, shard: int) -> dict:
     return {
         "strategy": cfg.parallel.strategy, "steps": len(r.losses), "dp": dp, "shard_size": shard,
@@ -171,11 +190,13 @@ def build_summary(cfg: Config, r, expected: float, dp: int, shard: int) -> dict:
     }
 
 
-def print_summary(s: dict, ranks: list[dict], formula: str, expected: float, run_dir: Path | None) -> None:
+def print_summary(s: dict, ranks: list[dict], formula: str, expected: float, run_dir: Path | None,
+                  offload: tuple[str, ...] = ()) -> None:
+    """`offload`: where the deepspeed engine offloads states ("cpu", "nvme"), which the legend explains."""
     mib = 2**20
     eval_text = f", eval {s['eval_loss']:.4f}" if s["eval_loss"] is not None else ""
     print(f"\ndone: {s['steps']} steps in {format_duration(s['elapsed_s'])}, loss {s['first_loss']:.4f} → "
-          f"{s['final_loss']:.4f}{eval_text}, {s['tokens_per_s']:,.0f} tokens/s")
+          f"{s['final_loss']:.4f}{eval_text}, {s['tokens_per_s']:,.0f} tokens/s ({timed_steps(s['steps'])})")
     print(f"memory per rank (MiB)   params    grads   optim   model states   formula "
           f"{formula} = {expected / mib:.2f}   peak in step")
     for rank, m in enumerate(ranks):
@@ -184,6 +205,9 @@ def print_summary(s: dict, ranks: list[dict], formula: str, expected: float, run
         print(f"  rank {rank:<17} {m['params_bytes'] / mib:8.2f} {m['grads_bytes'] / mib:8.2f} "
               f"{m['optimizer_bytes'] / mib:7.2f} {m['model_state_bytes'] / mib:14.2f}   "
               f"measured/formula {ratio:.3f}        {peak}")
+    nvme = OFFLOAD_NOTES["nvme"] if "nvme" in offload else ""
+    print(f"  (model states: the params, grads and optimizer states this rank holds in memory; "
+          f"measured/formula: them ÷ the formula's {expected / mib:.2f} MiB{nvme})")
     held = [(r, m["resident_bytes"], m.get("nvme_bytes")) for r, m in enumerate(ranks)
             if m.get("resident_bytes")]
     if held:  # where the rest of a rank's states live: process memory, and NVMe when offloaded there

@@ -22,7 +22,7 @@ from loom.data.run_data import build_run_data
 from loom.errors import ConfigError
 from loom.models.gpt.config import GPTConfig, preset
 from loom.models.gpt.model import build_model
-from loom.models.pretrained import CHECKPOINT, Pretrained, open_pretrained
+from loom.models.pretrained import CHECKPOINT, SPECIAL_TOKENS, Pretrained, open_pretrained
 from loom.parallel.pipeline import validate_pipeline
 from loom.parallel.tensor_parallel import check_tp_shapes
 from loom.parallel.weights import WeightSource
@@ -120,8 +120,9 @@ class ConfigModel:
         return self.pretrained.weights() if self.pretrained is not None else None
 
     def record(self) -> dict | None:
-        if self.gpt is not None:
-            return {"gpt": dataclasses.asdict(self.gpt)}
+        if self.gpt is not None:  # (+ a pretrained folder's bos/eos/pad ids: export writes them out)
+            special = self.pretrained.special_token_ids() if self.pretrained is not None else {}
+            return {"gpt": dataclasses.asdict(self.gpt), **({SPECIAL_TOKENS: special} if special else {})}
         return {"hf_config": self.pretrained.hf_config.raw}
 
 
@@ -171,7 +172,8 @@ def model_config(cfg: Config, data_vocab: int, base: GPTConfig | None = None) ->
     if base is not None:
         gpt = dataclasses.replace(base, **overrides)  # validate() allows only max_seq_len here
     else:
-        if "vocab_size" not in overrides and cfg.data.tokenizer == "bpe":
+        # bpe or a tokenizer.json: the model's vocabulary is the tokenizer's unless the config sets one
+        if "vocab_size" not in overrides and cfg.data.tokenizer not in ("auto", "byte"):
             overrides["vocab_size"] = data_vocab
         gpt = preset(m.preset, **overrides)
     _check_vocab(gpt.vocab_size, data_vocab, "" if base is None else f" (model.init_from {m.init_from})")

@@ -27,6 +27,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "
 
 from loom import strategies
 from loom.config import Config, ParallelDims, validate
+from loom.data.hf_tokenizer import HFTokenizer, resolve_tokenizer
 from loom.data.tokenizer import ByteTokenizer
 from loom.errors import ConfigError, LoomError
 from loom.models.gpt.config import GPTConfig
@@ -140,6 +141,8 @@ def _trace_config(cfg: Config, world_size: int, micro_batch: int) -> Config:
 def _gpt_config(cfg: Config) -> GPTConfig:
     """The preset with the config's overrides, as training builds it (a BPE vocab if no override)."""
     vocab = cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else ByteTokenizer.vocab_size
+    if cfg.data.tokenizer not in ("auto", "byte", "bpe"):  # a tokenizer.json (or its folder): its vocabulary
+        vocab = HFTokenizer(resolve_tokenizer(cfg.data.tokenizer)).vocab_size
     return model_config(cfg, vocab)
 
 

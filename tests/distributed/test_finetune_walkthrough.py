@@ -73,4 +73,7 @@ def test_walkthrough(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "tiny-llama-sft")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-llama-sft")
     ids = tokenizer("What is 3 plus 4? ", return_tensors="pt").input_ids
-    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert model.generation_config.eos_token_id == eos  # the export's generation_config.json
+    new = model.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert len(new) == 3 or (new and new[-1] == eos), new  # runs to the limit, or stops at EOS

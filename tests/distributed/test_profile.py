@@ -46,7 +46,10 @@ def test_profiled_run_writes_traces_and_analyzes(corpus, tmp_path):
             assert s["forward_ms"] > 0 and s["backward_ms"] > 0 and s["optimizer_ms"] > 0
             assert s["forward_ms"] + s["backward_ms"] + s["optimizer_ms"] <= s["wall_ms"] * 1.01
         assert any(c["kind"] == "all_reduce" for c in info["collectives"])  # DDP's gradient reduction
+        # loom's own loop (the stop agreement reads its CPU tensor) is kept apart: not the user's syncs
+        assert [(s["host_syncs"], s["host_syncs_loop"] >= 1) for s in steps] == [(0, True)] * 3
     assert analysis["plan"] is not None and analysis["run"]["strategy"] == "ddp"
+    assert "sync" not in {f["category"] for f in analysis["findings"]}, analysis["findings"]
 
 
 def test_light_ledger_in_metrics(corpus, tmp_path):

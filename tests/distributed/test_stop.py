@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -85,7 +86,8 @@ def test_signal_checkpoints_and_resume_continues_the_same_run(tmp_path, referenc
     assert "Traceback" not in err, err[-3000:]
     line = err.strip().splitlines()[-1]
     match = re.fullmatch(rf"loom: interrupted \({signal.Signals(signum).name}\) at step (\d+); checkpoint "
-                         rf"(\S+); continue with: loom train --resume auto --out {re.escape(str(run))}", line)
+                         rf"(\S+); continue with: (loom train --resume auto --out {re.escape(str(run))} "
+                         rf"--nproc 2)", line)
     assert match, line
     step = int(match.group(1))
     assert 2 <= step < STEPS and Path(match.group(2)) == run / "checkpoints" / f"step_{step}"
@@ -93,8 +95,9 @@ def test_signal_checkpoints_and_resume_continues_the_same_run(tmp_path, referenc
     assert not list((run / "checkpoints").glob(".tmp-*"))
     assert not _alive(run)
 
-    resumed = subprocess.run([sys.executable, "-m", "loom.cli", "train", "--out", str(run), *ARGS,
-                              "--resume", "auto"], capture_output=True, text=True, env=_env(), timeout=600)
+    # the printed command as it is (the run's config.toml holds every --set of ARGS)
+    resumed = subprocess.run([sys.executable, "-m", "loom.cli", *shlex.split(match.group(3))[1:]],
+                             capture_output=True, text=True, env=_env(), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     losses = _losses(run)
     assert sorted(losses) == list(range(1, STEPS + 1))

@@ -10,21 +10,21 @@ LEDGER = "tests/unit/test_ledger.py"
 METRICS = "tests/distributed/test_profile.py::test_light_ledger_in_metrics"
 
 BUGS = [
-    Bug("diagnose-comm-knob-swapped", "exposed communication names DDP's bucket size for a sharded run "
-        "(and FSDP's prefetch for DDP)",
+    Bug("diagnose-comm-knob-swapped", "exposed all-reduces name DDP's bucket size for a sharded run "
+        "(and none for DDP)",
         "loom/observe/diagnose.py",
-        '+ kinds.get("reduce_scatter", 0.0)\n                   > kinds.get("all_reduce", 0.0))',
-        '+ kinds.get("reduce_scatter", 0.0)\n                   < kinds.get("all_reduce", 0.0))',
-        (f"{FINDINGS}::test_exposed_communication_names_the_engines_knob",)),
+        'if kind == "all_reduce" and strategy in ("ddp", "zero1"):',
+        'if kind == "all_reduce" and strategy not in ("ddp", "zero1"):',
+        (f"{FINDINGS}::test_exposed_communication_names_the_knob_of_the_layout_that_ran",)),
     Bug("diagnose-io-knob", "the IO finding names data.prefetch_factor, not data.num_workers",
         "loom/observe/diagnose.py",
-        '"data.num_workers", (f"{suggest}',
-        '"data.prefetch_factor", (f"{suggest}',
+        '"data.num_workers", suggest,',
+        '"data.prefetch_factor", suggest,',
         (f"{FINDINGS}::test_io",)),
     Bug("diagnose-idle-never", "the idle finding never fires",
         "loom/observe/diagnose.py",
-        'if idle >= SHARE and not analysis.get("stragglers"):',
-        'if idle > 100 and not analysis.get("stragglers"):',
+        "if idle >= SHARE and not stragglers:",
+        "if idle > 100 and not stragglers:",
         (f"{FINDINGS}::test_idle",)),
     Bug("diagnose-optimizer-never", "the optimizer finding never fires",
         "loom/observe/diagnose.py",
@@ -39,8 +39,8 @@ BUGS = [
     Bug("diagnose-straggler-knob", "a straggler with high IO is sent to its host, one without to "
         "data.num_workers",
         "loom/observe/diagnose.py",
-        "\"more workers on every rank (rank's IO is high)\") if own_io >= SHARE else",
-        "\"more workers on every rank (rank's IO is high)\") if own_io < SHARE else",
+        "        if own_io >= SHARE:",
+        "        if own_io < SHARE:",
         (f"{FINDINGS}::test_straggler_names_the_late_rank_and_what_to_fix",)),
     Bug("straggler-threshold-x10", "a straggler must delay its step by 4× the step (not 40%)",
         "loom/observe/stragglers.py",

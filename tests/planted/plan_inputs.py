@@ -75,8 +75,7 @@ BUGS = [
         (f"{FUZZ}::test_perturbed_run_records", f"{CASES}[analyze-summary-pair-nan]")),
     Bug("run-config-untyped", "config.toml's ddp_bucket_mb handed to the diagnosis untyped",
         "loom/observe/analyze.py",
-        '        config["parallel"]["ddp_bucket_mb"] = par.float("ddp_bucket_mb", min=0, min_open=True, '
-        'max=1e6)',
-        '        config["parallel"]["ddp_bucket_mb"] = par.raw["ddp_bucket_mb"]',
+        '                out[key] = fields.float(key, min=low, min_open=key == "ddp_bucket_mb", max=high)',
+        '                out[key] = fields.raw[key]',
         (f"{INPUTS}::test_run_config_wrong_types",)),
 ]

@@ -171,7 +171,8 @@ def _(c: Ctx) -> str:
 
 @case("data-tokenizer-ids-over-vocab")
 def _(c: Ctx) -> str:
-    return _with_tokenizer(c, [{"text": "hello world " * 40}] * 20, extra={"sky": 999}, template=None)
+    return _with_tokenizer(c, [{"text": "hello world " * 40}] * 20, "--set", "model.vocab_size=256",
+                           extra={"sky": 999}, template=None)  # (unset, the model takes the tokenizer's)
 
 
 @case("data-tokenizer-ids-huge")

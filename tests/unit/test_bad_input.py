@@ -309,6 +309,11 @@ def _(c: Ctx) -> str:
                    "--set", "parallel.dp_shard=2", nproc=4)
 
 
+@case("parallel-hsdp-one-replica")
+def _(c: Ctx) -> str:
+    return c.config("parallel.strategy=hsdp", world=4)
+
+
 @case("parallel-offload-cpu")
 def _(c: Ctx) -> str:
     return c.config("parallel.strategy=zero3", "parallel.offload=cpu", "train.device=cpu")
@@ -687,6 +692,19 @@ def _(c: Ctx) -> str:
     data = copy / "__0_0.distcp"
     os.truncate(data, data.stat().st_size // 2)
     return c.train("--resume", str(copy), "--set", "train.steps=4")
+
+
+@case("resume-run-config-damaged")
+def _(c: Ctx) -> str:
+    run = c.tmp / "old"
+    shutil.copytree(c.ckpt_run, run)
+    (run / "config.toml").write_text("[train\nsteps = 4\n")
+    return c.train("--resume", "auto", out=run)
+
+
+@case("resume-auto-without-out")
+def _(c: Ctx) -> str:
+    return cli("train", "--nproc", "1", *c.base(), "--resume", "auto", capsys=c.capsys)
 
 
 @case("ckpt-model-shape")

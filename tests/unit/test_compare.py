@@ -102,19 +102,21 @@ def test_exposed_reduce_scatter_names_the_collective_and_the_config_key(runs):
     assert why["compute"]["changed"] and why["part"]["part"] == "comm_exposed"
     assert why["phase"]["phase"] == "backward"
     assert why["culprit"]["type"] == "collective" and why["culprit"]["name"] == "reduce_scatter"
-    assert why["config_key"] == "parallel.fsdp_prefetch"  # diagnose.py's key for sharded collectives
+    # diagnose.py's key for sharded collectives: one reduce-scatter a step is one FSDP unit, nothing to
+    # prefetch; smaller units (4 MiB now) overlap
+    assert why["config_key"] == "parallel.fsdp_unit_mb"
     assert [f["category"] for f in r["findings"]["new_in_b"]] == ["comm"]
     text = why["text"]
     assert "Compute share 85% → 65%: the difference is mostly exposed communication (0% → 23%, +30.0 ms)" \
         in text
     assert "there reduce_scatter time grew +30.0 ms per step (20.0 ms → 50.0 ms; exposed communication " \
            "0% → 23%)" in text
-    assert "look at parallel.fsdp_prefetch = 2" in text
+    assert "look at parallel.fsdp_unit_mb = 1  (now unknown: the model is one FSDP unit of 4.0 MiB" in text
     # reversed: B is the faster run, and A's finding is gone in B
     back = compare_runs(runs["exposed_rs"], runs["a"])
     assert back["step"]["delta_ms"] == -30.0 and back["why"]["culprit"]["name"] == "reduce_scatter"
     assert "reduce_scatter time shrank −30.0 ms" in back["why"]["text"]
-    assert "(parallel.fsdp_prefetch) is gone in B" in back["why"]["text"]
+    assert "(parallel.fsdp_unit_mb) is gone in B" in back["why"]["text"]
 
 
 def test_same_step_and_json_roundtrip(runs):

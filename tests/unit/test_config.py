@@ -65,7 +65,7 @@ def test_hsdp_dims():
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.strategy=zero9"], "did you mean 'zero3'"),
     (["train.grad_accum=0"], "train.grad_accum = 0 must be ≥ 1"),
-    (["train.batch_size=12", "train.grad_accum=2"], "multiple of 8 such as 8, 16, 24"),
+    (["train.batch_size=12", "train.grad_accum=2"], "multiple of 8: 8 or 16"),
     (["parallel.strategy=zero1", "parallel.offload=cpu"], "needs a sharded strategy"),
     (["train.precision=fp8"], "train.precision"),
     (["parallel.strategy=zero1", "parallel.tp=2", "train.precision=fp16"], "does not take fp16 loss scaling"),

@@ -18,7 +18,7 @@ MAIN, GLOO = 11, 12  # thread ids
 CPU_PID, GPU_PID = 100, 0
 STEP_KEYS = {"step", "start_us", "wall_ms", "compute_ms", "comm_exposed_ms", "comm_hidden_ms", "io_ms",
              "idle_ms", "forward_ms", "backward_ms", "optimizer_ms", "data_ms", "overlap_pct", "shares",
-             "host_syncs", "host_syncs_optimizer"}
+             "host_syncs", "host_syncs_optimizer", "host_syncs_loop"}
 
 
 def X(name: str, start_ms: float, dur_ms: float, cat: str = "cpu_op", tid: int = MAIN, pid: int = CPU_PID,
@@ -90,12 +90,12 @@ CPU_EXPECTED = [
      "comm_hidden_ms": 8.0, "io_ms": 10.0, "idle_ms": 21.0, "forward_ms": 20.0, "backward_ms": 20.0,
      "optimizer_ms": 22.0, "data_ms": 10.0, "overlap_pct": 32.0,
      "shares": {"compute": 52.0, "comm_exposed": 17.0, "io": 10.0, "idle": 21.0}, "host_syncs": 0,
-     "host_syncs_optimizer": 1},  # the optimizer's own .item() is not the user's sync
+     "host_syncs_optimizer": 1, "host_syncs_loop": 0},  # the optimizer's own .item() is not the user's sync
     {"step": 2, "start_us": BASE_NS / 1000 + 100_000, "wall_ms": 50.0, "compute_ms": 20.0,
      "comm_exposed_ms": 10.0, "comm_hidden_ms": 0.0, "io_ms": 20.0, "idle_ms": 0.0, "forward_ms": 0.0,
      "backward_ms": 0.0, "optimizer_ms": 0.0, "data_ms": 20.0, "overlap_pct": 0.0,
      "shares": {"compute": 40.0, "comm_exposed": 20.0, "io": 40.0, "idle": 0.0}, "host_syncs": 0,
-     "host_syncs_optimizer": 0},
+     "host_syncs_optimizer": 0, "host_syncs_loop": 0},
 ]
 
 
@@ -115,8 +115,28 @@ def test_cpu_trace_ledger_is_exact(tmp_path):
     ]
     top = {op["name"]: (op["total_ms"], op["count"]) for op in led["top_ops"]}
     assert top["aten::add_"] == (20.0, 2) and top["aten::mm"] == (15.0, 2)
-    totals = [op["total_ms"] for op in led["top_ops"]]
-    assert totals == sorted(totals, reverse=True)
+    own = {op["name"]: op["self_ms"] for op in led["top_ops"]}
+    # aten::linear (10-25) holds aten::addmm (12-20): 15 ms in all, 7 of them its own
+    assert (top["aten::linear"], own["aten::linear"], own["aten::addmm"]) == ((15.0, 1), 7.0, 8.0)
+    assert own["aten::item"] == 1.0  # its _local_scalar_dense inside is the rest
+    selfs = [op["self_ms"] for op in led["top_ops"]]
+    assert selfs == sorted(selfs, reverse=True)  # ranked by self time: nested ops counted once
+
+
+def test_loom_loop_syncs_are_not_the_users(tmp_path):
+    """In a loom run a sync between loom's ranges is its own loop's (the stop agreement); one in
+    forward is the user's. Without loom's ranges (any PyTorch loop) every sync is the user's."""
+    events = cpu_events() + [X("loom/forward", 10, 18, "user_annotation"),
+                             X("loom/backward", 30, 20, "user_annotation"),
+                             X("loom/optimizer", 70, 22, "user_annotation"),
+                             X("aten::is_nonzero", 26, 0.5), X("aten::item", 94, 1),
+                             X("aten::is_nonzero", 96, 1)]
+    steps = rank_ledger(TraceStream(write_trace(tmp_path / "t.json", events)), 0)["steps"]
+    assert [(s["host_syncs"], s["host_syncs_loop"], s["host_syncs_optimizer"]) for s in steps] == [
+        (1, 2, 1), (0, 0, 0)]
+    no_ranges = [e for e in events if not e["name"].startswith("loom/")]
+    steps = rank_ledger(TraceStream(write_trace(tmp_path / "u.json", no_ranges)), 0)["steps"]
+    assert [(s["host_syncs"], s["host_syncs_loop"]) for s in steps] == [(3, 0), (0, 0)]
 
 
 def test_loom_ranges_take_precedence(tmp_path):
@@ -197,7 +217,8 @@ def test_gpu_trace_ledger_is_exact(tmp_path):
          "enqueue_us": base + 104_000, "start_us": base + 120_000, "end_us": base + 140_000,
          "duration_ms": 20.0},
     ]
-    assert led["top_ops"][0] == {"name": "ampere_sgemm_128x64_tn", "total_ms": 50.0, "count": 2}
+    assert led["top_ops"][0] == {"name": "ampere_sgemm_128x64_tn", "total_ms": 50.0, "self_ms": 50.0,
+                                 "count": 2}
 
 
 def test_partition_adds_up_and_gzip_reads_the_same(tmp_path):

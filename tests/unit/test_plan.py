@@ -56,7 +56,7 @@ def test_seeds_table_shows_both_levels(capsys):
     assert main(["plan", "--params", "70e9", "--recipe", "zero", "--gpu", "H100-SXM"]) == 0
     out = capsys.readouterr().out
     assert "zero3 offload optimizer" in out and "GPU      17.5   host    122.5" in out
-    assert "ddp                          GPU    1120.0" in out and "does not fit" in out
+    assert "ddp                            GPU    1120.0" in out and "does not fit" in out
     assert "recommended (*):" in out and "engine:" in out
 
 

@@ -241,7 +241,7 @@ def test_run_records_read_as_written(tmp_path):
     assert analysis["measured_vs_planned"] == summary["measured_vs_planned"]
     assert run_config(run / "config.toml") == {"parallel": {"strategy": "ddp", "ddp_bucket_mb": 25.0,
                                                             "fsdp_prefetch": 1}, "data": {"num_workers": 0}}
-    assert analysis["run"] == {"name": "run", "strategy": "ddp", "world_size": 1}
+    assert analysis["run"].items() >= {"name": "run", "strategy": "ddp", "world_size": 1}.items()
     for name in ("plan.json", "summary.json", "config.toml"):
         (run / name).unlink()
     bare = analyze(run)  # traces alone: no records is not an error
@@ -275,5 +275,6 @@ def test_config_values_reach_the_findings(tmp_path):
     write_trace(run / "traces" / "rank0.json", events)
     (run / "config.toml").write_text("[parallel]\nddp_bucket_mb = 10\n")
     (finding,) = [f for f in analyze(run)["findings"] if f["category"] == "comm"]
-    assert finding["knob"] == "parallel.ddp_bucket_mb" and finding["value"].startswith("5 (now 10)")
+    assert (finding["knob"], finding["value"]) == ("parallel.ddp_bucket_mb", 5.0)
+    assert finding["note"].startswith("now 10")
 

@@ -6,6 +6,7 @@ standard library, so "the charts are there" is checked on pixels, not only on ma
 
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 import zlib
@@ -134,6 +135,104 @@ def test_ledger_bar_widths_match_shares():
     again = _Rects()
     again.feed(render_html(percent))
     assert again.segments == parser.segments
+
+
+def test_try_is_a_toml_line_with_the_prose_beside_it():
+    """A finding's TRY is `key = value` in TOML (prose outside the code), or a DO without a key."""
+    a = analysis()
+    a["findings"] = [{"title": "t", "knob": "parallel.fsdp_prefetch", "value": 2,
+                      "note": "now 1: gather the next FSDP units earlier"},
+                     {"title": "u", "knob": "parallel.strategy", "value": "zero2", "note": ""},
+                     {"title": "v", "knob": None, "value": None, "note": "give every rank the same cores"}]
+    text = render_html(a)
+    assert "<code>parallel.fsdp_prefetch = 2</code> now 1: gather the next FSDP units earlier</p>" in text
+    assert "<code>parallel.strategy = &quot;zero2&quot;</code></p>" in text
+    assert '<span class="k">do</span> give every rank the same cores</p>' in text
+
+
+def test_top_ops_rank_by_self_time():
+    """aten::linear (300 ms with its nested aten::mm) owns 20 ms: the table ranks and sums self time,
+    so it adds up to no more than the step; a ledger without self times still shows its totals."""
+    a = analysis()
+    for rid, r in a["ranks"].items():
+        r["top_ops"] = [{"name": "aten::linear", "total_ms": 300.0, "self_ms": 20.0, "count": 10},
+                        {"name": "aten::mm", "total_ms": 280.0, "self_ms": 280.0 + int(rid), "count": 10}]
+    text = render_html(a)
+    section = text[text.index('id="top-ops"'):text.index('id="collectives"')]
+    assert "self ms (mean over ranks)" in section
+    section = section[section.index("<tbody>"):]
+    assert section.index("aten::mm") < section.index("aten::linear")
+    mm = section[section.index("aten::mm"):section.index("aten::linear")]
+    assert '<td class="n">280.5</td>' in mm and "281.0 (1)" in mm  # the mean self ms; the slowest rank
+    linear = section[section.index("aten::linear"):]
+    assert '<td class="n">20.0</td>' in linear and '<td class="n">300.0</td>' in linear  # self; with nested
+    old = analysis()  # written before self times: the totals it has
+    assert "<td class=\"n\">300.5</td>" in render_html(old)  # aten::mm: 300 and 301 ms
+
+
+def test_no_scroll_box_cuts_a_table():
+    """Tables grow with their rows: no box of fixed height with its own scrollbar."""
+    text = render_html(analysis())
+    css = text[text.index("<style>"):text.index("</style>")]
+    assert "max-height" not in css and "overflow-y" not in css and "overflow-x" not in css
+    assert "position:sticky" not in css
+
+
+def test_measured_vs_planned_flags_past_a_quarter():
+    """Planned 1,202 ms against 702 measured is flagged (42% below plan), as is an activation peak
+    25% above; model states 4% above are not."""
+    a = analysis()
+    for r in a["ranks"].values():
+        for st in r["steps"]:
+            st["wall_ms"] = 702.0
+    a["plan"]["step_time_s"] = 1.202
+    a["measured_vs_planned"][0]["activation_peak_bytes"] = [30_100_000, 24_000_000]
+    text = render_html(a)
+    section = text[text.index('id="measured-vs-planned"'):]
+    assert "<dd class=off>1,202 ms planned · 702.0 ms measured · measured 42% below plan</dd>" in section
+    assert "Off plan by more than 25%</b>: rank 0 activation peak, step time." in section
+    assert section.count('class="off-plan"') == 1  # the activation peak row; model states are 1.04×
+    assert '<span class="off">1.25× · measured 25% above plan</span>' in section
+    a["plan"]["step_time_s"] = 0.8
+    assert "below plan" not in render_html(a)
+
+
+def test_header_names_model_batch_commit_date_memory_loss_and_traces(tmp_path):
+    """From a run directory: what ran (model, batch), its result (loss, per-rank peak memory), when
+    and with which loom, and links to its traces relative to the page."""
+    from analysis_inputs import write_run
+
+    from loom.observe.analyze import analyze, write_outputs
+
+    run = write_run(tmp_path / "run")
+    (run / "config.toml").write_text('[model]\npreset = "tiny"\n[parallel]\nstrategy = "ddp"\n'
+                                     "[data]\nseq_len = 128\n[train]\nbatch_size = 16\ngrad_accum = 2\n")
+    summary = json.loads((run / "summary.json").read_text())
+    summary |= {"first_loss": 5.5, "final_loss": 2.25, "eval_loss": 2.5, "start_step": 0}
+    (run / "summary.json").write_text(json.dumps(summary))
+    memory = {"ranks": {"0": {"peak_bytes": 3 << 20, "num_params": 1_500_000}}}
+    (run / "memory.json").write_text(json.dumps(memory))
+    # ProfilerStep#1 and #2 are training steps 2 and 3 (the profiler starts before step 1)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": n, "loss": 5.0 - n}) + "\n"
+                                               for n in range(1, 5)))
+    analysis = analyze(run / "traces")
+    _, page = write_outputs(analysis, run)
+    text = page.read_text()
+    header = text[:text.index('id="findings"')]
+    for fact in ("tiny · 1.50M params", "16 sequences × 128 tokens, grad_accum 2",
+                 "5.500 → 2.250 (eval 2.500); profiled, training steps 2–3: 3.000, 2.000", "rank 0 3.00 MiB",
+                 " UTC</dd>"):
+        assert fact in header, fact
+    assert '<a href="traces/rank0.json">rank 0 trace</a>' in header and "Perfetto" in header
+    import loom
+
+    head = subprocess.run(["git", "-C", str(Path(loom.__file__).parents[1]), "rev-parse", "HEAD"],
+                          capture_output=True, text=True)
+    commit = analysis["run"]["commit"]
+    if head.returncode == 0:  # a git checkout (a copy without .git has no commit to name)
+        assert commit.rstrip("+") == head.stdout.strip()[:10] and f"<dd>{commit}</dd>" in header
+    else:
+        assert commit is None and "loom commit" not in header
 
 
 def test_empty_findings_and_missing_sections():

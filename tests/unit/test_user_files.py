@@ -205,7 +205,8 @@ def test_export_copies_only_the_tokenizer_files_the_checkpoint_recorded(tmp_path
     export = tmp_path / "export"
     export.mkdir()
     assert loom.cli.main(["export", str(step), str(export / "model.safetensors"), "--layout", "hf"]) == 0
-    assert sorted(p.name for p in export.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+    assert sorted(p.name for p in export.iterdir()) == ["config.json", "generation_config.json",
+                                                         "model.safetensors", "tokenizer.json",
                                                          "tokenizer_config.json"]
     assert {n: sha(export / n) for n in carried} == carried
     assert "hunter2" not in (export / "tokenizer.json").read_text()

@@ -1,0 +1,73 @@
+"""The README's command blocks, run as a reader pastes them into a shell — in a scratch folder, with
+`loom` and `python` on the PATH, and tiny sizes substituted (a few steps per `loom train`): the quick
+start, the fine-tune walk-through, continued pre-training. tests/unit/test_readme.py checks that
+every block is run here, read as a synopsis, or covered elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import readme
+from optional import TEST_EXTRA, require_module
+
+ROOT = Path(__file__).resolve().parents[2]
+# Appended to every `loom train`: what makes a README run a test's size.
+TINY = " --set train.steps=2 --set data.num_workers=0"
+SKIP = {"bash install.sh"}  # CI ran it before the tests
+PRETRAIN = "loom data prepare data/corpus.jsonl data/prepared --tokenizer models/tiny-llama"
+
+
+def _shell(tmp: Path) -> dict:
+    """A scratch folder where `loom` and `python` are this checkout's, as after install.sh."""
+    bin_dir = tmp / ".bin"
+    bin_dir.mkdir()
+    (bin_dir / "loom").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m loom.cli "$@"\n')
+    (bin_dir / "loom").chmod(0o755)
+    (bin_dir / "python").symlink_to(sys.executable)
+    (tmp / "examples").symlink_to(ROOT / "examples")
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1"}
+
+
+def _tiny(command: str) -> str:
+    parts = [p for p in command.split(" && ") if p not in SKIP]
+    return " && ".join(p + TINY if p.startswith(("loom train", "loom profile")) else p for p in parts)
+
+
+def _run_block(first: str, tmp: Path, env: dict) -> list[str]:
+    block = next(b for b in readme.blocks() if b.commands[0] == first)
+    outputs = []
+    for command in block.commands:
+        done = subprocess.run(["bash", "-c", _tiny(command)], cwd=tmp, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, (f"README line {block.line}: `{command}` exited {done.returncode}:\n"
+                                      f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        outputs.append(done.stdout + done.stderr)
+    return outputs
+
+
+def _steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_quick_start(tmp_path):
+    env = _shell(tmp_path)
+    (out,) = _run_block("bash install.sh && loom train", tmp_path, env)
+    (run,) = (tmp_path / "runs").iterdir()
+    assert run.name.endswith("-zero3") and _steps(run) == [1, 2]
+    assert "zero3 on 2 rank(s)" in out
+
+
+def test_fine_tune_walkthrough_and_continued_pretraining(tmp_path):
+    require_module("transformers", TEST_EXTRA)
+    env = _shell(tmp_path)
+    _run_block("python examples/make_tiny_llama.py models/tiny-llama data", tmp_path, env)
+    assert _steps(tmp_path / "runs" / "sft") == [1, 2]
+    assert (tmp_path / "tiny-llama-sft" / "config.json").is_file()
+    _run_block(PRETRAIN, tmp_path, env)
+    assert _steps(tmp_path / "runs" / "pretrain") == [1, 2]
+

@@ -1,0 +1,99 @@
+"""The README's commands, as a reader finds them: indented command blocks (one command per line,
+a trailing backslash continuing it) and `loom ...` in backticks within the prose. The tests that
+keep the README true (tests/unit/test_readme.py, tests/distributed/test_readme_commands.py) read
+them from here, so a command added to or changed in the README is a command tested."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int                 # where it starts in the README (1-based)
+    commands: tuple[str, ...]  # each with its continuation lines joined
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.commands)
+
+    @property
+    def synopsis(self) -> bool:
+        """A usage line ([optional] arguments, a|b choices), to read, not to run."""
+        return any(re.search(r"\[(--|[A-Z]|\.\.\.)|\w\|\w", c) for c in self.commands)
+
+
+def _lines() -> list[str]:
+    return README.read_text(encoding="utf-8").splitlines()
+
+
+def blocks() -> list[Block]:
+    """Every indented block of the README (a paragraph each of whose lines starts with 4 spaces)."""
+    lines, found, i = _lines(), [], 0
+    while i < len(lines):
+        starts = lines[i].startswith("    ") and lines[i].strip() and (i == 0 or not lines[i - 1].strip())
+        if not starts:
+            i += 1
+            continue
+        first, body = i, []
+        while i < len(lines) and lines[i].startswith("    "):
+            body.append(lines[i][4:])
+            i += 1
+        commands, current = [], ""
+        for text in body:
+            if text.startswith(" ") and commands and not current:  # a usage line's continuation
+                commands[-1] += " " + text.strip()
+                continue
+            current += text.strip() if current else text.rstrip()
+            if current.endswith("\\"):
+                current = current[:-1].rstrip() + " "
+                continue
+            commands.append(current)
+            current = ""
+        found.append(Block(first + 1, tuple(commands)))
+    return found
+
+
+def inline_commands() -> list[tuple[int, str]]:
+    """`loom ...` in backticks in the prose: (line, command)."""
+    found = []
+    for n, line in enumerate(_lines(), 1):
+        if line.startswith("    "):
+            continue
+        found += [(n, m) for m in re.findall(r"`(loom [^`]+)`", line)]
+    return found
+
+
+def argv(command: str) -> list[str]:
+    """A command line's words after `loom`, a trailing `# comment` dropped."""
+    words = shlex.split(command, comments=True)
+    assert words[0] == "loom", command
+    return words[1:]
+
+
+def headings() -> dict[str, int]:
+    """Each section's title → its line: a heading, its part before a colon ("Planning" of
+    "Planning: `loom plan`"), and a paragraph's bold lead-in (**This machine.**)."""
+    found = {}
+    for n, line in enumerate(_lines(), 1):
+        if line.startswith("#"):
+            title = line.lstrip("#").strip()
+            found.setdefault(title, n)
+            found.setdefault(title.partition(":")[0].strip(), n)
+        elif m := re.match(r"\*\*([^*]+?)\.?\*\*", line):
+            found.setdefault(m.group(1), n)
+            found.setdefault(m.group(1).partition(":")[0].strip(), n)
+    return found
+
+
+def cross_references() -> list[tuple[int, str, str]]:
+    """`see "Title" above|below` in the README, the title possibly wrapped across lines:
+    (line, title, direction or "")."""
+    text = README.read_text(encoding="utf-8")
+    return [(text.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split()), m.group(2) or "")
+            for m in re.finditer(r'see "([^"]+)"\s*(above|below)?', text)]
