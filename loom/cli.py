@@ -57,6 +57,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                       rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
     check_spec(spec)
     validate(cfg, spec.world_size)
+    from loom.plan import device
+
+    device.load(required=False)  # plan.json prices the run on it: a damaged profile fails here, not in ranks
     run_dir = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.parallel.strategy}"
     replace = _check_run_dir(cfg, run_dir, args, spec)
     model = _preflight_data(cfg, spec.world_size)
@@ -455,6 +458,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
+    if args.out is not None:  # a string: an empty --out (an unset variable) is not "."
+        if not args.out.strip():
+            raise LoomError("--out is empty (an unset variable, as in --out \"$OUT\"?); name the folder, "
+                            "or leave --out out to write beside the traces")
+        args.out = Path(args.out)
     if args.compare is None:
         if args.trace_dir is None:
             raise LoomError("loom analyze needs traces: pass TRACE_DIR or --compare RUN_A RUN_B")
@@ -614,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "why B's step differs; writes nothing into the runs")
     analyze.add_argument("--format", choices=("table", "json", "html"), default="table",
                          help="with --compare, html needs --out")
-    analyze.add_argument("--out", type=Path,
+    analyze.add_argument("--out",
                          help="where ledger.json and report.html go (default: the run directory); with "
                               "--compare: compare.json and compare.html, written only when given")
     analyze.set_defaults(func=cmd_analyze)

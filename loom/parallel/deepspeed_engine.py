@@ -93,7 +93,12 @@ def model_context(ds: dict):
     import deepspeed
 
     join_process_group()
-    return _building_partitioned(deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.float32))
+    # Built in fp32 (the engine casts for bf16/fp16 itself). Not through dtype=: DeepSpeed 0.19.8
+    # ignores it where the accelerator has no fp16 (`dtype or fp16 if … else bf16 …` in
+    # partition_parameters._set_dtype), so a CPU without AVX-512 FP16 built the model in bf16. Its
+    # config path gives fp32 when neither 16-bit mode is on.
+    fp32 = {**ds, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+    return _building_partitioned(deepspeed.zero.Init(config_dict_or_path=fp32))
 
 
 @contextlib.contextmanager

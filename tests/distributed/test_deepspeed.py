@@ -311,3 +311,32 @@ def test_zero3_never_holds_the_whole_model_while_building(tmp_path):
     for r in ranks:
         assert r["growth"] < 0.6 * whole, (r["growth"] / 1e6, whole / 1e6)
     assert {r["params"] for r in ranks} == {ranks[0]["params"]}  # every rank counts the whole model
+
+
+def _built_dtype(overrides: list[str]) -> str:
+    """The dtype of a ZeRO-3 model built under model_context on an accelerator that reports no fp16
+    (a CPU without AVX-512 FP16), with and without bf16 training."""
+    from deepspeed.accelerator import get_accelerator
+
+    from loom.config import validate
+    from loom.models.gpt.model import build_model
+    from loom.parallel import deepspeed_engine
+    from loom.parallel.mesh import init_distributed
+    from loom.train.task import model_config
+
+    cfg = load_config(None, overrides)
+    init_distributed(lambda world: validate(cfg, world), "cpu")
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: False
+    deepspeed_engine.join_process_group()
+    with deepspeed_engine.model_context(deepspeed_engine.deepspeed_config(cfg, 4)):
+        model = build_model(model_config(cfg, 256), "cpu")
+    return str(next(model.parameters()).dtype)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero3_builds_in_fp32_where_the_device_has_no_fp16(precision):
+    """DeepSpeed 0.19.8's zero.Init ignores dtype= where the accelerator lacks fp16 and builds in
+    bf16: fp32 training ran in bf16 on such a CPU (losses 3e-4 off the torch engine)."""
+    overrides = [*TINY, *DS, "parallel.strategy=zero3", f"train.precision={precision}"]
+    assert run_ranks(_built_dtype, 1, overrides) == ["torch.float32"]

@@ -181,4 +181,11 @@ BUGS = [
         '"c10d::_reduce_scatter_base_": ("reduce_scatter", "input_tensor", False),',
         '"c10d::_reduce_scatter_base_": ("reduce_scatter", "output_tensor", False),',
         ("tests/distributed/test_comms.py::test_fsdp2_gathers_and_reduce_scatters_padded_units",)),
+    Bug("zero3-init-dtype-argument", "ZeRO-3's model built with zero.Init(dtype=torch.float32), which "
+        "DeepSpeed "
+        "ignores where the device has no fp16 (a bf16 model)",
+        "loom/parallel/deepspeed_engine.py",
+        "deepspeed.zero.Init(config_dict_or_path=fp32)",
+        "deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.float32)",
+        ("tests/distributed/test_deepspeed.py::test_zero3_builds_in_fp32_where_the_device_has_no_fp16",)),
 ]

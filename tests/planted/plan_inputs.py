@@ -78,4 +78,7 @@ BUGS = [
         '                out[key] = fields.float(key, min=low, min_open=key == "ddp_bucket_mb", max=high)',
         '                out[key] = fields.raw[key]',
         (f"{INPUTS}::test_run_config_wrong_types",)),
+    Bug("train-profile-read-in-ranks", "loom train leaves a damaged device profile to its ranks' plan.json",
+        "loom/cli.py", "    device.load(required=False)  # plan.json", "    pass  # plan.json",
+        (f"{CASES}[train-device-profile-empty]",)),
 ]

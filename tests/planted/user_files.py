@@ -16,12 +16,9 @@ BUGS = [
     Bug('overwrite-before-checks', '--overwrite removes the run directory before the resume checks (then '
         'refuses)',
         'loom/cli.py',
-        '    _check_resume(cfg, run_dir, args.resume, model)\n    if spec.nnodes == 1 or s'
-        'pec.node_rank == 0:  # every check has passed: only now is anything removed\n    '
-        '    _take_run_dir(run_dir, replace)\n',
-        '    if spec.nnodes == 1 or spec.node_rank == 0:  # every check has passed: only '
-        'now is anything removed\n        _take_run_dir(run_dir, replace)\n    _check_resum'
-        'e(cfg, run_dir, args.resume, model)\n',
+        '    _check_resume(cfg, run_dir, args.resume, model)\n',
+        '    if spec.nnodes == 1 or spec.node_rank == 0:\n        _take_run_dir(run_dir, replace)\n'
+        '    _check_resume(cfg, run_dir, args.resume, model)\n',
         (f"{CASES}[overwrite-after-checks]",)),
     Bug('overwrite-cwd-home', '--overwrite may remove the working or home directory (or a folder above them)',
         'loom/cli.py',

@@ -120,8 +120,24 @@ def _(c: Ctx) -> str:
     return profile_with(c, lambda d: d["by_ranks"].update(two=copy.deepcopy(d["by_ranks"]["2"])))
 
 
+@case("train-device-profile-empty")
+def _(c: Ctx) -> str:
+    """`loom train` prices its plan.json on the profile: it is read before any rank starts."""
+    doc = json.loads(PROFILE.read_text())
+    doc.update(by_ranks={})
+    path = c.tmp / "device.json"
+    path.write_text(json.dumps(doc))
+    c.monkeypatch.setenv("LOOM_DEVICE_PROFILE", str(path))
+    return c.train(nproc=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # profiler traces (loom analyze)
+
+
+@case("analyze-out-empty")
+def _(c: Ctx) -> str:
+    return cli("analyze", str(c.tmp), "--out", "", capsys=c.capsys)
 
 
 @case("analyze-trace-pid-list")
