@@ -242,13 +242,19 @@ def memory_device(cluster) -> str:
     return "cpu" if profile is not None and profile.device == "cpu" else "cuda"
 
 
+def _unit(cluster) -> str:
+    """What one rank runs on, in the section titles: a GPU, or (planning a CPU) a rank."""
+    return "rank" if memory_device(cluster) == "cpu" else "GPU"
+
+
 def _memory(out: _Out, record: dict, w, c: Candidate, cluster) -> None:
     """The planner's own account (memory.stage_memory) and the moments it compared, explained."""
     shape, frag, device = w.shape, cluster.fragmentation, memory_device(cluster)
     stage = gpu_memory(w, c, frag, device).stage
     moments: list[tuple[str, float, float]] = []
     mem = stage_memory(w, c, stage, frag, device, moments=moments)
-    out.section(f"memory per GPU (GB = 1e9 bytes){'' if c.pp == 1 else f', pipeline stage {stage}'}")
+    out.section(f"memory per {_unit(cluster)} (GB = 1e9 bytes)"
+                f"{'' if c.pp == 1 else f', pipeline stage {stage}'}")
     if c.pp > 1:
         totals = {s: stage_memory(w, c, s, frag, device).total for s in sorted({0, c.pp - 1})}
         out.note("stages 0 and p−1 priced (the embedding, the head): "
@@ -508,7 +514,7 @@ def _comm(out: _Out, record: dict, w, c: Candidate, cluster):
 
     comm, groups = comm_per_step(w, c, cluster.gpus_per_node)
     shape, s = w.shape, c.strategy_info
-    out.section("communication per GPU per step (ring: all-reduce 2(N−1)/N·Φ, all-gather and "
+    out.section(f"communication per {_unit(cluster)} per step (ring: all-reduce 2(N−1)/N·Φ, all-gather and "
                 "reduce-scatter (N−1)/N·Φ each, broadcast (N−1)/N·Φ; Φ = the whole tensor)")
     per_node = cluster.gpus_per_node
     stage_params = max(shape.stage_params(st, c.pp) for st in {0, c.pp - 1})

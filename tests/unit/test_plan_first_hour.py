@@ -180,6 +180,14 @@ def test_a_cpu_plan_speaks_of_a_cpu(capsys, monkeypatch):
     assert re.search(r"\d+(\.\d)? MB of 12\.6 GB per rank", out)
 
 
+def test_a_cpu_plans_explanation_speaks_of_ranks(capsys, monkeypatch):
+    monkeypatch.setenv("LOOM_DEVICE_PROFILE", str(CPU_PROFILE))
+    assert main(["plan", "--explain", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    titles = [line for line in lines if line.startswith(("memory", "communication"))]
+    assert titles and all(" per rank " in t and "GPU" not in t for t in titles), titles
+
+
 def test_the_first_calibration_says_how_long_before_it_starts(tmp_path, monkeypatch, capsys):
     """The first `loom plan` on a machine with no profile announces the measurement and its
     duration before measuring, and measures the quick grid."""
