@@ -54,15 +54,8 @@ def _own_environment():
 @pytest.fixture
 def world_of_one():
     """A world of one trained in this process (`loom train --nproc 1`): its process group and the
-    environment it sets (RANK, MASTER_PORT, ...) undone after."""
-    import os
+    environment it sets (RANK, MASTER_PORT, ...) undone after (tests/in_process.py)."""
+    from in_process import world_of_one as undone_after
 
-    from loom.parallel.mesh import shutdown
-
-    saved = dict(os.environ)
-    try:
+    with undone_after():
         yield
-    finally:
-        shutdown()
-        os.environ.clear()
-        os.environ.update(saved)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
+from in_process import world_of_one
 from optional import TEST_EXTRA, require_module
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -23,14 +23,12 @@ from loom.config import load_config
 from loom.errors import LoomError
 from loom.models.gpt.config import GPTConfig, preset
 from loom.models.gpt.model import build_model
-from loom.parallel.mesh import shutdown
 from loom.train import export as export_module
 from loom.train.driver import train
 from loom.train.export import export, hf_config, hf_state_dict
 from loom.train.task import Task, load_data
 
 STEPS = 2
-_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _config(corpus: Path, strategy: str, *extra: str):
@@ -45,15 +43,8 @@ def _rank_train(cfg, run_dir: str):
 
 
 def _train_here(cfg, run_dir: Path, task: Task | None = None) -> dict[str, torch.Tensor]:
-    """A world of one in this process; the process group and its environment are undone after."""
-    saved = {k: os.environ.pop(k) for k in _DIST_ENV if k in os.environ}
-    try:
+    with world_of_one():
         return train(cfg, run_dir, quiet=True, return_state=True, task=task).state_dict
-    finally:
-        shutdown()
-        for k in _DIST_ENV:
-            os.environ.pop(k, None)
-        os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

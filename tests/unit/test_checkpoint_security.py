@@ -10,7 +10,6 @@ never appears.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import pickle
@@ -21,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 from crafted import KINDS, craft
+from in_process import world_of_one
 
 import loom.cli
 from loom.config import load_config
 from loom.errors import LoomError
-from loom.parallel.mesh import shutdown
-from loom.train import checkpoint, faults, safe_load
+from loom.train import checkpoint, safe_load
 
 TINY = ["model.preset=tiny", "data.seq_len=32", "train.batch_size=4", "data.num_workers=0",
         "train.device=cpu", "parallel.strategy=ddp"]
@@ -72,26 +71,11 @@ def _sets(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 
 
-@contextlib.contextmanager
-def _world_of_one_here():
-    """`loom train --nproc 1` in this process sets RANK, MASTER_PORT, ... and a process group:
-    undo both, or the next test's `loom train` would think it is a torchrun rank."""
-    saved = dict(os.environ)
-    os.environ.pop("LOOM_FAULTS", None)
-    faults.planted.cache_clear()
-    try:
-        yield
-    finally:
-        shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, corpus) -> Path:
     """A real 2-step run of the tiny model (world of one): its checkpoints/step_2."""
     run = tmp_path_factory.mktemp("source") / "run"
-    with _world_of_one_here():
+    with world_of_one():
         rc = loom.cli.main(["train", "--nproc", "1", "--out", str(run),
                             *_sets(TINY + [f'data.source="{corpus}"', "train.steps=2"])])
     assert rc == 0
@@ -121,7 +105,7 @@ def _cli_error(capsys, *argv: str) -> str:
 @pytest.mark.parametrize("kind", KINDS)
 def test_loom_train_resume_refuses_a_crafted_checkpoint(crafted, corpus, tmp_path, capsys, kind):
     path, marker = crafted[kind]
-    with _world_of_one_here():
+    with world_of_one():
         line = _cli_error(capsys, "train", "--nproc", "1", "--out", str(tmp_path / "run"),
                           "--resume", str(path), *_sets(TINY + [f'data.source="{corpus}"', "train.steps=4"]))
     assert f"checkpoint {path}" in line
@@ -146,7 +130,7 @@ def test_the_training_api_refuses_a_crafted_checkpoint_by_itself(crafted, corpus
 
     for kind, (path, marker) in crafted.items():
         cfg = load_config(None, TINY + [f'data.source="{corpus}"', "train.steps=4"])
-        with _world_of_one_here(), pytest.raises(LoomError) as e:
+        with world_of_one(), pytest.raises(LoomError) as e:
             train(cfg, tmp_path / kind, quiet=True, resume=str(path))
         said = str(e.value)
         assert "\n" not in said and f"checkpoint {path}" in said, said
@@ -309,7 +293,7 @@ def test_retention_never_follows_or_deletes_through_a_step_link(source, corpus, 
         (folder / "precious.txt").write_text("keep me")
     os.symlink(victims["old"], run / "checkpoints" / "step_1")
     os.symlink(victims["new"], run / "checkpoints" / "step_6")
-    with _world_of_one_here():
+    with world_of_one():
         rc = loom.cli.main(["train", "--nproc", "1", "--out", str(run), "--resume", "auto",
                             *_sets(TINY + [f'data.source="{corpus}"', "train.steps=6", "train.ckpt_every=2",
                                            "train.ckpt_every_min=0", "train.keep_last=1"])])
@@ -339,6 +323,6 @@ def test_a_non_finite_adam_step_is_refused_when_loaded(source, corpus, tmp_path)
     for f in source.glob("*.json"):
         shutil.copy(f, path / f.name)
     cfg = load_config(None, TINY + [f'data.source="{corpus}"', "train.steps=4"])
-    with _world_of_one_here(), pytest.raises(LoomError, match=rf"holds {re.escape(name)} = nan, not a step "
+    with world_of_one(), pytest.raises(LoomError, match=rf"holds {re.escape(name)} = nan, not a step "
                                                               rf"count \(a whole number ≥ 0\)"):
         train(cfg, tmp_path / "run", quiet=True, resume=str(path))

@@ -4,19 +4,17 @@ bos/eos/pad ids, so transformers' `generate()` stops at EOS."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from in_process import world_of_one
 from optional import TEST_EXTRA, require_module
 
 from loom.config import load_config
-from loom.parallel.mesh import shutdown
 from loom.train.driver import train
 from loom.train.export import export
 
-_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # A word-level tokenizer: <unk> 0, <s> 1, </s> 2, <pad> 3, then the words.
 WORDS = ["<unk>", "<s>", "</s>", "<pad>", "a", "b", "c", "d"]
 BOS, EOS, PAD = 1, 2, 3
@@ -34,15 +32,8 @@ def _tokenizer_folder(folder: Path) -> Path:
 
 
 def _train_here(cfg, run_dir: Path) -> None:
-    """A world of one in this process; the process group and its environment are undone after."""
-    saved = {k: os.environ.pop(k) for k in _DIST_ENV if k in os.environ}
-    try:
+    with world_of_one():
         train(cfg, run_dir, quiet=True)
-    finally:
-        shutdown()
-        for k in _DIST_ENV:
-            os.environ.pop(k, None)
-        os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

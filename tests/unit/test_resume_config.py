@@ -7,7 +7,6 @@ The runs are worlds of one in this process (the tiny model on a small corpus): `
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -17,11 +16,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from in_process import world_of_one
 
 import loom.cli
 import loom.launch
 from loom.config import TrainConfig, config_changes, load_config, to_toml
-from loom.parallel.mesh import shutdown
 from loom.train import faults, stop
 from loom.train.optim import lr_lambda
 
@@ -33,23 +32,8 @@ def _sets(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 
 
-@contextlib.contextmanager
-def _world_of_one():
-    """A world of one in this process sets RANK, MASTER_PORT, ... and a process group: undone
-    after each command, or the next `loom train` would think it is a torchrun rank."""
-    saved = dict(os.environ)
-    os.environ.pop("LOOM_FAULTS", None)
-    faults.planted.cache_clear()
-    try:
-        yield
-    finally:
-        shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def _loom(argv: list[str], capsys) -> tuple[int, str, str]:
-    with _world_of_one():
+    with world_of_one():
         rc = loom.cli.main(argv)
     out, err = capsys.readouterr()
     return rc, out, err
