@@ -149,4 +149,16 @@ BUGS = [
         '    if not is_loom_run(run_dir) and not any(run_dir.iterdir()):\n',
         '    if not is_loom_run(run_dir):\n',
         (f"{FILES}::test_a_folder_of_the_users_is_never_marked",)),
+    Bug('resume-reads-planted-config-link', 'a resume takes a config.toml planted as a link as the run\'s '
+        'config (a user\'s file parsed, the run refused)',
+        'loom/cli.py',
+        '    if path is not None and path.is_symlink() and ckpt is not None:',
+        '    if False:',
+        ("tests/unit/test_user_files.py::test_a_resumed_run_replaces_planted_links_and_leaves_their_targets",)),
+    Bug('analyze-out-empty-as-cwd', 'loom analyze --out "" (an unset variable) writes into the working '
+        'directory',
+        'loom/cli.py',
+        '        if not args.out.strip():',
+        '        if False:',
+        (f"{CASES}[analyze-out-empty]",)),
 ]
