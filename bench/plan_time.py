@@ -46,7 +46,8 @@ def run_case(name: str, a, out: Path, env: dict) -> dict:
     if done.returncode:
         raise RuntimeError(f"{name}: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     summary = json.loads((out / "summary.json").read_text())
-    (measured, planned), parts = summary["step_time_vs_planned"].values()
+    versus = summary["step_time_vs_planned"]
+    (measured, planned), parts = versus["step_time_s"], versus["planned_breakdown_s"]
     act = summary["measured_vs_planned"][0]["activation_peak_bytes"]
     return {"case": name, "ranks": nproc, "measured_s": measured, "planned_s": planned,
             "ratio": measured / planned, "planned_breakdown_s": parts,

@@ -211,6 +211,8 @@ def _continue_command(args: argparse.Namespace, run_dir: Path) -> str:
     setting from the run's config.toml; the launch options are this command's own."""
     import shlex
 
+    from loom.launch import srun_tasks
+
     launch = []
     for flag, value, default in (("--nproc", args.nproc, None), ("--nnodes", args.nnodes, 1),
                                  ("--node-rank", args.node_rank, None),
@@ -218,7 +220,7 @@ def _continue_command(args: argparse.Namespace, run_dir: Path) -> str:
                                  ("--max-restarts", args.max_restarts, 0)):
         if value != default:
             launch += [flag, str(value)]
-    return shlex.join(["loom", "train", "--resume", "auto", "--out", str(run_dir), *launch])
+    return shlex.join([*srun_tasks(), "loom", "train", "--resume", "auto", "--out", str(run_dir), *launch])
 
 
 def _run_config(args: argparse.Namespace):

@@ -54,6 +54,15 @@ def adopt_slurm_env() -> None:
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
 
 
+def srun_tasks() -> list[str]:
+    """`srun --nodes N --ntasks T` when srun started this rank as one of its tasks (no torchrun
+    between them), so that a printed command relaunches the same ranks; [] otherwise."""
+    if int(os.environ.get("SLURM_NTASKS", "1")) <= 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+        return []
+    nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or "1"
+    return ["srun", "--nodes", nodes, "--ntasks", os.environ["SLURM_NTASKS"]]
+
+
 def max_local_processes() -> tuple[int, str]:
     """How many ranks one machine may run: one per GPU, or a few per core on a CPU-only host."""
     import torch

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from loom.observe import core_wait
 from loom.plan.device import (
     ATTENTION_HEAD_DIMS,
     ATTENTION_SEQS,
@@ -48,12 +49,12 @@ IN_SITU_SHAPES = ((1024, 256), (2048, 512))  # (tokens, d_model): the small pres
 MAX_FLOPS = 1e10  # skip grid points slower than a tenth of a second or so on a CPU core
 
 
-def _timed(fn, min_time: float, device: torch.device) -> float:
+def _timed(fn, min_time: float, device: torch.device, deadline: float = math.inf) -> float:
     """Seconds per call as training sees it: every rank makes the same number of calls at once (the
     count agreed, the slowest rank's), a window's time is the slowest rank's (training waits for it
     at its next collective), and the median of PASSES windows is taken: ranks share cores and memory
     bandwidth all along, which a best-of — or a rank timing alone after the others finished — hides."""
-    return _in_passes([fn], min_time, device)[0]
+    return _in_passes([fn], min_time, device, deadline)[0]
 
 
 def _barrier() -> None:
@@ -149,14 +150,14 @@ def measure_compute(device: torch.device, dtype: torch.dtype, grid: Grid = FULL,
             rates[table][key] = work / t
     block = {}
     for tokens, d_model in grid.block_shapes:
-        moved, spent = _block_elementwise(tokens, d_model, device, dtype, grid.min_time)
+        moved, spent = _block_elementwise(tokens, d_model, device, dtype, grid.min_time, deadline)
         block[str(tokens * d_model * 4)] = moved / spent
     rates["block_elementwise_bytes"] = block
     in_situ = {}
     for tokens, d_model in grid.in_situ_shapes:
         in_situ[str(tokens * d_model * 4)] = _block_in_situ(tokens, d_model, device, dtype, grid.min_time,
-                                                            rates)
-    optimizer = _optimizer_step(device, grid.min_time)
+                                                            rates, deadline)
+    optimizer = _optimizer_step(device, grid.min_time, deadline)
     return {**rates, "block_in_situ": in_situ, "optimizer_s_per_param": optimizer}
 
 
@@ -182,11 +183,13 @@ def _in_passes(calls: list, min_time: float, device: torch.device, deadline: flo
             break
         for fn, count, samples in zip(calls, counts, windows):
             _barrier()
-            start = time.perf_counter()
+            waits, start = core_wait.snapshot(), time.perf_counter()
             for _ in range(count):
                 fn()
             sync()
-            samples.append(_agreed((time.perf_counter() - start) / count, device, "max"))
+            wall = time.perf_counter() - start
+            seconds = max(wall - core_wait.waited_s(waits), 0.1 * wall)  # other processes' turns taken out
+            samples.append(_agreed(seconds / count, device, "max"))
     return [statistics.median(samples) for samples in windows]
 
 
@@ -232,7 +235,7 @@ def _blocks(count: int, tokens: int, d_model: int, device: torch.device, dtype: 
 
 
 def _block_elementwise(tokens: int, d_model: int, device: torch.device, dtype: torch.dtype,
-                       min_time: float) -> tuple[float, float]:
+                       min_time: float, deadline: float = math.inf) -> tuple[float, float]:
     """(bytes, seconds) of the elementwise part of loom's decoder block — norms, RoPE, SwiGLU,
     residuals, with their broadcasts and strides — at one shape, each op timed as it runs in the
     block's forward + backward (the median of a few runs, the slowest rank's)."""
@@ -240,13 +243,18 @@ def _block_elementwise(tokens: int, d_model: int, device: torch.device, dtype: t
 
     cfg, (block,), rope, x, grad = _blocks(1, tokens, d_model, device, dtype)
     runs = []
-    for _ in range(3 if min_time < FULL.min_time else 5):
+    for done in range(3 if min_time < FULL.min_time else 5):
+        if done > 1 and _agreed(float(time.time() > deadline), device, "max"):
+            break  # the first run warms up; past the deadline one more is enough
         _barrier()  # the ranks run the block together, as in training; the slowest rank counts
+        waits, start = core_wait.snapshot(), time.perf_counter()
         with _ElementwiseClock(device) as clock:
             block(x, rope).backward(grad)
         x.grad = None
         block.zero_grad(set_to_none=True)
-        runs.append(_agreed(clock.seconds, device, "max"))
+        wall = time.perf_counter() - start
+        own = max(wall - core_wait.waited_s(waits), 0.1 * wall) / wall  # the share other processes left
+        runs.append(_agreed(clock.seconds * own, device, "max"))
     seconds = statistics.median(runs[1:])  # the first run warms the allocator up
     a, b, e = BLOCK_ELEMENTWISE
     kv = cfg.n_kv_heads * cfg.head_dim
@@ -254,7 +262,7 @@ def _block_elementwise(tokens: int, d_model: int, device: torch.device, dtype: t
 
 
 def _block_in_situ(tokens: int, d_model: int, device: torch.device, dtype: torch.dtype, min_time: float,
-                   rates: dict) -> float:
+                   rates: dict, deadline: float = math.inf) -> float:
     """Two of loom's decoder blocks run forward + backward, per block, divided by what the parts'
     rates just measured add up to for that block (plan/step.block_seconds): the factor by which
     kernels run slower one after another in training than each repeated alone."""
@@ -273,14 +281,14 @@ def _block_in_situ(tokens: int, d_model: int, device: torch.device, dtype: torch
         for block in blocks:
             block.zero_grad(set_to_none=True)
 
-    measured = _timed(step, min_time, device) / len(blocks)
+    measured = _timed(step, min_time, device, deadline) / len(blocks)
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     parts = DeviceProfile("", "", 0, 0, "", "", {str(ranks): rates})
     seq = x.shape[1]
     return measured / block_seconds(parts, ranks, from_gpt_config(cfg, "calibration"), seq, tokens, 1)
 
 
-def _optimizer_step(device: torch.device, min_time: float) -> float:
+def _optimizer_step(device: torch.device, min_time: float, deadline: float = math.inf) -> float:
     """Seconds per parameter of loom's optimizer step: gradient clipping and AdamW (foreach on a
     CPU, fused on a GPU) over fp32 parameters shaped like two decoder blocks of width 512."""
     from loom.models.gpt.config import preset
@@ -297,7 +305,7 @@ def _optimizer_step(device: torch.device, min_time: float) -> float:
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
 
-    return _timed(step, min_time, device) / sum(p.numel() for p in params)
+    return _timed(step, min_time, device, deadline) / sum(p.numel() for p in params)
 
 
 def measure_collectives(device: torch.device, min_time: float, sizes: tuple = COLLECTIVE_SIZES) -> dict:
@@ -335,12 +343,15 @@ def _timed_together(call, min_time: float, device: torch.device) -> float:
     count = torch.tensor([max(3, min(200, int(min_time / max(first, 1e-6))))], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     dist.barrier()
-    start = time.perf_counter()
+    waits, start = core_wait.snapshot(), time.perf_counter()
     for _ in range(int(count.item())):
         call()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / int(count.item())
+    wall = time.perf_counter() - start
+    # a collective waits for every rank: the longest any rank waited for a core is out of all of them
+    waited = _agreed(core_wait.waited_s(waits, chained=True), device, "max")
+    return max(wall - waited, 0.1 * wall) / int(count.item())
 
 
 def _rank(ranks: int, threads: int, device_type: str, grid: Grid, deadline: float, queue) -> None:
@@ -357,6 +368,7 @@ def _rank(ranks: int, threads: int, device_type: str, grid: Grid, deadline: floa
         dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
         compute = measure_compute(device, dtype, grid, deadline)
         comm = measure_collectives(device, grid.min_time, grid.collective_sizes)
+
         if rank == 0:
             queue.put({**compute, "collectives": comm, "threads": threads})
     finally:

@@ -11,7 +11,7 @@ from loom.parallel.mesh import Dist
 
 
 def apply_ddp(model: nn.Module, p: ParallelConfig, d: Dist) -> nn.Module:
-    return DDP(
+    ddp = DDP(
         model,
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         process_group=d.dp_mesh.get_group(),
@@ -19,8 +19,12 @@ def apply_ddp(model: nn.Module, p: ParallelConfig, d: Dist) -> nn.Module:
         gradient_as_bucket_view=True,  # grads live in the buckets: no second 4Ψ copy
         forward_sync_buffers=False,  # loom's buffers (RoPE tables) are computed, never trained
         static_graph=p.ddp_static_graph,
-        # A pipeline stage runs one backward per micro-batch (no_sync on all but the last). DDP's
-        # bucket rebuild after step 1 would record every one of them and fail; with
-        # find_unused_parameters it keeps its first buckets and reduces correctly.
-        find_unused_parameters=p.pp > 1,
     )
+    if p.pp > 1:
+        # A pipeline stage runs one backward per micro-batch (no_sync on all but the last), and
+        # DDP's bucket rebuild after step 1 would record the gradients of every one of them and fail
+        # (twice the parameters). Rebuilding now, in parameter order, settles the buckets before any
+        # step: nothing is recorded, and no find_unused_parameters graph walk (or its warning) per step.
+        ddp.reducer._push_all_rebuilt_params()
+        ddp.reducer._rebuild_buckets()
+    return ddp

@@ -7,8 +7,8 @@ them is set up, each by its precise message: every other warning still shows.
     dims one after the other, and every rank logs advice to flatten the mesh: the norm is one
     scalar per step, and every rank gets the same sum.
 
-(DDP's "find_unused_parameters=True ... did not find any unused parameters" under a pipeline comes
-from its C++ reducer through c10's own logging, which no Python filter sees.)
+(DDP under a pipeline needs no find_unused_parameters, and so prints no note about it: see
+loom/parallel/ddp.py.)
 """
 
 from __future__ import annotations

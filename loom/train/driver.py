@@ -28,8 +28,9 @@ from loom.config import Config, pipeline_microbatches, validate
 from loom.data.loader import build_loaders
 from loom.errors import AgreedError
 from loom.files import atomic_write, claim_run_dir
+from loom.launch import srun_tasks
 from loom.models.registry import adapter_for
-from loom.observe import flight
+from loom.observe import core_wait, flight
 from loom.observe.collectives import CollectiveCounter
 from loom.observe.profiler import StepProfiler
 from loom.observe.rank_memory import (
@@ -214,8 +215,11 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     batches = iter(loaders.train)
     stop = StopRequest(d.world_size, preempt_signal(cfg))  # a signal, or the launcher's stop file
     start = last_save = time.perf_counter()
+    waits = None  # the timed steps' wait for a core (other processes on this machine): from the third step
     for step in range(start_step + 1, t.steps + 1):
         step_start = time.perf_counter()
+        if step == start_step + 3:
+            waits, waits_start = core_wait.snapshot(), step_start
         faults.at_step_start(step, d.rank)
         # The first step creates the gradients and optimizer states; the second is the steady-state peak.
         steady = step == start_step + 2
@@ -259,6 +263,8 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
             _stop_here(signum, step, ckpt, run_dir, d, profiler, stop, cfg)
     stop.close()
     log.flush()
+    core_wait_share = (core_wait.waited_s(waits) / max(time.perf_counter() - waits_start, 1e-9)
+                       if waits is not None else 0.0)
     if profiler is not None:
         profiler.__exit__(None, None, None)
     elapsed = time.perf_counter() - start
@@ -271,6 +277,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     rank_memory: list[dict] = [None] * d.world_size  # type: ignore[list-item]
     # Observed: count and payload of the collectives of step 2; wire bytes only as the ring model.
     measured = {**memory.to_dict(), "pp_stage": d.mesh["pp"].get_local_rank(),
+                "core_wait_share": core_wait_share,
                 **{f"comm_{k}": comm_seen[k] if comm_seen else None
                    for k in ("count", "payload_bytes", "modelled_wire_bytes", "by_kind")}}
     dist.all_gather_object(rank_memory, measured)
@@ -486,7 +493,7 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
     if plan is not None:
         summary["measured_vs_planned"] = record.measured_vs_planned(result.memory, plan)
         summary["step_time_vs_planned"] = record.step_time_vs_planned(
-            result.extra["step_time_s"], plan)
+            result.extra["step_time_s"], plan, sum(r.get("core_wait_share", 0.0) for r in result.memory))
     if run_dir is not None:
         record.write_end(run_dir, p.strategy, formula, shard, expected, result.memory, summary)
     if quiet:
@@ -501,9 +508,10 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
     if last is not None:
         # `loom train` rebuilds the config's model (every setting from the run's config.toml); a
         # script's own model is rebuilt by the script. A command to copy as it is: twice the steps,
-        # on as many ranks where they are one node's.
-        one_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size)) == d.world_size
-        again = (f"loom train --resume auto --out {shlex.quote(str(run_dir))} "
+        # on as many ranks where they are one node's, or by srun's tasks again where srun started them.
+        srun = shlex.join(srun_tasks())
+        one_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size)) == d.world_size and not srun
+        again = (f"{srun + ' ' if srun else ''}loom train --resume auto --out {shlex.quote(str(run_dir))} "
                  f"--set train.steps={2 * cfg.train.steps}{f' --nproc {d.world_size}' if one_node else ''}"
                  if from_config else
                  f"run your script again with train(cfg, Path('{run_dir}'), task=..., resume='auto') and a "

@@ -4,7 +4,8 @@ and the report printed at its end.
   config.toml   the resolved config, at the start
   plan.json     the planner's prediction for this very run (bytes; time on GPUs), at the start
   deepspeed_config.json   the deepspeed engine's config, derived and merged, at the start
-  memory.json   per rank: the model states it holds, its peak, its collectives, at the end
+  memory.json   per rank: the model states it holds, its peak, its collectives, and the share of the
+                timed steps it waited for a core other processes held, at the end
   summary.json  losses, tokens/s, eval, the last checkpoint, measured vs planned, at the end
 
 Each is written whole through loom.files.atomic_write: a symbolic link planted under one of these
@@ -83,23 +84,34 @@ def plan_run(cfg: Config, shape: ModelShape, d: Dist) -> dict:
     return record
 
 
-def step_time_vs_planned(measured_s: float, plan: dict) -> dict:
-    """[measured, planned] seconds per optimizer step, and the plan's parts."""
+LOADED_SHARE = 0.05  # past this share of the time waiting for a core, the machine was not the run's alone
+
+
+def step_time_vs_planned(measured_s: float, plan: dict, core_wait_share: float = 0.0) -> dict:
+    """[measured, planned] seconds per optimizer step, the plan's parts, and the share of the timed
+    steps the ranks spent waiting for a core other processes held (loom/observe/core_wait), added
+    over the ranks: at every collective one rank's wait holds all of them (capped: waits that
+    overlap are counted twice)."""
     return {"step_time_s": [measured_s, plan.get("step_time_s")],
-            "planned_breakdown_s": plan.get("step_time_breakdown_s")}
+            "planned_breakdown_s": plan.get("step_time_breakdown_s"),
+            "core_wait_share": min(core_wait_share, 0.9)}
 
 
 def print_step_time(entry: dict, device_type: str) -> None:
     measured, planned = entry["step_time_s"]
+    share = entry.get("core_wait_share") or 0.0
+    loaded = (f"; other processes held the cores: the ranks waited for one {share:.0%} of the time, "
+              f"so the step on its own cores ≈ {measured * (1 - share):.3f} s"
+              if share > LOADED_SHARE else "")
     if planned is None:
         hint = ("run `loom plan --calibrate` once to measure this machine" if device_type == "cpu"
                 else "this GPU is not in the planner's catalog")
-        print(f"step time: measured {measured:.3f} s, not planned ({hint})")
+        print(f"step time: measured {measured:.3f} s, not planned ({hint}){loaded}")
         return
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in entry["planned_breakdown_s"].items()
                       if k != "total" and v > 0)
     print(f"step time: measured {measured:.3f} s / planned {planned:.3f} s = {measured / planned:.2f}  "
-          f"(planned: {parts})")
+          f"(planned: {parts}){loaded}")
 
 
 def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:

@@ -12,6 +12,7 @@ imported here, and only when asked for: a run with `train.log_to = []` never loa
   eval/loss          every train.eval_every steps and the final eval
   memory/rank<r>/<key>   at the end: memory.json's numbers for each rank (peak_bytes, resident_bytes, ...)
   comm/rank<r>/<key>     at the end: its collectives of step 2 (count, payload_bytes, modelled_wire_bytes)
+  load/rank<r>/core_wait_share  at the end: the share of the timed steps it waited for a core
   config             the resolved config: TensorBoard text (TOML) and hparams; wandb's run config
 """
 
@@ -113,7 +114,9 @@ class Trackers:
             for key, value in measured.items():
                 if not isinstance(value, int | float) or isinstance(value, bool) or key == "pp_stage":
                     continue
-                if key.startswith("comm_"):
+                if key == "core_wait_share":  # not memory: the share of the run it waited for a core
+                    scalars[f"load/rank{rank}/core_wait_share"] = float(value)
+                elif key.startswith("comm_"):
                     scalars[f"comm/rank{rank}/{key.removeprefix('comm_')}"] = float(value)
                 else:
                     scalars[f"memory/rank{rank}/{key}"] = float(value)

@@ -31,10 +31,14 @@ def _loom(out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
                             env={**base, "PYTHONPATH": str(ROOT), **(env or {})})
 
 
-def _finish(*procs: subprocess.Popen) -> None:
+def _finish(*procs: subprocess.Popen) -> list[str]:
+    """Each process's stdout, once all exited 0."""
+    outs = []
     for proc in procs:
-        _, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
+        outs.append(out)
+    return outs
 
 
 def _losses(run: Path) -> list[float]:
@@ -61,12 +65,14 @@ def test_two_nodes_on_localhost_train_as_one_node(tmp_path, one_node, rendezvous
 
 def test_srun_tasks_start_a_correct_group(tmp_path, one_node):
     """No MASTER_ADDR: the first host of SLURM_JOB_NODELIST (from scontrol) hosts the store; the
-    port comes from the job id."""
+    port comes from the job id. The command printed to continue starts the same tasks again."""
     run, path, job = tmp_path / "run", stub_scontrol(tmp_path / "bin"), job_with_free_port()
     tasks = [_loom(run, env={**path, **srun_task(r, 2, job)}) for r in range(2)]
-    _finish(*tasks)
+    first, _ = _finish(*tasks)
     assert _losses(run) == pytest.approx(one_node, rel=1e-6)
     assert "show hostnames node[1]" in (tmp_path / "bin" / "scontrol.log").read_text()
+    assert f"(continue: srun --nodes 1 --ntasks 2 loom train --resume auto --out {run} " \
+           f"--set train.steps={2 * STEPS}; weights:" in first
 
 
 def test_the_sbatch_example_runs_two_nodes(tmp_path, one_node):

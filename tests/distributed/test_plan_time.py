@@ -38,7 +38,8 @@ def test_calibrate_then_train_prints_measured_vs_planned_step_time(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     assert plan["step_time_s"] > 0 and plan["device_profile"] == str(tmp_path / "device.json")
     summary = json.loads((out / "summary.json").read_text())
-    (measured, planned), parts = summary["step_time_vs_planned"].values()
+    versus = summary["step_time_vs_planned"]
+    (measured, planned), parts = versus["step_time_s"], versus["planned_breakdown_s"]
     assert planned == plan["step_time_s"] and parts["compute"] > 0
     assert 0.5 <= measured / planned <= 2.0, (measured, planned)
     assert "step time: measured" in r.stdout and "planned" in r.stdout

@@ -1,6 +1,7 @@
 """A run's stderr holds its progress, not third-party noise: TP's ranks log no DTensor
-redistribution advice, and DeepSpeed's ZeRO-3 no FutureWarning per collective (42 in 10 steps
-before loom/parallel/known_warnings.py); the layout line names tp."""
+redistribution advice, a pipeline's DDP stages no find_unused_parameters warning per rank, and
+DeepSpeed's ZeRO-3 no FutureWarning per collective (42 in 10 steps before
+loom/parallel/known_warnings.py); the layout line names tp."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ def test_tensor_parallel_run_is_quiet_and_its_layout_names_tp(tmp_path):
     r = _train(tmp_path / "tp", "--set", "train.steps=3", "--set", "parallel.tp=2")
     assert "redistributing" not in r.stderr and _noise(r.stderr) == [], r.stderr[-3000:]
     assert "dp=1 [replicate 1 × shard 1] × tp=2," in r.stdout
+
+
+def test_pipeline_over_ddp_is_quiet(tmp_path):
+    r = _train(tmp_path / "pp", "--set", "train.steps=3", "--set", "parallel.pp=2",
+               "--set", "parallel.strategy=ddp")
+    assert "find_unused_parameters" not in r.stderr and _noise(r.stderr) == [], r.stderr[-3000:]
 
 
 def test_deepspeed_zero3_run_prints_no_future_warnings(tmp_path):

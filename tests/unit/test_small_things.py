@@ -236,3 +236,20 @@ def test_sample_config_runs_as_the_defaults_and_shows_every_key():
         assert f"[{section.name}]" in text, section.name
         for key in dataclasses.fields(getattr(Config(), section.name)):
             assert re.search(rf"^(# )?{key.name} = ", text, re.M), f"{section.name}.{key.name}"
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_the_continue_command_relaunches_srun_tasks(monkeypatch, torchrun):
+    """Ranks srun started as its tasks are continued by srun with as many tasks; under torchrun
+    (per node, under srun or not) the command is loom's own launch."""
+    from loom.cli import _continue_command, build_parser
+
+    for key in [k for k in os.environ if k.startswith("SLURM_") or k == "TORCHELASTIC_RUN_ID"]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    if torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    args = build_parser().parse_args(["train", "--out", "runs/x"])
+    srun = "" if torchrun else "srun --nodes 2 --ntasks 16 "
+    assert _continue_command(args, Path("runs/x")) == f"{srun}loom train --resume auto --out runs/x"
