@@ -30,7 +30,7 @@ from loom.hf_config import MAX_FFN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WI
 from loom.models.gpt.config import PRESETS, preset
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "op")
 OFFLOADS = ("none", "cpu")
 ENGINES = ("torch", "deepspeed")
 DEEPSPEED_OFFLOADS = ("none", "cpu", "nvme")
@@ -112,7 +112,7 @@ class ParallelConfig:
     microbatches: int = 0  # pipeline micro-batches per micro-step; 0 = pp
     tp: int = 1  # tensor-parallel degree (innermost mesh dim: the ranks of one node)
     sequence_parallel: bool = False  # tp: shard norms and residuals along the sequence
-    activation_checkpointing: str = "none"  # none | full | selective
+    activation_checkpointing: str = "none"  # none | full | selective | op (keep matmul outputs)
     ac_every: int = 2  # selective: checkpoint every k-th block
 
 
@@ -131,6 +131,8 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
+    # tokens per chunk of the output projection + cross entropy (no full logits); 0: the full logits
+    loss_chunk: int = 512
     optimizer_impl: str = "auto"  # auto | foreach | fused
     eval_every: int = 0  # 0 = only at the end
     eval_batches: int = 2
@@ -276,6 +278,7 @@ RULES: dict[str, Rule] = {
     "train.beta2": Rule(0, 1, below=True, span=True, why="(an AdamW decay rate)"),
     "train.eps": Rule(0, above=True, why="(AdamW divides by it where a gradient is 0)", eg="1e-8"),
     "train.grad_clip": Rule(0, why="(0 turns clipping off)"),
+    "train.loss_chunk": _count(0, why="(tokens per chunk of the loss; 0: the full logits)", eg="512"),
     "train.optimizer_impl": _one_of(OPTIMIZER_IMPLS),
     "train.eval_every": _count(0, why="(0: only at the end)"),
     "train.eval_batches": _count(0, why="(0 turns eval off)"),
@@ -665,6 +668,10 @@ def _check_engine(p: ParallelConfig, this_machine: bool) -> None:
         raise ConfigError(f"parallel.engine = 'deepspeed' runs data parallelism (ZeRO 0-3) only, not "
                           f"tp = {p.tp}, pp = {p.pp}; set parallel.tp=1 and parallel.pp=1, or "
                           f"parallel.engine=torch")
+    if p.activation_checkpointing != "none":
+        raise ConfigError(f"parallel.activation_checkpointing = '{p.activation_checkpointing}' is applied "
+                          f"by the torch engine; DeepSpeed's runs every block as it is. Set "
+                          f"parallel.activation_checkpointing=none, or parallel.engine=torch")
     if p.offload != "none":
         raise ConfigError("parallel.offload is the torch engine's (FSDP2); with parallel.engine=deepspeed "
                           "set parallel.offload_optimizer and/or parallel.offload_params instead")

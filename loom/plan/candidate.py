@@ -24,6 +24,7 @@ class Workload:
     global_batch: int  # sequences per optimizer step
     precision: str = "bf16"  # compute dtype: activations and gathered parameters
     recipe: str = "torch"  # bytes per parameter of params/grads/optimizer (see memory.RECIPES)
+    loss_chunk: int = 0  # train.loss_chunk: the head + loss chunk by chunk (0: the full logits)
 
     @property
     def act_bytes(self) -> int:
@@ -94,10 +95,12 @@ class Candidate:
 
     @property
     def runs_in_loom(self) -> bool:
-        """loom's deepspeed engine runs data parallelism (ZeRO 0-3, offload), not TP, PP or hsdp."""
+        """loom's deepspeed engine runs data parallelism (ZeRO 0-3, offload), not TP, PP or hsdp, and
+        without loom's activation checkpointing (the torch engine's)."""
         if self.engine != "deepspeed":
             return True
-        return self.tp == 1 and self.pp == 1 and self.strategy_info.deepspeed_stage is not None
+        return self.tp == 1 and self.pp == 1 and self.strategy_info.deepspeed_stage is not None \
+            and self.activation_checkpointing == "none"
 
     def label(self) -> str:
         hybrid = self.strategy_info.dp_mesh == "hybrid"

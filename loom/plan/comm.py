@@ -107,7 +107,9 @@ def tp_reductions(w, c) -> tuple[float, float]:
     """(bytes of one micro-batch's activation, TP reductions of it per micro-batch on a stage).
     Per block: forward 2 (attention and MLP outputs), backward 2 (their inputs' gradients); a
     checkpointed block's recompute stops at its last saved tensor, before the MLP's reduction: one
-    more. The embedding (forward) and the head (backward) add one each."""
+    more. "op" keeps the matmuls' outputs but not the collectives' (the attention's reduction, and
+    under sequence parallel the all-gathers before the column linears, run again): one more as well.
+    The embedding (forward) and the head (backward) add one each."""
     shape = w.shape
     activation = w.seq_len * c.micro_batch * shape.d_model * w.act_bytes
     layers = shape.n_layers / c.pp

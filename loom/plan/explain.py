@@ -40,6 +40,7 @@ from loom.plan.shapes import (
     head_transient_bytes,
     layers_of_stage,
     llama_like,
+    op_saved_bytes_per_layer,
     residual_bytes,
 )
 
@@ -392,24 +393,24 @@ def _activation_lines(out: _Out, w, c: Candidate, stage: int, layers: int, momen
     sq, b, h, f = w.seq_len, c.micro_batch, shape.d_model, shape.ffn_hidden
     a, v = shape.n_heads, shape.vocab_size
     sb = sq * b
+    chunk = w.loss_chunk if tp == 1 and not pipelined else 0  # as memory._step_peak
 
     how = ("torch.autocast (fp32 residual stream and norms, each matmul casts its input)" if autocast
            else "16-bit weights (FSDP2 MixedPrecisionPolicy / DeepSpeed)" if e < 4 else "fp32")
     out.note(f"activations of one micro-batch (Korthikanti et al. 2022's sbh(34 + 5as/h), adapted to "
              f"RMSNorm, RoPE, SwiGLU, GQA and flash attention), {how}: s·b = {sb}")
-    ne = 4 if autocast else e
-    split = sb * ((4 * h + 4 * f) * e + 4 * a)
-    norms = 2 * sb * h * (4 + ne)
-    casts = 5 if autocast else 2
-    linear_inputs = sb * h * e * casts
-    rope = 8 * sq * shape.head_dim if e < 4 and not autocast else 0
-    out.item("split by TP", "s·b·((4h + 4f)·e + 4a)", f"{sb}·((4·{h} + 4·{f})·{e} + 4·{a})", gb(split))
-    out.item("norms", f"2·s·b·h·(4 + {'4' if autocast else 'e'}) (fp32 input + normalized)",
-             f"2·{sb}·{h}·(4 + {ne})", gb(norms))
-    out.item("linear inputs", f"s·b·h·e·{casts} ({'five casts' if autocast else 'two norm outputs'})",
-             f"{sb}·{h}·{e}·{casts}", gb(linear_inputs))
+    ne, kv = (4 if autocast else e), shape.kv_dim
+    split = sb * ((2 * h + 2 * kv + 3 * f) * e + 4 * a)
+    norms = 2 * sb * (h * ne + 4)
+    linear_inputs = 2 * sb * h * e
+    rope = e * sq * shape.head_dim if e < 4 and not autocast else 0
+    out.item("split by TP", "s·b·((2h + 2kv + 3f)·e + 4a) (q, k, v, out; gate, up, product; lse)",
+             f"{sb}·((2·{h} + 2·{kv} + 3·{f})·{e} + 4·{a})", gb(split))
+    out.item("norms", f"2·s·b·(h·{'4' if autocast else 'e'} + 4) (input + fp32 rstd)",
+             f"2·{sb}·({h}·{ne} + 4)", gb(norms))
+    out.item("linear inputs", "2·s·b·h·e (the two norm outputs)", f"2·{sb}·{h}·{e}", gb(linear_inputs))
     if rope:
-        out.item("RoPE cos, sin", "8·s·Q (fp32 copies)", f"8·{sq}·{shape.head_dim}", gb(rope))
+        out.item("RoPE table", "e·s·Q (FSDP2's 16-bit cast, kept)", f"{e}·{sq}·{shape.head_dim}", gb(rope))
     per_layer = activation_bytes_per_layer(shape, sq, b, e, tp, sp, autocast)
     over, by = ("/tp", f"/{tp}") if sp else ("", "")
     rope_sym, rope_num = (" + RoPE", f" + {gb(rope)}") if rope else ("", "")
@@ -422,11 +423,20 @@ def _activation_lines(out: _Out, w, c: Candidate, stage: int, layers: int, momen
     ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
     kept_input = residual / (tp if sp else 1)
     if ckpt:
-        rule = ("all L_s blocks" if c.activation_checkpointing == "full"
+        rule = ("all L_s blocks" if c.activation_checkpointing != "selective"
                 else f"⌈L_s/{c.ac_every}⌉ = ⌈{layers}/{c.ac_every}⌉")
         out.item("checkpointed blocks c", rule, None, str(ckpt))
         out.item("kept input", f"s·b·h·{'4' if autocast else 'e'}{over}",
                  f"{sb}·{h}·{4 if autocast else e}{by}", gb(kept_input))
+        if c.activation_checkpointing == "op":  # and the matmuls' and attention's outputs
+            kv, f, a = shape.kv_dim, shape.ffn_hidden, shape.n_heads
+            outputs = sb * (e * (2 * h + 2 * kv + 2 * f) + 4 * a) / tp + 2 * sb * h * e
+            out.item("kept outputs (op)", "s·b·(e·(2h + 2kv + 2f) + 4a)/tp + 2·s·b·h·e (q k v, attention "
+                     "+ log-sum-exp, gate up; wo, w2 whole)",
+                     f"{sb}·({e}·(2·{h} + 2·{kv} + 2·{f}) + 4·{a})/{tp} + 2·{sb}·{h}·{e}", gb(outputs))
+            mine = kept_input + outputs
+            kept_input = op_saved_bytes_per_layer(shape, sq, b, e, tp, sp, autocast)
+            _mismatch(out, "kept (op)", mine, kept_input, gb)
         blocks = (layers - ckpt) * per_layer + ckpt * kept_input
         out.item("blocks", "(L_s − c)·block + c·kept input",
                  f"({layers} − {ckpt})·{gb(per_layer)} + {ckpt}·{gb(kept_input)}", gb(blocks))
@@ -435,12 +445,17 @@ def _activation_lines(out: _Out, w, c: Candidate, stage: int, layers: int, momen
         out.item("blocks", "L_s·block", f"{layers}·{gb(per_layer)}", gb(blocks))
     parts = [("blocks", blocks)]
     if last:
-        head = head_saved_bytes(shape, sq, b, e, tp, pipelined, sp, autocast)
+        head = head_saved_bytes(shape, sq, b, e, tp, pipelined, sp, autocast, chunk)
         logits = f" + sbV/tp·{e} (the logits a pipeline keeps)" if pipelined else ""
-        out.item("final norm + loss", f"s·b·h·(4 + {'4' if autocast else 'e'}){over} + s·b·h·e "
-                 f"+ 4·s·b·V/tp (fp32 log-softmax){logits}",
-                 f"{sb}·{h}·(4 + {ne}){by} + {sb}·{h}·{e} + {4 + (e if pipelined else 0)}·{sb}·{v}/{tp}",
-                 gb(head))
+        if chunk:  # train.loss_chunk: no logits kept, each token's logsumexp
+            out.item("final norm + loss", f"s·b·h·(4 + {'4' if autocast else 'e'}){over} + s·b·h·e "
+                     f"+ 4·s·b (chunked loss: fp32 logsumexp)",
+                     f"{sb}·{h}·(4 + {ne}){by} + {sb}·{h}·{e} + 4·{sb}", gb(head))
+        else:
+            out.item("final norm + loss", f"s·b·h·(4 + {'4' if autocast else 'e'}){over} + s·b·h·e "
+                     f"+ 4·s·b·V/tp (fp32 log-softmax){logits}",
+                     f"{sb}·{h}·(4 + {ne}){by} + {sb}·{h}·{e} + {4 + (e if pipelined else 0)}·{sb}·{v}/{tp}",
+                     gb(head))
         parts.append(("head", head))
     elif pipelined:
         out.item("stage output", f"s·b·h·{'4' if autocast else 'e'} (kept for its backward)",
@@ -464,10 +479,15 @@ def _activation_lines(out: _Out, w, c: Candidate, stage: int, layers: int, momen
              f"{num(inflight)} × {gb(one_micro)}", gb(saved))
     transient = 0.0
     if last:
-        transient = head_transient_bytes(shape, sq, b, tp)
+        transient = head_transient_bytes(shape, sq, b, tp, chunk, e)
         k = 2 if tp == 1 else 3
-        out.item("loss gradients", f"{k}·4·s·b·V/tp (the loss's fp32 gradients of the logits)",
-                 f"{k}·4·{sb}·{v}/{tp}", gb(transient))
+        if chunk:
+            x = 4 + (e if e < 4 else 0)
+            out.item("loss gradients", f"min(chunk, s·b)·V·{x} (one chunk's logits and fp32 softmax)",
+                     f"{min(chunk, sb)}·{v}·{x}", gb(transient))
+        else:
+            out.item("loss gradients", f"{k}·4·s·b·V/tp (the loss's fp32 gradients of the logits)",
+                     f"{k}·4·{sb}·{v}/{tp}", gb(transient))
     if deepspeed:
         rebuilt = per_layer if ckpt else 0.0
         activations = saved + max(rebuilt, transient)
@@ -689,9 +709,17 @@ def _offload_lines(out: _Out, w, c: Candidate, cluster) -> float:
     return total
 
 
-def _recompute_lines(out: _Out, w, c: Candidate, compute: float) -> float:
-    recompute = steps._recompute(w, c, compute)
-    if recompute:
+def _recompute_lines(out: _Out, w, c: Candidate, compute: float, gpu=None) -> float:
+    recompute = steps._recompute(w, c, compute, gpu)
+    if recompute and c.activation_checkpointing == "op" and gpu is not None:
+        layers, tokens = math.ceil(w.shape.n_layers / c.pp), w.seq_len * c.micro_batch
+        moved = steps.block_elementwise_bytes(w.shape, tokens, c.tp)
+        a, b, e = steps.BLOCK_ELEMENTWISE
+        out.item("recompute", f"micro-steps × ⌈L/p⌉ × max(4·tokens·({a}h + {b}f/tp + {e}kv/tp)/3 / HBM, "
+                 f"{steps.KERNELS_PER_LAYER}/3 launches) (a forward's elementwise work again)",
+                 f"{steps.micro_steps(c)} × {layers} × max({gb(moved)}/3 / {num(gpu.hbm_tbps)} TB/s, "
+                 f"{steps.KERNELS_PER_LAYER // 3} × {num(gpu.kernel_launch_s)} s)", sec(recompute))
+    elif recompute:
         layers = w.shape.n_layers
         ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
         out.item("recompute", "compute/3 × checkpointed/L (a forward again)",
@@ -735,7 +763,7 @@ def _catalog_time(out: _Out, record: dict, w, c: Candidate, cluster, comm, group
         if floor > compute:
             out.note(f"  compute = the floor, {sec(floor)} (the launches take longer than the FLOPs)")
         compute = max(compute, floor)
-    recompute = _recompute_lines(out, w, c, compute)
+    recompute = _recompute_lines(out, w, c, compute, gpu)
     busy = compute + recompute
     bubble = _common_tail(out, w, c, busy)
 
@@ -881,7 +909,11 @@ def _measured_time(out: _Out, record: dict, w, c: Candidate, cluster, comm) -> N
         out.item("compute", "micro-steps × that", f"{steps.micro_steps(c)} × {sec(heaviest)}", sec(compute))
         ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
         recompute = steps.micro_steps(c) * ckpt * layer / 3
-        if recompute:
+        if recompute and c.activation_checkpointing == "op":  # the block's elementwise part only
+            recompute = steps.micro_steps(c) * ckpt * t * in_situ / 3
+            out.item("recompute", "micro-steps × checkpointed blocks × elementwise × in-situ/3",
+                     f"{steps.micro_steps(c)} × {ckpt} × {sec(t)} × {num(in_situ)}/3", sec(recompute))
+        elif recompute:
             out.item("recompute", "micro-steps × checkpointed blocks × block/3",
                      f"{steps.micro_steps(c)} × {ckpt} × {sec(layer)}/3", sec(recompute))
     else:

@@ -12,11 +12,14 @@ from loom import strategies
 from loom.plan.shapes import (
     activation_bytes_per_layer,
     checkpointed_layers,
+    chunk_logits_bytes,
     head_backward_bytes,
     head_saved_bytes,
     head_transient_bytes,
     layers_of_stage,
     llama_like,
+    op_saved_bytes_per_layer,
+    op_shared_bytes_per_layer,
     residual_bytes,
 )
 
@@ -217,6 +220,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     """
     shape, tp, e = w.shape, c.tp, w.act_bytes
     last, pipelined = stage == c.pp - 1, c.pp > 1
+    chunk = w.loss_chunk if tp == 1 and not pipelined else 0  # TP and PP keep the full logits
     deepspeed = c.engine == "deepspeed"
     strategy = c.strategy_info
     fsdp = not deepspeed and strategy.uses_fsdp(tp) and w.recipe == "torch"
@@ -230,13 +234,18 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     per_layer = activation_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast)
     residual = residual_bytes(shape, seq, mb, e, autocast)
     ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
-    one_micro = (layers - ckpt) * per_layer + ckpt * residual / (tp if sp else 1)
+    op = c.activation_checkpointing == "op"  # a checkpointed block also keeps its matmuls' outputs
+    per_ckpt = residual / (tp if sp else 1)
+    if op:
+        per_ckpt = op_saved_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast)
+    one_micro = (layers - ckpt) * per_layer + ckpt * per_ckpt
     if last:
-        one_micro += head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast)
+        one_micro += head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast, chunk)
     elif pipelined:
         one_micro += residual  # the stage's output, kept by the schedule for its backward
     saved = _micro_batches_in_flight(c, stage) * one_micro
-    loss_saved = 4 * seq * mb * shape.vocab_size / tp if last else 0.0  # log-softmax, fp32
+    # the fp32 log-softmax, or chunked each token's fp32 logsumexp
+    loss_saved = 4 * seq * mb * (1 if chunk else shape.vocab_size / tp) if last else 0.0
 
     # Buffers held through backward.
     held = 0.0
@@ -266,7 +275,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         held -= grads  # the sharded gradients, not yet rebuilt
 
     if deepspeed:  # DeepSpeed's engine: its buckets, activations and the larger transient
-        transient = head_transient_bytes(shape, seq, mb, tp) if last else 0.0
+        transient = head_transient_bytes(shape, seq, mb, tp, chunk, e) if last else 0.0
         return saved + max(per_layer if ckpt else 0.0, transient), held
 
     vh = shape.vocab_size * shape.d_model / tp  # the head's (or the embedding's) weight, local
@@ -275,17 +284,19 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     others = saved - one_micro  # other micro-batches in flight (pipeline)
     moments = [] if named is None else named  # (name, activations, buffers)
     if last:
-        head = head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast)
+        head = head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast, chunk)
         # Forward's end, in the loss: the logits (and their fp32 copy under 16-bit) beside the
         # log-softmax; FSDP2 frees the latest all-gather's flat buffer only after the root's forward
         # (the last block's unit, or the head's; with one unit, a second copy of the model).
         logits = seq * mb * shape.vocab_size / tp * (e + (4 if e < 4 else 0))
+        if chunk:  # one chunk's
+            logits = chunk_logits_bytes(shape, seq, mb, e, chunk)
         latest = 0.0
         if fsdp and c.shard_size > 1:
             latest = e * (units[-2] if tied_root and len(units) > 1 else units[-1])
         moments.append(("forward's end", saved + logits, kept + latest + held))
-        moments.append(("loss", saved + head_transient_bytes(shape, seq, mb, tp), kept + held))
-        logits_grad, weight_grad = head_backward_bytes(shape, seq, mb, e, tp, autocast)
+        moments.append(("loss", saved + head_transient_bytes(shape, seq, mb, tp, chunk, e), kept + held))
+        logits_grad, weight_grad = head_backward_bytes(shape, seq, mb, e, tp, autocast, chunk)
         moments.append(("head backward", saved - loss_saved + logits_grad, kept + weight_grad + held))
         if own_head:  # its gradient reduce-scattered at once, the unit resharded first
             gloo = device == "cpu" and c.shard_size > 1
@@ -300,6 +311,8 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         selective = c.activation_checkpointing == "selective"
         top = (layers - 1) // c.ac_every * c.ac_every if selective else layers - 1
         rebuilt = one_micro - head - (layers - 1 - top) * per_layer + per_layer
+        if op:  # the rebuilt block's kept outputs are among its activations: counted once
+            rebuilt -= op_shared_bytes_per_layer(shape, seq, mb, e, tp)
         # its backward then begins with the SwiGLU's two hidden-sized gradients (gate and up) beside
         # the rebuilt activations (measured on the small preset: the 1.23 of the plan without them)
         rebuilt += 2 * seq * mb * shape.ffn_hidden / tp * e

@@ -108,7 +108,8 @@ def render_table(plan: Plan, top: int = 5) -> str:
                    key=lambda i: -records[i]["tokens_per_s"])
     if apart:
         out += ["", f"fit, but not ranked: loom does not run them (its deepspeed engine, which offload "
-                    f"needs here, runs tp = pp = 1 only): {len(apart)}, the fastest:"]
+                    f"needs here, runs tp = pp = 1 only, and no activation checkpointing): {len(apart)}, the "
+                    f"fastest:"]
         out += [f"  {i:>4} {records[i]['label']:<44} {records[i]['tokens_per_s']:11,.0f} tokens/s"
                 for i in apart[:3]]
     best = records[plan.recommended]

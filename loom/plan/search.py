@@ -21,6 +21,7 @@ from loom.plan.step import bubble_fraction, step_time
 
 GB = 1e9
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+AC_MODES = ("none", "op", "selective", "full")  # activation checkpointing, from least recompute to most
 
 
 def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
@@ -80,7 +81,7 @@ def enumerate_candidates(w: Workload, cluster: Cluster,
                 for shard in _shards(strategy, dp, tp, per_node, cluster.nodes):
                     for offload, framework in _offloads(strategy, dp, tp, pp, host_tier):
                         for schedule, virtual in _schedules(shape, pp):
-                            for ac in ("none", "selective", "full") if shape.known else ("none",):
+                            for ac in AC_MODES if shape.known else ("none",):
                                 for mb in MICRO_BATCHES:
                                     if mb > local_batch or local_batch % mb:
                                         continue
@@ -426,7 +427,9 @@ def emit_config(base, record: dict):
 
 
 def config_workload(cfg, shape, recipe: str = "torch") -> Workload:
-    return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe)
+    # loom's GPT chunks its loss (train.loss_chunk); a Hugging Face model returns full logits
+    chunk = cfg.train.loss_chunk if not cfg.model.init_from else 0
+    return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe, chunk)
 
 
 def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int) -> Candidate:

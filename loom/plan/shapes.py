@@ -104,35 +104,37 @@ def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, el
     Korthikanti et al. 2022 (arXiv 2205.05198) Table 2 counts sbh(34 + 5as/h) for a GPT block in
     16-bit. Adapted to this decoder (RMSNorm, RoPE, SwiGLU, GQA) with fused (flash) attention,
     which keeps no s×s matrix, so the 5as/h term becomes the softmax statistics (fp32, per head).
-    What autograd keeps (checked tensor by tensor with a live-tensor tracker at the step's peak,
-    bench/activations.py), in bytes per token (s·b of them), e = the compute dtype's bytes:
-      each norm (2)  its input in fp32: the input itself in fp32, else the fp32
-                     copy RMSNorm normalizes in (the 16-bit input is kept by nothing)   4·h
-                     the normalized tensor (fp32 under autocast)                        e·h
-                     what the next linears read: the norm's output (all-gathered
-                     under sequence parallel); under autocast each linear's own
-                     16-bit cast of it (wq, wk, wv; w1, w3: five per block, not two)    e·h each
-      attention      q, k after RoPE, v (GQA's k, v repeated to every head), and its
-                     output, which is also wo's input                                   4·e·h
+    The block's pieces keep only what their backward needs (loom/models/gpt/lean_ops.py); what
+    autograd keeps, tensor by tensor (tests/unit/test_lean_block.py counts it), in bytes per token
+    (s·b of them), e = the compute dtype's bytes, kv = n_kv_heads·head_dim:
+      each norm (2)  its input, in its own dtype (fp32 under autocast: the residual
+                     stream), and its fp32 rstd                                         e·h + 4
+                     its output, which the next linears read (all-gathered under
+                     sequence parallel); under autocast already 16-bit, one copy        e·h
+      attention      q after RoPE, k after RoPE and v (grouped: kv wide, not
+                     repeated to every head), and its output, which is also wo's input  e·(2·h + 2·kv)
                      the softmax statistics (log-sum-exp, fp32, per head)               4·a
-      MLP (SwiGLU)   gate, silu(gate), up, product                                      4·e·f
-    In all: fp32 40·h + 16·f; 16-bit weights 24·h + 8·f; autocast 34·h + 8·f (+ 4·a).
+      MLP (SwiGLU)   gate and up (silu(gate) is recomputed), the product (w2's input)   3·e·f
+      RoPE           the table only: its backward is the inverse rotation
+    In all: fp32 24·h + 8·kv + 12·f; 16-bit weights 12·h + 4·kv + 6·f; autocast 16·h + 4·kv + 6·f
+    (+ 4·a + 8).
     `autocast`: 16-bit through torch.autocast (loom's ddp and zero1 without TP): the residual
-    stream, the norms and the loss stay fp32 and each matmul casts its inputs. Otherwise (FSDP2's
-    MixedPrecisionPolicy, DeepSpeed's 16-bit model) the weights are cast and every activation is
-    16-bit; FSDP2 also casts the block's RoPE table input to 16-bit, and RoPE rotates q and k in
-    fp32 from fp32 copies of cos and sin, kept for backward (8·s·head_dim bytes per block, not
-    per sequence). Under TP everything between the column- and row-split linears is divided by
-    tp; the norms stay whole unless sequence parallel splits them too, and then the all-gathered
-    inputs of the column-split linears stay whole.
+    stream, the norms' inputs and the loss stay fp32 and each matmul casts its inputs; the cached
+    16-bit weight copies are counted among the buffers. Otherwise (FSDP2's MixedPrecisionPolicy,
+    DeepSpeed's 16-bit model) the weights are cast and every activation is 16-bit; FSDP2 also
+    casts the block's RoPE table input to 16-bit, a copy per block that RoPE keeps (e·s·head_dim
+    bytes per block, not per sequence). Under TP everything between the column- and row-split
+    linears is divided by tp; the norms stay whole unless sequence parallel splits them too, and
+    then the all-gathered inputs of the column-split linears stay whole.
     """
     s, b, h, f = seq, micro_batch, shape.d_model, shape.ffn_hidden
+    kv = shape.kv_dim
     sb = s * b
     autocast = autocast and elem < 4
-    split = sb * ((4 * h + 4 * f) * elem + 4 * shape.n_heads)
-    norms = 2 * sb * h * (4 + (4 if autocast else elem))
-    linear_inputs = sb * h * elem * (5 if autocast else 2)
-    rope = 8 * s * shape.head_dim if elem < 4 and not autocast else 0
+    split = sb * ((2 * h + 2 * kv + 3 * f) * elem + 4 * shape.n_heads)
+    norms = 2 * sb * (h * (4 if autocast else elem) + 4)
+    linear_inputs = 2 * sb * h * elem
+    rope = elem * s * shape.head_dim if elem < 4 and not autocast else 0
     if sequence_parallel and tp > 1:
         return split / tp + norms / tp + linear_inputs + rope
     return split / tp + norms + linear_inputs + rope
@@ -146,43 +148,89 @@ def residual_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, aut
 
 def head_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1,
                      pipelined: bool = False, sequence_parallel: bool = False,
-                     autocast: bool = False) -> float:
+                     autocast: bool = False, chunk: int = 0) -> float:
     """What the final norm and the loss keep per micro-batch until its backward: the norm's fp32
     input, its normalized tensor and the head's input (as in a block, one linear reading it); the
     loss's fp32 log-softmax (loss_parallel under TP keeps its fp32 shifted logits instead, split
     over the vocabulary). The logits themselves are not kept (the head's matmul keeps its input,
     cross entropy casts them to fp32). A pipeline schedule also keeps the stage's output, the
-    logits, in the compute dtype."""
+    logits, in the compute dtype. Chunked (train.loss_chunk, loom/models/chunked_loss.py: tp 1, no
+    pipeline): no logits kept, only each token's fp32 logsumexp."""
     sb, h = seq * micro_batch, shape.d_model
     sbv = sb * shape.vocab_size / tp
     normalized = sb * h * (4 + (4 if autocast and elem < 4 else elem))
     norm = (normalized / tp if sequence_parallel and tp > 1 else normalized) + sb * h * elem
+    if chunk:
+        return norm + 4 * sb
     return norm + sbv * (4 + (elem if pipelined else 0))
 
 
-def head_transient_bytes(shape: ModelShape, seq: int, micro_batch: int, tp: int = 1) -> float:
+def chunk_logits_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, chunk: int) -> float:
+    """The chunked loss's one chunk of logits at a time, in forward and in backward: the compute
+    dtype's and its fp32 form (the softmax, made in place), min(chunk, s·b) tokens."""
+    return min(chunk, seq * micro_batch) * shape.vocab_size * (4 + (elem if elem < 4 else 0))
+
+
+def head_transient_bytes(shape: ModelShape, seq: int, micro_batch: int, tp: int = 1, chunk: int = 0,
+                         elem: int = 4) -> float:
     """At the start of backward the loss's fp32 gradients of the logits exist at once: two (nll's
     and log-softmax's); loss_parallel's backward under TP makes three (the one-hot target, the
-    softmax and their difference), each split over the vocabulary."""
+    softmax and their difference), each split over the vocabulary. Chunked: one chunk's."""
+    if chunk:
+        return chunk_logits_bytes(shape, seq, micro_batch, elem, chunk)
     return (2 if tp == 1 else 3) * 4 * seq * micro_batch * shape.vocab_size / tp
 
 
 def head_backward_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1,
-                        autocast: bool = False) -> tuple[float, float]:
+                        autocast: bool = False, chunk: int = 0) -> tuple[float, float]:
     """The head's backward, once the loss's tensors are gone: (the logits' gradient in the compute
     dtype, the head weight's gradient). The weight's gradient is V·h in the compute dtype (FSDP2's
     unsharded gradient of the weight it all-gathered); under autocast also its fp32 copy on the
-    way to the fp32 parameter's gradient."""
+    way to the fp32 parameter's gradient. Chunked: one chunk's logits beside the chunks' weight
+    gradient (each chunk's product in the compute dtype, summed in fp32 over several chunks; one
+    chunk's is cast to the fp32 parameter's at the end, as unchunked)."""
+    if chunk:
+        vh = shape.vocab_size * shape.d_model
+        several = seq * micro_batch > chunk
+        weight = vh * (elem + (4 if several or (autocast and elem < 4) else 0))
+        return chunk_logits_bytes(shape, seq, micro_batch, elem, chunk), weight
     logits = seq * micro_batch * shape.vocab_size / tp * elem
     weight = shape.vocab_size * shape.d_model / tp * (elem + (4 if autocast and elem < 4 else 0))
     return logits, weight
 
 
 def checkpointed_layers(layers: int, mode: str, every: int) -> int:
-    """How many of a stage's blocks keep only their input (activation checkpointing)."""
+    """How many of a stage's blocks are checkpointed: keep only their input (full, selective) or
+    their input and their matmuls' and attention's outputs (op)."""
     if mode == "none":
         return 0
-    return layers if mode == "full" else math.ceil(layers / every)
+    return math.ceil(layers / every) if mode == "selective" else layers
+
+
+def op_saved_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1,
+                             sequence_parallel: bool = False, autocast: bool = False) -> float:
+    """Bytes one block checkpointed under "op" keeps for backward, for one micro-batch: its input
+    (residual_bytes) and what the policy saves (loom/parallel/activation_checkpointing.py), counted
+    from the block's code (loom/models/gpt/model.py), in the compute dtype e:
+      wq, wk, wv outputs                       e·(h + 2·kv)  (split by TP)
+      attention's output, its log-sum-exp     e·h + 4·a     (split by TP)
+      w1, w3 outputs (gate, up)                2·e·f         (split by TP)
+      wo, w2 outputs                           2·e·h         (TP: each rank's partial sums, whole)
+    Under TP the column linears' outputs are split, the row linears' are not (the reduction follows
+    them); sequence parallel splits only the input."""
+    sb, h, f = seq * micro_batch, shape.d_model, shape.ffn_hidden
+    split = sb * (elem * (2 * h + 2 * shape.kv_dim + 2 * f) + 4 * shape.n_heads) / tp
+    rows = sb * 2 * h * elem
+    block_input = residual_bytes(shape, seq, micro_batch, elem, autocast and elem < 4)
+    return split + rows + block_input / (tp if sequence_parallel and tp > 1 else 1)
+
+
+def op_shared_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1) -> float:
+    """The part of op_saved_bytes_per_layer a plain block keeps too (activation_bytes_per_layer):
+    v (attention reads wv's output itself), gate, up, attention's output and its log-sum-exp: shared
+    when "op" rebuilds a block in backward."""
+    sb, h, f = seq * micro_batch, shape.d_model, shape.ffn_hidden
+    return sb * (elem * (shape.kv_dim + h + 2 * f) + 4 * shape.n_heads) / tp
 
 
 def from_preset(name: str, **overrides: object) -> ModelShape:

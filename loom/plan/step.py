@@ -34,9 +34,10 @@ from loom.plan.shapes import checkpointed_layers, layers_of_stage
 
 # Elementwise traffic of one decoder block's forward + backward per token (bytes, fp32), counted
 # on loom's block with a TorchDispatchMode over every non-matmul aten op (inputs + outputs):
-# 123·d + 14·f + 7·kv_dim elements (tests/unit/test_plan_time.py recounts it), in 93 ops; the
-# loss adds about six passes over the fp32 logits.
-BLOCK_ELEMENTWISE = (123, 14, 7)
+# 93·d + 16·f + 18·kv_dim elements (tests/unit/test_plan_truth.py recounts it), in 86 ops (the lean
+# block: k, v stay kv_dim wide, SwiGLU recomputes silu); the loss adds about six passes over the
+# fp32 logits.
+BLOCK_ELEMENTWISE = (93, 16, 18)
 LOSS_PASSES = 6
 KERNELS_PER_LAYER = 3 * 40  # GPU kernels of a block's forward + backward (a fused-free eager run)
 ADAM_BYTES, CLIP_BYTES = 28, 12  # per fp32 parameter: read p, g, m, v and write p, m, v; clip
@@ -92,7 +93,7 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
     if w.shape.known:  # no layer runs faster than its kernels launch
         layers = math.ceil(w.shape.n_layers / c.pp)
         compute = max(compute, micro_steps(c) * layers * KERNELS_PER_LAYER * gpu.kernel_launch_s)
-    recompute = _recompute(w, c, compute)
+    recompute = _recompute(w, c, compute, gpu)
     busy = compute + recompute
     bubble = _bubble(c, busy)
     efficiency = cluster.comm_efficiency or link_efficiency(gpu)
@@ -139,6 +140,9 @@ def measured_step_time(w, c, cluster, comm: CommAccount) -> StepTime:
         compute = micro_steps(c) * heaviest
         ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
         recompute = micro_steps(c) * ckpt * layer / 3
+        if c.activation_checkpointing == "op":  # the matmuls and attention are kept, not rerun
+            elementwise = block_elementwise_seconds(profile, ranks, shape, tokens, tp)
+            recompute = micro_steps(c) * ckpt * elementwise * profile.block_in_situ(ranks, tokens * d * 4) / 3
     else:
         compute = w.tokens_per_step * shape.flops_per_token(w.seq_len) / c.world / profile.peak_flops(ranks)
         recompute = 0.0
@@ -174,9 +178,19 @@ def block_seconds(profile, ranks: int, shape, seq: int, tokens: int, tp: int) ->
     layer = sum(6 * tokens * k * n / profile.linear_flops(ranks, tokens, k, n) for k, n in linears)
     attention = 12 * (shape.n_heads / tp) * shape.head_dim * seq * tokens
     layer += attention / profile.attention_flops(ranks, seq, shape.head_dim)
+    return layer + block_elementwise_seconds(profile, ranks, shape, tokens, tp)
+
+
+def block_elementwise_bytes(shape, tokens: int, tp: int) -> float:
+    """The elementwise traffic of one block's forward + backward (BLOCK_ELEMENTWISE), fp32 bytes."""
     a, b, e = BLOCK_ELEMENTWISE
-    block_bandwidth = profile.block_elementwise_bytes(ranks, tokens * d * 4)
-    return layer + 4 * tokens * (a * d + b * f / tp + e * kv / tp) / block_bandwidth
+    return 4 * tokens * (a * shape.d_model + b * shape.ffn_hidden / tp + e * shape.kv_dim / tp)
+
+
+def block_elementwise_seconds(profile, ranks: int, shape, tokens: int, tp: int) -> float:
+    """block_seconds' elementwise part: what "op" checkpointing recomputes (a third of it, forward's)."""
+    block_bandwidth = profile.block_elementwise_bytes(ranks, tokens * shape.d_model * 4)
+    return block_elementwise_bytes(shape, tokens, tp) / block_bandwidth
 
 
 def _count(comm: CommAccount, kind: str, payload: float) -> int:
@@ -185,10 +199,17 @@ def _count(comm: CommAccount, kind: str, payload: float) -> int:
     return known if known else max(1, math.ceil(payload / DDP_BUCKET))
 
 
-def _recompute(w, c, compute: float) -> float:
+def _recompute(w, c, compute: float, gpu=None) -> float:
     if not w.shape.known or c.activation_checkpointing == "none":
         return 0.0
     layers = w.shape.n_layers
+    if c.activation_checkpointing == "op" and gpu is not None:
+        # only the elementwise work of a forward is rerun, at memory bandwidth (or kernel launches)
+        stage = math.ceil(layers / c.pp)
+        tokens = w.seq_len * c.micro_batch
+        per_layer = max(block_elementwise_bytes(w.shape, tokens, c.tp) / 3 / (gpu.hbm_tbps * 1e12),
+                        KERNELS_PER_LAYER / 3 * gpu.kernel_launch_s)
+        return micro_steps(c) * stage * per_layer
     return compute / 3 * checkpointed_layers(layers, c.activation_checkpointing, c.ac_every) / layers
 
 

@@ -6,13 +6,13 @@ data; the Python API takes any Task.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -20,6 +20,7 @@ from loom.config import Config, pipeline_microbatches, shape_overrides
 from loom.data.corpus import load_tokens
 from loom.data.run_data import build_run_data
 from loom.errors import ConfigError
+from loom.models.chunked_loss import IGNORE, cross_entropy  # noqa: F401 (IGNORE: a supervised prompt)
 from loom.models.gpt.config import GPTConfig, preset
 from loom.models.gpt.model import build_model
 from loom.models.pretrained import CHECKPOINT, SPECIAL_TOKENS, Pretrained, open_pretrained
@@ -55,7 +56,6 @@ class Task:
     from_config: bool = False  # the config's own model (`loom train` can rebuild it to continue)
 
 
-IGNORE = -100  # a target without loss (a supervised example's prompt)
 
 
 def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,25 +67,24 @@ def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1], batch[:, 1:]
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, masked: bool = False,
-                  reduction: str = "mean") -> torch.Tensor:
-    """Mean (or sum) next-token cross entropy of logits [B, T, V] against targets [B, T], in fp32
-    whatever the compute dtype (a bf16 log-softmax over a large vocabulary loses the loss's
-    precision). `masked`: targets equal to IGNORE carry no loss (a batch with none left gives 0,
-    not NaN)."""
-    logits, targets = logits.float().flatten(0, 1), targets.flatten()
-    if not masked:
-        return F.cross_entropy(logits, targets, reduction=reduction)
-    total = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
-    return total if reduction == "sum" else total / (targets != IGNORE).sum().clamp(min=1)
-
-
-def next_token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+def next_token_loss(model: nn.Module, batch: torch.Tensor, loss_chunk: int = 0) -> torch.Tensor:
     """A language model's loss on a batch (see split_batch); the model returns logits, or an output
-    holding them (Hugging Face models)."""
+    holding them (Hugging Face models). `loss_chunk` > 0: loom's GPT computes the loss itself,
+    that many tokens at a time (loom/models/chunked_loss.py), never holding the full logits."""
     inputs, targets = split_batch(batch)
+    masked = batch.dim() == 3
+    if loss_chunk > 0:
+        return model(inputs, targets, loss_chunk=loss_chunk, masked=masked)
     out = model(inputs)
-    return cross_entropy(getattr(out, "logits", out), targets, masked=batch.dim() == 3)
+    return cross_entropy(getattr(out, "logits", out), targets, masked=masked)
+
+
+def config_loss_fn(cfg: Config, gpt: bool) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """The config's loss: chunked (train.loss_chunk) for loom's GPT outside TP and PP, whose losses
+    take today's path (TP: the vocabulary-parallel loss of sharded logits; PP: the schedule's
+    loss_fn gets the last stage's logits); Hugging Face models return logits."""
+    chunk = cfg.train.loss_chunk if gpt and cfg.parallel.tp == 1 and cfg.parallel.pp == 1 else 0
+    return functools.partial(next_token_loss, loss_chunk=chunk) if chunk else next_token_loss
 
 
 def config_task(cfg: Config) -> Task:
@@ -94,7 +93,8 @@ def config_task(cfg: Config) -> Task:
     pretrained = open_pretrained(cfg.model.init_from) if cfg.model.init_from else None
     data = build_run_data(cfg, pretrained.model_dir if pretrained is not None else None)
     model = resolve_model(cfg, data.vocab_size, pretrained)
-    return Task(model_fn=model.build, loss_fn=next_token_loss, train_data=data.train, eval_data=data.eval,
+    return Task(model_fn=model.build, loss_fn=config_loss_fn(cfg, model.gpt is not None),
+                train_data=data.train, eval_data=data.eval,
                 tokens_per_sample=cfg.data.seq_len, description=f"{model.description}; {data.description}",
                 shape=model.shape, weights=model.weights(), init_checkpoint=model.checkpoint,
                 model_record=model.record(), from_config=True)

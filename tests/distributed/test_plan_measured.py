@@ -113,9 +113,14 @@ DRIFT = [
     # DDP's no_sync micro-steps accumulate into gradients of their own beside its buckets: 1.54 on
     # the small preset with 4 micro-steps (loom bench's memory benchmark)
     ("ddp", ("train.grad_accum=4",)),
+    # op-level checkpointing: each block keeps its matmuls' and attention's outputs (plan/shapes.py::
+    # op_saved_bytes_per_layer), the topmost rebuilt beside them
+    ("zero3", (*WIDE, "parallel.activation_checkpointing=op")),
+    ("zero3", (*WIDE, "train.precision=bf16", "parallel.activation_checkpointing=op")),
+    ("ddp", (*WIDE, "train.precision=bf16", "parallel.activation_checkpointing=op")),
 ]
 DRIFT_IDS = ["zero3-bf16-vocab", "ddp-autocast-vocab", "zero3-fp32-full-vocab", "tp2-sp-bf16-vocab",
-             "ddp-accum4"]
+             "ddp-accum4", "zero3-fp32-op-vocab", "zero3-bf16-op-vocab", "ddp-autocast-op-vocab"]
 
 
 @pytest.mark.parametrize("strategy,extra", DRIFT, ids=DRIFT_IDS)

@@ -368,6 +368,11 @@ def _(c: Ctx) -> str:
     return c.config(*DS, "parallel.tp=2", world=2)
 
 
+@case("engine-deepspeed-checkpointing")
+def _(c: Ctx) -> str:
+    return c.config(*DS, "parallel.activation_checkpointing=full")
+
+
 @case("engine-deepspeed-fsdp-offload")
 def _(c: Ctx) -> str:
     return c.config(*DS, "parallel.offload=cpu")

@@ -136,10 +136,10 @@ def test_ties_go_to_the_torch_engine_and_say_so(capsys):
 
 
 def test_deepspeed_pick_gives_its_true_reason(capsys):
-    """8b at 64 × 2048 on 8 GPUs: DeepSpeed's zero2 wins because the same layout on the torch
+    """8b at 64 × 4096 on 8 GPUs: DeepSpeed's zero2 wins because the same layout on the torch
     engine does not fit, not because of an offload it does not use, and no '0.0% faster'."""
     plan = plan_json(capsys, "--model", "8b", "--gpu", "H100-SXM", "--set", "train.batch_size=64",
-                     "--set", "data.seq_len=2048")
+                     "--set", "data.seq_len=4096")
     best = plan["candidates"][plan["recommended"]]
     reason = plan["reason"]
     assert "0.0% faster" not in reason and "optimizer-only" not in reason

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.errors import ConfigError
+from loom.models.chunked_loss import Head
 from loom.models.gpt.config import GPTConfig, validate
+from loom.models.gpt.lean_ops import apply_rope, rms_norm, swiglu
 from loom.parallel.weights import WeightSource, block, plain_name, write_weights
 
 
@@ -33,17 +35,6 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
     return torch.stack([angles.cos(), angles.sin()])
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate (even, odd) pairs of x [B, T, H, D] by the angles in rope [2, T, D//2]."""
-    # fp32 for the rotation (angles of far positions lose precision in bf16), then back.
-    xf = x.float().unflatten(-1, (-1, 2))
-    x_even, x_odd = xf[..., 0], xf[..., 1]
-    cos = rope[0].float()[None, :, None, :]
-    sin = rope[1].float()[None, :, None, :]
-    rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -51,10 +42,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 for stability under bf16 compute.
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        # Keeps x and the fp32 rstd for backward; under autocast the output is already 16-bit.
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -75,10 +64,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped k, v go in as they are: CPU's flash kernel takes GQA, no repeated copies kept.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -90,7 +77,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):
@@ -115,7 +102,8 @@ class GPT(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers: nn.ModuleList | nn.ModuleDict = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # Head: an nn.Linear that, given targets, returns the loss (chunked: no full logits)
+        self.output: nn.Linear | None = Head(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from the config, so never saved; init_weights recomputes it
@@ -125,8 +113,10 @@ class GPT(nn.Module):
     def _rope_tables(self, device: torch.device | None) -> torch.Tensor:
         return rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (int64) -> logits [B, T, vocab].
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunk: int = 0,
+                masked: bool = False) -> torch.Tensor:
+        """tokens [B, T] (int64) -> logits [B, T, vocab]; with targets [B, T] the mean cross
+        entropy instead, `loss_chunk` tokens at a time (0: from the full logits; see Head).
 
         A pipeline stage without the embedding takes hidden states [B, T, d_model] instead of
         tokens; one without the norm and head returns hidden states.
@@ -144,6 +134,8 @@ class GPT(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
+            if targets is not None:  # the loss inside the head's call (FSDP2 gathers it there)
+                return self.output(h, targets, loss_chunk=loss_chunk, masked=masked)
             h = self.output(h)
         return h
 

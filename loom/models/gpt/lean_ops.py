@@ -1,0 +1,91 @@
+"""The decoder block's elementwise pieces as autograd Functions that keep only what their backward
+needs, in the compute dtype (issue 26): RMSNorm keeps its input and the fp32 rstd [tokens, 1];
+RoPE keeps nothing but the table (its backward is the inverse rotation); SwiGLU keeps gate and up.
+
+Each works on plain tensors and on DTensors (the norms under sequence parallel): the ops inside
+dispatch through DTensor like any other, and reductions over the sequence leave the weight's
+gradient Partial, as autograd's own mul backward does. No new collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, out_dtype):
+        # Statistics in fp32 for stability under 16-bit compute; the product in x's dtype, as before.
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        out = (xf * rstd).type_as(x) * weight
+        ctx.save_for_backward(x, weight, rstd)
+        # Under autocast the linears read a 16-bit copy anyway: one cast here instead of one per linear.
+        return out if out_dtype is None else out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        g = grad.float()
+        # The weight saw the normalized tensor rounded to x's dtype (forward's type_as).
+        grad_w = (g * xhat.type_as(x).float()).sum(dim=tuple(range(g.ndim - 1)))
+        gn = g * weight.float()
+        grad_x = rstd * (gn - xhat * (gn * xhat).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out_dtype = None
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.dtype == torch.float32:
+        out_dtype = torch.get_autocast_dtype(device)
+    return _RMSNorm.apply(x, weight, eps, out_dtype)
+
+
+def _rotate(x: torch.Tensor, rope: torch.Tensor, sign: float) -> torch.Tensor:
+    # fp32 for the rotation (angles of far positions lose precision in bf16), then back.
+    xf = x.float().unflatten(-1, (-1, 2))
+    x_even, x_odd = xf[..., 0], xf[..., 1]
+    cos = rope[0].float()[None, :, None, :]
+    sin = rope[1].float()[None, :, None, :] * sign
+    rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rope):
+        ctx.save_for_backward(rope)  # the shared table (or FSDP2's 16-bit cast of it), not a copy
+        return _rotate(x, rope, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rope,) = ctx.saved_tensors
+        return _rotate(grad, rope, -1.0), None  # a rotation's transpose is its inverse
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate (even, odd) pairs of x [B, T, H, D] by the angles in rope [2, T, D//2]."""
+    return _Rope.apply(x, rope)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        # silu(gate) recomputed: one f-wide pass instead of keeping it. The same kernels (and so
+        # the same rounding) as autograd's own backward of silu(gate) * up.
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        return grad_gate, grad * F.silu(gate)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, keeping gate and up for backward (not silu(gate) too)."""
+    return _SwiGLU.apply(gate, up)

@@ -1,0 +1,47 @@
+"""Planted bugs in the lean decoder block (issue 26): its autograd Functions' backwards, what they
+keep, GQA without repeats, and the planner's count of the saved tensors."""
+
+from __future__ import annotations
+
+from planted import Bug
+
+LEAN = "tests/unit/test_lean_block.py"
+OPS = "loom/models/gpt/lean_ops.py"
+FP32 = (f"{LEAN}::test_lean_block_equals_the_reference_in_fp32",)
+SAVED = (f"{LEAN}::test_saved_bytes_are_the_planners_formula",)
+NOISE = (f"{LEAN}::test_lean_block_is_within_the_references_bf16_noise",
+         f"{LEAN}::test_each_piece_computes_the_references_forward_bit_for_bit")
+
+BUGS = [
+    Bug("lean-norm-grad-drops-mean", "RMSNorm's input gradient leaves out the statistics' term", OPS,
+        "grad_x = rstd * (gn - xhat * (gn * xhat).mean(-1, keepdim=True))",
+        "grad_x = rstd * gn", FP32),
+    Bug("lean-norm-grad-w-unrounded", "RMSNorm's weight gradient from the input, not the normalized tensor",
+        OPS, "grad_w = (g * xhat.type_as(x).float())", "grad_w = (g * x.float())", FP32),
+    Bug("lean-norm-keeps-fp32", "RMSNorm keeps its fp32 copy of the input for backward", OPS,
+        "ctx.save_for_backward(x, weight, rstd)", "ctx.save_for_backward(xf, weight, rstd)", SAVED),
+    Bug("lean-norm-no-autocast-cast", "under autocast the norm hands fp32 on: each linear casts a copy", OPS,
+        "return out if out_dtype is None else out.to(out_dtype)", "return out", SAVED),
+    Bug("lean-rope-backward-same-way", "RoPE's backward rotates the gradient forward, not back", OPS,
+        "return _rotate(grad, rope, -1.0), None", "return _rotate(grad, rope, 1.0), None", FP32),
+    Bug("lean-swiglu-grad-up-wrong", "SwiGLU's up gradient uses gate, not silu(gate)", OPS,
+        "return grad_gate, grad * F.silu(gate)", "return grad_gate, grad * gate", FP32),
+    Bug("lean-swiglu-grads-swapped", "SwiGLU's backward uses up where gate belongs", OPS,
+        "torch.ops.aten.silu_backward(grad * up, gate)", "torch.ops.aten.silu_backward(grad * gate, up)",
+        FP32),
+    Bug("lean-gqa-repeats", "attention repeats k, v to every head instead of enable_gqa",
+        "loom/models/gpt/model.py",
+        "out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)",
+        "out = F.scaled_dot_product_attention(q, k.repeat_interleave(self.n_rep, 1), "
+        "v.repeat_interleave(self.n_rep, 1), is_causal=True)",
+        (f"{LEAN}::test_gqa_runs_the_fused_kernel_without_repeating_k_v", *SAVED)),
+    Bug("lean-formula-kv-repeated", "the planner counts k, v as wide as q (repeated)", "loom/plan/shapes.py",
+        "split = sb * ((2 * h + 2 * kv + 3 * f) * elem + 4 * shape.n_heads)",
+        "split = sb * ((4 * h + 3 * f) * elem + 4 * shape.n_heads)", SAVED),
+    Bug("lean-formula-silu-kept", "the planner still counts silu(gate) among the MLP's saved tensors",
+        "loom/plan/shapes.py",
+        "split = sb * ((2 * h + 2 * kv + 3 * f) * elem + 4 * shape.n_heads)",
+        "split = sb * ((2 * h + 2 * kv + 4 * f) * elem + 4 * shape.n_heads)", SAVED),
+    Bug("lean-norm-stats-in-bf16", "RMSNorm takes its statistics in the input's 16-bit dtype", OPS,
+        "        xf = x.float()\n        rstd", "        xf = x\n        rstd", NOISE),
+]
