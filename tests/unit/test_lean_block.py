@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.models.gpt.config import GPTConfig, preset
 from loom.models.gpt.lean_ops import apply_rope, swiglu
-from loom.models.gpt.model import Block, RMSNorm, rope_tables
+from loom.models.gpt.model import Attention, Block, FeedForward, RMSNorm, rope_tables
 from loom.plan.shapes import ModelShape, activation_bytes_per_layer
 
 # ---- the reference: loom's block before issue 26, verbatim but for the class names ----
@@ -30,28 +30,14 @@ def ref_apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
-class RefRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
+class RefRMSNorm(RMSNorm):  # loom's parameters, the old forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
 
-class RefAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.head_dim = cfg.head_dim
-        self.n_rep = cfg.n_heads // cfg.n_kv_heads
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
-
+class RefAttention(Attention):
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -66,13 +52,7 @@ class RefAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
-class RefFeedForward(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
-        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
-
+class RefFeedForward(FeedForward):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 

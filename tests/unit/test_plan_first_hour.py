@@ -17,7 +17,7 @@ from loom.plan.candidate import Workload
 from loom.plan.command import model_shape
 from loom.plan.hardware import Cluster, lookup
 from loom.plan.search import GB, TIGHT, config_candidate, search
-from loom.plan.shapes import from_params, llama_like
+from loom.plan.shapes import from_params, from_preset, llama_like
 
 README = Path(__file__).parents[2] / "README.md"
 CPU_PROFILE = Path(__file__).parents[1] / "data" / "device_cpu.json"
@@ -280,3 +280,14 @@ def test_the_first_calibration_measures_a_thin_grid_holding_the_default_run():
     assert sum(linear + attention) < 0.1 * sum(full_linear + full_attention)
     assert 1024 in QUICK.linear_rows and 256 in QUICK.linear_sizes
     assert 128 in QUICK.attention_seqs and 32 in QUICK.attention_head_dims
+
+
+def test_deepspeed_candidates_with_checkpointing_are_not_ranked():
+    """loom's deepspeed engine runs no activation checkpointing (config.py refuses it): a plan that
+    needs both is shown apart, never recommended (70B at 64 × 4096 picked one before)."""
+    plan = search(Workload(from_preset("70b"), 4096, 64, "bf16"), Cluster(lookup("H100-SXM"), 8, 1))
+    ds_ac = [r for r in plan.candidates
+             if r["engine"] == "deepspeed" and r["activation_checkpointing"] != "none"]
+    assert ds_ac and not any(r["runs_in_loom"] for r in ds_ac)
+    best = plan.candidates[plan.recommended]
+    assert not (best["engine"] == "deepspeed" and best["activation_checkpointing"] != "none")
