@@ -106,6 +106,10 @@ class ParallelConfig:
     reshard_after_forward: bool | None = None  # None = by strategy: zero2 False, zero3/hsdp True
     fsdp_unit_mb: float = 25.0  # FSDP2: consecutive modules share a unit up to this size (0: one each)
     fsdp_prefetch: int = 1  # units all-gathered ahead in forward and backward
+    # FSDP2 under gradient accumulation: reduce-scatter each micro-step, so the gradients stay
+    # sharded (ZeRO's 16Ψ/N, as DeepSpeed and torchtitan run it); false: once per step, holding the
+    # unsharded fp32 gradients between micro-steps (fewer collectives, 4Ψ more memory per rank)
+    reduce_every_micro_step: bool = True
     pp: int = 1  # pipeline stages (outermost mesh dim)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     pp_virtual_stages: int = 1  # interleaved: stages per pipeline rank

@@ -25,6 +25,8 @@ class Workload:
     precision: str = "bf16"  # compute dtype: activations and gathered parameters
     recipe: str = "torch"  # bytes per parameter of params/grads/optimizer (see memory.RECIPES)
     loss_chunk: int = 0  # train.loss_chunk: the head + loss chunk by chunk (0: the full logits)
+    # parallel.reduce_every_micro_step: FSDP2 reduce-scatters each micro-step (gradients sharded)
+    reduce_every_micro_step: bool = True
 
     @property
     def act_bytes(self) -> int:

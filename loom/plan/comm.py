@@ -5,8 +5,9 @@ Ring algorithms: all-reduce sends 2(N−1)/N·Φ, all-gather and reduce-scatter 
 What the engines issue per step (as loom runs them; `loom train` measures the same counts):
   ddp    one all-reduce of the fp32 gradients (no_sync on the non-final micro-steps)
   zero1  ddp's all-reduce + the broadcast of each rank's updated partition
-  zero2  an all-gather of the parameters per micro-step (FSDP2 reshards after backward) and one
-         reduce-scatter of the gradients per step
+  zero2  an all-gather of the parameters per micro-step (FSDP2 reshards after backward) and a
+         reduce-scatter of the gradients per micro-step (parallel.reduce_every_micro_step; false:
+         one per step)
   zero3  zero2 + a second all-gather in backward (resharded after forward), except the unit of the
          final norm and head, which stays gathered from forward to backward
   hsdp   zero3 within the shard group + an all-reduce of the gradient shards across replicas
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 from loom.plan.memory import GRAD_COMM_BYTES, RECIPES
 from loom.plan.shapes import checkpointed_layers
+from loom.plan.terms import NO_TERMS, Terms, gb, num
 
 DDP_BUCKET = 25 * 2**20  # DDP's default bucket (parallel.ddp_bucket_mb)
 
@@ -127,8 +129,13 @@ def pp_sends(w, c) -> tuple[float, int]:
     return activation, 2 * c.virtual_stages - (1 if c.pp == 2 else 0)
 
 
-def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, float]]:
-    """(bytes sent per GPU per step by link and kind, bytes per group: {"dp", "tp", "pp"})."""
+def _link(inter: bool) -> str:
+    return "inter-node" if inter else "intra-node"
+
+
+def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[CommAccount, dict[str, float]]:
+    """(bytes sent per GPU per step by link and kind, bytes per group: {"dp", "tp", "pp"}); each
+    quantity recorded in `terms` as it is computed (plan/terms.py)."""
     shape = w.shape
     acc = CommAccount()
     groups = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
@@ -138,55 +145,132 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
     if c.tp > 1 and shape.known:
         replicated = shape.tp_replicated_params(shape.n_layers // c.pp, True)
         local = (stage_params - replicated) / c.tp + replicated
+        if terms:
+            terms.item("Ψ_dp synced per rank", "(Ψ_stage − R)/tp + R",
+                       f"({num(stage_params)} − {num(replicated)})/{c.tp} + {num(replicated)}", num(local))
     else:
         local = stage_params / c.tp
-    grad_bytes = GRAD_COMM_BYTES[w.recipe] * local
+        if terms:
+            terms.item("Ψ_dp synced per rank", "Ψ_stage (heaviest stage)" if c.pp > 1 else "Ψ", None,
+                       num(local))
+    gbytes = GRAD_COMM_BYTES[w.recipe]
+    grad_bytes = gbytes * local
     per_param = w.act_bytes if w.recipe == "torch" else RECIPES[w.recipe][0]  # gathered dtype
     param_bytes = per_param * local
+    if terms:
+        terms.item("Φ_g gradients", f"{gbytes}·Ψ_dp", f"{gbytes} × {num(local)}", gb(grad_bytes))
+        terms.item("Φ_p parameters", f"{per_param}·Ψ_dp (gathered dtype)", f"{per_param} × {num(local)}",
+                   gb(param_bytes))
     dp_inter = c.dp * c.tp > gpus_per_node
     micro_steps = c.grad_accum if c.pp == 1 else 1  # a pipeline runs its micro-batches in one step
     s = c.strategy_info
     if w.recipe != "torch" and s.zero_stage in (1, 2):
         # The ZeRO paper's stages 1-2 (DeepSpeed): reduce-scatter the gradients, all-gather the
         # updated parameters once per step: 2Φ, as DDP.
-        acc.add("reduce_scatter", ring("reduce_scatter", c.dp, grad_bytes), dp_inter)
-        acc.add("all_gather", ring("all_gather", c.dp, param_bytes), dp_inter)
+        n = c.dp
+        if terms:
+            terms.note(f"ZeRO paper stage {s.zero_stage}: reduce-scatter the gradients, all-gather the "
+                       f"updated parameters once: Φ_g + Φ_p ≈ 2Φ, as DDP ({_link(dp_inter)}, N = {n})")
+        rs, ag = ring("reduce_scatter", n, grad_bytes), ring("all_gather", n, param_bytes)
+        if terms:
+            terms.item("reduce-scatter", "(N−1)/N·Φ_g", f"({n}−1)/{n} × {gb(grad_bytes)}", gb(rs))
+            terms.item("all-gather", "(N−1)/N·Φ_p", f"({n}−1)/{n} × {gb(param_bytes)}", gb(ag))
+        acc.add("reduce_scatter", rs, dp_inter)
+        acc.add("all_gather", ag, dp_inter)
         acc.issue("reduce_scatter", c.dp, grad_bytes)
         acc.issue("all_gather", c.dp, param_bytes)
     elif not s.shards_params:  # ddp, zero1: gradients all-reduced; zero1 broadcasts updated params
-        acc.add("all_reduce", ring("all_reduce", c.dp, grad_bytes), dp_inter)
+        n = c.dp
+        ar = ring("all_reduce", n, grad_bytes)
+        if terms:
+            terms.note(f"{c.strategy}: the gradients all-reduced once per step: 2Φ "
+                       f"({_link(dp_inter)}, N = dp = {n})")
+            terms.item("all-reduce", "2(N−1)/N·Φ_g", f"2({n}−1)/{n} × {gb(grad_bytes)}", gb(ar))
+        acc.add("all_reduce", ar, dp_inter)
         acc.issue("all_reduce", c.dp, grad_bytes)
         if "broadcast" in s.collectives:
-            acc.add("broadcast", ring("broadcast", c.dp, 4 * local), dp_inter)  # updated fp32 params
+            bc = ring("broadcast", n, 4 * local)  # the updated fp32 params
+            if terms:
+                terms.item("broadcast", "(N−1)/N·4Ψ_dp (updated fp32 partitions)",
+                           f"({n}−1)/{n} × 4 × {num(local)}", gb(bc))
+            acc.add("broadcast", bc, dp_inter)
             acc.issue("broadcast", c.dp, 4 * local)
     else:
         n = c.shard_size
         shard_inter = n * c.tp > gpus_per_node
-        gathered = micro_steps * param_bytes  # forward
         # One collective per FSDP unit (modules grouped up to parallel.fsdp_unit_mb). The last
         # unit (the head's, or the root's) stays gathered into backward. A pipeline stage's units
         # differ by stage: counts unknown there.
         units = c.fsdp_unit_params(shape, shape.n_layers) if shape.known and c.pp == 1 else None
         if s.reshard_after_forward:  # backward again, but for the unit kept gathered
             kept = per_param * units[-1] / c.tp if units else 0.0
-            gathered += micro_steps * (param_bytes - kept)
-        acc.add("all_gather", ring("all_gather", n, gathered), shard_inter)
-        acc.add("reduce_scatter", ring("reduce_scatter", n, grad_bytes), shard_inter)
+            if terms:
+                terms.note(f"{c.strategy}: all-gather in forward, again in backward (but the unit kept "
+                           f"gathered), reduce-scatter the gradients: 3Φ against DDP's 2Φ "
+                           f"({_link(shard_inter)}, N = {n})")
+            if units and terms:
+                terms.item("Φ_kept last unit", f"{per_param}·P_unit/tp",
+                           f"{per_param} × {num(units[-1])}/{c.tp}", gb(kept))
+            gathered = micro_steps * param_bytes + micro_steps * (param_bytes - kept)
+            if terms:
+                terms.item("all-gathered Φ", "k·Φ_p + k·(Φ_p − Φ_kept), k micro-steps",
+                           f"{micro_steps}·{gb(param_bytes)} + {micro_steps}·({gb(param_bytes)} "
+                           f"− {gb(kept)})", gb(gathered))
+        else:
+            gathered = micro_steps * param_bytes  # forward
+            if terms:
+                terms.note(f"{c.strategy}: all-gather once per micro-step (kept to backward), "
+                           f"reduce-scatter the gradients: 2Φ ({_link(shard_inter)}, N = {n})")
+                terms.item("all-gathered Φ", "k·Φ_p, k micro-steps", f"{micro_steps}·{gb(param_bytes)}",
+                           gb(gathered))
+        reduces = micro_steps if w.reduce_every_micro_step else 1  # the gradients kept sharded
+        reduced = reduces * grad_bytes
+        ag, rs = ring("all_gather", n, gathered), ring("reduce_scatter", n, reduced)
+        if terms:
+            terms.item("all-gather", "(N−1)/N·Φ", f"({n}−1)/{n} × {gb(gathered)}", gb(ag))
+        if terms and reduces > 1:  # parallel.reduce_every_micro_step
+            terms.item("reduce-scatter", "k·(N−1)/N·Φ_g, each micro-step",
+                       f"{reduces}·({n}−1)/{n} × {gb(grad_bytes)}", gb(rs))
+        elif terms:
+            terms.item("reduce-scatter", "(N−1)/N·Φ_g", f"({n}−1)/{n} × {gb(grad_bytes)}", gb(rs))
+        acc.add("all_gather", ag, shard_inter)
+        acc.add("reduce_scatter", rs, shard_inter)
         if s.dp_mesh == "hybrid":  # the shards' gradients all-reduced across the replica groups
-            acc.add("all_reduce", ring("all_reduce", c.replicate_size, grad_bytes / n), dp_inter)
+            r = c.replicate_size
+            ar = ring("all_reduce", r, reduced / n)
+            k = f"{reduces}·" if reduces > 1 else ""
+            if terms:
+                terms.item("all-reduce replicas", f"{k}2(R−1)/R·Φ_g/N",
+                           f"{k}2({r}−1)/{r} × {gb(grad_bytes)}/{n}", gb(ar))
+            acc.add("all_reduce", ar, dp_inter)
         units = len(units) if units else None
         backward = 1 if s.reshard_after_forward else 0
         gathers = micro_steps * (units + backward * (units - 1)) if units else None
         acc.issue("all_gather", n, gathered, gathers)
-        acc.issue("reduce_scatter", n, grad_bytes, units)
+        acc.issue("reduce_scatter", n, reduced, reduces * units if units else None)
         if s.dp_mesh == "hybrid":
-            acc.issue("all_reduce", c.replicate_size, grad_bytes / n, units)
+            acc.issue("all_reduce", c.replicate_size, reduced / n, reduces * units if units else None)
     groups["dp"] = acc.total
 
     acc.group = "tp"
     if c.tp > 1 and shape.known:
         activation, reductions = tp_reductions(w, c)
+        layers = shape.n_layers / c.pp
+        ckpt = checkpointed_layers(round(layers), c.activation_checkpointing, c.ac_every)
         per_micro = reductions * ring("all_reduce", c.tp, activation)
+        kinds = "an all-gather + a reduce-scatter each (sequence parallel)" if c.sequence_parallel else \
+            "all-reduces"
+        if terms:
+            terms.note(f"tensor parallel ({_link(c.tp > gpus_per_node)}, {kinds}): per block 2 in forward, "
+                       f"2 in backward, +1 per checkpointed block, +{2 if c.pp == 1 else 1} for the "
+                       f"embedding/head")
+            terms.item("Φ_a activation", "s·b·h·e",
+                       f"{w.seq_len}·{c.micro_batch}·{shape.d_model}·{w.act_bytes}", gb(activation))
+            terms.item("reductions", f"4·L/p + c + {2 if c.pp == 1 else 1}",
+                       f"4·{num(layers)} + {ckpt} + {2 if c.pp == 1 else 1}", num(reductions))
+            terms.item("tp bytes", "m × reductions × 2(tp−1)/tp·Φ_a",
+                       f"{c.grad_accum} × {num(reductions)} × 2({c.tp}−1)/{c.tp} × {gb(activation)}",
+                       gb(per_micro * c.grad_accum))
         acc.add("tp", per_micro * c.grad_accum, c.tp > gpus_per_node)
         groups["tp"] = per_micro * c.grad_accum
         # Sequence parallel turns each all-reduce into an all-gather and a reduce-scatter, each
@@ -200,8 +284,17 @@ def comm_per_step(w, c, gpus_per_node: int) -> tuple[CommAccount, dict[str, floa
         activation, sends = pp_sends(w, c)
         sent = sends * c.grad_accum * activation
         pp_inter = c.world > gpus_per_node and c.dp * c.tp >= gpus_per_node  # stages on other nodes
+        if terms:
+            terms.note(f"pipeline ({_link(pp_inter)}): each micro-batch's activation forward from each of a "
+                       f"rank's v stages, its gradient backward: 2v·m sends ((2v−1)·m when p = 2)")
+            terms.item("pp bytes", "sends·m·s·b·h·e" + ("/tp" if c.sequence_parallel else ""),
+                       f"{sends}·{c.grad_accum}·{w.seq_len}·{c.micro_batch}·{shape.d_model}·{w.act_bytes}"
+                       + (f"/{c.tp}" if c.sequence_parallel else ""), gb(sent))
         acc.add("send", sent, pp_inter)
         groups["pp"] = sent
         for kind in ("send", "recv"):  # as many received as sent, on the rank modelled here
             acc.issue(kind, c.pp, sent, sends * c.grad_accum)
+    if terms:
+        counts = ", ".join(f"{g} {n}" for g, n in acc.count_by_group.items()) or "none"
+        terms.note(f"collectives issued per step (each pays a latency α): {counts}")
     return acc, groups

@@ -61,9 +61,10 @@ def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
     config.json) planned for GPUs gets a realistic workload — the model's sequence length, about a
     million tokens per step, rounded to a multiple of the GPUs — rather than loom's CPU demo batch."""
     chosen = {item.partition("=")[0].strip() for item in args.set}
+    chunk, every = loss_chunk_of(cfg, model), cfg.parallel.reduce_every_micro_step
     own_batch = args.config is not None and not str(args.config).endswith(".json")
     if own_batch or args.gpu == "local":
-        w = Workload(shape, cfg.data.seq_len, cfg.train.batch_size, precision, args.recipe)
+        w = Workload(shape, cfg.data.seq_len, cfg.train.batch_size, precision, args.recipe, chunk, every)
         return w, f"the config's batch: {w.global_batch} × {w.seq_len} tokens"
     if "data.seq_len" in chosen:
         seq, why = cfg.data.seq_len, "data.seq_len"
@@ -77,9 +78,20 @@ def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
     else:
         batch = max(1, math.ceil(TARGET_TOKENS / seq / world)) * world
         size = f"{batch} sequences ≈ {batch * seq / 1e6:.2f}M tokens, a multiple of {world} GPUs"
-    w = Workload(shape, seq, batch, precision, args.recipe)
+    w = Workload(shape, seq, batch, precision, args.recipe, chunk, every)
     return w, (f"assumed workload: {size} × {seq} tokens ({why} sequence length); "
                f"change with --set train.batch_size=… --set data.seq_len=…")
+
+
+def loss_chunk_of(cfg, model: str | None) -> int:
+    """The loss chunk `loom train` runs the planned model with (train.loss_chunk): loom's GPT chunks
+    its loss; a pretrained Hugging Face folder (model.init_from, or the --emit of a config.json beside
+    its weights) returns full logits."""
+    folder = Path(model).parent if model and model.endswith(".json") else None
+    pretrained = cfg.model.init_from and model is None
+    if pretrained or (folder is not None and any(folder.glob("*.safetensors"))):
+        return 0
+    return cfg.train.loss_chunk
 
 
 def model_seq_len(cfg, model: str | None) -> int:

@@ -22,6 +22,7 @@ from loom.plan.shapes import (
     op_shared_bytes_per_layer,
     residual_bytes,
 )
+from loom.plan.terms import NO_TERMS, Terms, gb, num
 
 # bytes per parameter: (params, grads, optimizer states)
 RECIPES = {
@@ -127,19 +128,31 @@ class MemoryAccount:
                 "host": self.host, "nvme": self.nvme}
 
 
-def gpu_memory(w, c, fragmentation: float = 0.10, device: str = "cuda") -> MemoryAccount:
-    """Per-GPU memory of candidate `c` on workload `w` (see plan/candidate.py), worst stage."""
+def gpu_memory(w, c, fragmentation: float = 0.10, device: str = "cuda",
+               terms: Terms = NO_TERMS) -> MemoryAccount:
+    """Per-GPU memory of candidate `c` on workload `w` (see plan/candidate.py), worst stage; the
+    worst stage's account recorded in `terms`."""
     stages = {0, c.pp - 1}
     accounts = [stage_memory(w, c, s, fragmentation, device) for s in sorted(stages)]
-    return max(accounts, key=lambda a: a.total)
+    worst = max(accounts, key=lambda a: a.total)
+    if terms:
+        terms.section(f"memory per {'rank' if device == 'cpu' else 'GPU'} (GB = 1e9 bytes)"
+                      f"{'' if c.pp == 1 else f', pipeline stage {worst.stage}'}")
+        if c.pp > 1:
+            terms.note("stages 0 and p−1 priced (the embedding, the head): "
+                       + ", ".join(f"stage {a.stage} {gb(a.total)}" for a in accounts)
+                       + f"; the larger, stage {worst.stage}, is the GPU's")
+        worst = stage_memory(w, c, worst.stage, fragmentation, device, terms=terms)
+    return worst
 
 
 def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "cuda",
-                 moments: list | None = None) -> MemoryAccount:
+                 moments: list | None = None, terms: Terms = NO_TERMS) -> MemoryAccount:
     """Per-GPU memory of a rank holding pipeline stage `stage` (0 without a pipeline), at the
     step's peak. `device` "cpu": a loom train run on gloo ranks, whose collectives and optimizer
     allocate differently (see _step_peak). `moments`: a list that receives every moment compared,
-    as (name, activations, buffers); the account is the largest."""
+    as (name, activations, buffers); the account is the largest. Each quantity is recorded in
+    `terms` (plan/terms.py)."""
     shape, last = w.shape, stage == c.pp - 1
     stage_params = shape.stage_params(stage, c.pp)
     layers = layers_of_stage(shape.n_layers, stage, c.pp) if shape.known else 0
@@ -162,18 +175,182 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
     elif c.offload == "nvme":  # ZeRO-Infinity: every state on NVMe, staged through host buffers
         nvme, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
 
+    if terms:
+        _record_states(terms, w, c, stage, stage_params, replicated, states, (params, grads, optimizer),
+                       host + nvme, moved=buffers)
+        if deepspeed:
+            terms.note(f"DeepSpeed buckets: its reduce and all-gather buckets, 2 × 25 MiB = "
+                       f"{gb(DEEPSPEED_BUCKETS)}, held through the step")
+    parts = [("DeepSpeed's gradient partitions", buffers)] if buffers else []  # the buffers, named
     activations = 0.0
     if shape.known:
+        named = [] if moments is None and terms else moments
         activations, inflight = _step_peak(w, c, stage, layers, stage_params, replicated, grads,
-                                           optimizer, device, moments)
+                                           optimizer, device, named, terms)
         buffers += inflight
+        parts.insert(0, ("the peak's buffers", inflight))
+        if terms:
+            _record_moments(terms, named or [("DeepSpeed's step", activations, inflight)])
+            if ddp_accumulates_apart(w, c):
+                terms.note(f"  buffers include DDP's gradients of the no_sync micro-steps, beside its "
+                           f"buckets: grads = {gb(grads)}")
     else:
-        buffers += DEEPSPEED_BUCKETS if deepspeed else 0.0
+        if terms:
+            terms.note("activations: not modelled (parameter count only)")
+        if deepspeed:
+            buffers += DEEPSPEED_BUCKETS
+            parts.insert(0, ("DeepSpeed buckets", DEEPSPEED_BUCKETS))
         if c.offload != "none":  # what stays on the GPU: a layer's parameters staged in, and the next
-            buffers += 2 * w.act_bytes * llama_like(shape.num_params).layer_params / c.tp
+            layer = llama_like(shape.num_params).layer_params
+            buffers += 2 * w.act_bytes * layer / c.tp
+            parts.append(("2 staged layers", 2 * w.act_bytes * layer / c.tp))
+            if terms:
+                terms.note(f"offload: a layer's parameters staged in from the host, and the next: "
+                           f"2·e·layer/tp, "
+                           f"a Llama-style layer of Ψ having {num(layer)} parameters")
     allocated = params + grads + optimizer + activations + buffers
+    if terms and len(parts) > 1:
+        terms.item("buffers", " + ".join(n for n, _ in parts), " + ".join(gb(v) for _, v in parts),
+                   gb(buffers))
+    elif terms and parts and not shape.known:
+        terms.item("buffers", parts[0][0], None, gb(buffers))
+    if terms:
+        terms.item("fragmentation", f"{fragmentation:g} × allocated (states + activations + buffers)",
+                   f"{fragmentation:g} × {gb(allocated)}", gb(fragmentation * allocated))
     return MemoryAccount(params, grads, optimizer, activations, buffers, fragmentation * allocated,
                          host, nvme, stage)
+
+
+# What each moment _step_peak compares holds beyond the model states at rest (its names).
+MOMENTS = {
+    "forward's end": "in the loss: saved, the logits and their fp32 copy | the latest all-gather as well",
+    "loss": "backward's start: saved + the loss's gradients of the logits",
+    "backward's start": "saved | what backward holds from its start",
+    "head backward": "the loss's tensors gone: the logits' and the head weight's gradients",
+    "head reduce-scatter": "the head's own unit reduce-scatters its gradient, resharded first",
+    "block backward": "the topmost block's unit all-gathered again for its backward, the next prefetched",
+    "recompute": "the topmost checkpointed block rebuilt, with its backward's first gradients (SwiGLU "
+                 "gate and up); its unit gathered again",
+    "pipeline": "a micro-batch's backward done, the others in flight, every unit gathered",
+    "reduce-scatter": "the end of backward: the last unit's reduce-scatter",
+    "tied embedding": "the embedding's gradient added to the head's",
+    "optimizer": "foreach AdamW's sqrt(v) on CPU: half the optimizer states",
+    "at rest": "between steps: the states alone",
+}
+
+
+def _record_moments(terms: Terms, moments: list) -> None:
+    """Each moment compared, activations | buffers beyond the states at rest, the peak marked (the
+    first largest, as _step_peak takes it)."""
+    peak = max(moments, key=lambda x: x[1] + x[2])
+    terms.note("moments of the step (memory.stage_memory's), activations | buffers beyond the states at "
+               "rest; the peak is the largest sum:")
+    for moment in moments:
+        name, act, buf = moment
+        about = f"   ({MOMENTS[name]})" if name in MOMENTS else ""
+        mark = "  ← peak" if moment is peak else ""
+        terms.lines.append(f"  {name + ':':<24} {gb(act)} | {gb(buf)} = {gb(act + buf)}{about}{mark}")
+    if any(buf < 0 for _, _, buf in moments):
+        terms.note("  (buffers below 0: FSDP2's sharded gradients, counted in the states at rest, are freed "
+                   "at the step's start and not rebuilt yet)")
+
+
+OFFLOADED = {"optimizer": "grads and optimizer states to the host (ZeRO-Offload)",
+             "optimizer+params": "params, grads and optimizer states to the host",
+             "optimizer-nvme": "grads and optimizer states to NVMe (ZeRO-Infinity)",
+             "nvme": "params, grads and optimizer states to NVMe (ZeRO-Infinity)"}
+RECIPE_WORDS = {"torch": "torch: fp32 params 4 + fp32 grads 4 + Adam m, v 8 bytes per parameter",
+                "zero": "ZeRO paper: 16-bit params 2 + 16-bit grads 2 + fp32 master, m, v 12",
+                "megatron": "Megatron: 16-bit params 2 + fp32 main grads 4 + fp32 master, m, v 12",
+                "deepspeed_fp32": "DeepSpeed over fp32 weights: params 4 + grads 4 + master, m, v 12"}
+
+
+def _record_params(terms: Terms, shape, stage: int, pp: int, total: int) -> None:
+    """Ψ of one stage (shape.stage_params), in symbols and numbers."""
+    if not shape.known:
+        if pp == 1:
+            terms.item("Ψ parameters", "--params", None, num(total))
+        else:
+            terms.item("Ψ stage parameters", "Ψ/p", f"{num(shape.num_params)} / {pp}", num(total))
+        return
+    d, kv, f = shape.d_model, shape.kv_dim, shape.ffn_hidden
+    terms.item("P_layer per block", "2h² + 2h·kv + 3h·f + 2h",
+               f"2·{d}² + 2·{d}·{kv} + 3·{d}·{f} + 2·{d}", num(shape.layer_params))
+    layers = shape.n_layers if pp == 1 else layers_of_stage(shape.n_layers, stage, pp)
+    first, last = stage == 0, stage == pp - 1
+    sym, vals = [f"{'L' if pp == 1 else 'L_s'}·P_layer"], [f"{layers}·{num(shape.layer_params)}"]
+    if first:
+        sym.append("V·h")
+        vals.append(f"{shape.vocab_size}·{d}")
+    if last:
+        if shape.tie_embeddings:
+            sym.append("h" if pp == 1 else "h + V·h")
+            vals.append(f"{d}" if pp == 1 else f"{d} + {shape.vocab_size}·{d}")
+        else:
+            sym.append("(V·h + h)")
+            vals.append(f"({shape.vocab_size}·{d} + {d})")
+    what = "Ψ parameters" if pp == 1 else f"Ψ of stage {stage}"
+    terms.item(what, " + ".join(sym), " + ".join(vals), num(total))
+    if pp > 1:
+        terms.note(f"  (stage {stage} of {pp}: L_s = {layers} blocks{'; the embedding' if first else ''}"
+                   f"{'; the final norm and head' if last else ''}"
+                   f"{' (tied: its own copy of the embedding)' if last and shape.tie_embeddings else ''})")
+
+
+def _state_formula(p: int, g: int, o: int, sp: bool, sg: bool, so: bool) -> tuple[str, str]:
+    """('4Ψ/N + 4Ψ/N + 8Ψ/N', '16Ψ/N'): the per-state sum and its collapsed form."""
+    parts = [(p, sp), (g, sg), (o, so)]
+    full = " + ".join(f"{b}Ψ{'/N' if s else ''}" for b, s in parts)
+    whole = sum(b for b, s in parts if not s)
+    split = sum(b for b, s in parts if s)
+    short = " + ".join(t for t in ((f"{whole}Ψ" if whole else ""), (f"{split}Ψ/N" if split else "")) if t)
+    return full, short
+
+
+def _record_states(terms: Terms, w, c, stage: int, stage_params: int, replicated: int,
+                   states: ModelStateBytes,
+                   on_gpu: tuple[float, float, float], offloaded: float, moved: float) -> None:
+    """The stage's parameters, the recipe's and strategy's model states, and where the account
+    keeps them (GPU, host, NVMe; DeepSpeed's gradient partitions, `moved`, as a buffer)."""
+    _record_params(terms, w.shape, stage, c.pp, stage_params)
+    psi = stage_params
+    if c.tp > 1:
+        psi = (stage_params - replicated) / c.tp + replicated
+        terms.item("Ψ_tp on a TP rank", "(Ψ − R)/tp + R, R = norm gains (2h per block + h)",
+                   f"({num(stage_params)} − {num(replicated)})/{c.tp} + {num(replicated)}", num(psi))
+    recipe = engine_recipe(w, c)
+    paper = recipe == "zero" or c.engine == "deepspeed"
+    s = c.strategy_info
+    sp, sg, so = (kind in s.sharded for kind in (strategies.PARAMS, strategies.GRADS, strategies.OPTIMIZER))
+    if paper and s.zero_stage == 2:
+        sp = False
+    p, g, o = RECIPES[recipe]
+    full, short = _state_formula(p, g, o, sp, sg, so)
+    why = f" (the {c.engine} engine's)" if recipe != w.recipe else ""
+    shards = ", ".join(k for k, f in (("params", sp), ("grads", sg), ("optimizer", so)) if f) or "nothing"
+    terms.note(f"model states, recipe {recipe}{why}: {RECIPE_WORDS[recipe]}; {c.strategy} shards {shards} "
+               f"over N = {c.shard_size}")
+    if recipe == "torch":
+        seeds = f"the seeds' {c.strategy}: {s.formula}"
+    else:
+        stage_name = ("DDP", "P_os", "P_os+g", "P_os+g+p")[s.zero_stage]
+        whole = ", params whole at rest" if paper and s.zero_stage == 2 else ""
+        seeds = f"the ZeRO paper's {stage_name}, K = {o}{whole}"
+    terms.note(f"  {full} = {short}   ({seeds})")
+    n, psi_sym = c.shard_size, "Ψ_tp" if c.tp > 1 else "Ψ"
+    for name, b, sharded, value in (("params", p, sp, states.params), ("grads", g, sg, states.grads),
+                                    ("optimizer", o, so, states.optimizer)):
+        terms.item(name, f"{b}·{psi_sym}{'/N' if sharded else ''}",
+                   f"{b} × {num(psi)}{f' / {n}' if sharded else ''}",
+                   gb(value))
+    if moved:
+        terms.note(f"  DeepSpeed frees its gradient partitions after each step: grads {gb(moved)} counted "
+                   f"as a buffer (held during the step), 0 at rest")
+    if c.offload != "none":
+        terms.note(f"  offload {c.offload}: {OFFLOADED[c.offload]}: {gb(offloaded)} per GPU leave the GPU")
+    params, grads, optimizer = on_gpu
+    terms.item("model states on GPU", "params + grads + optimizer",
+               f"{gb(params)} + {gb(grads)} + {gb(optimizer)}", gb(params + grads + optimizer))
 
 
 def ddp_accumulates_apart(w, c) -> bool:
@@ -185,7 +362,8 @@ def ddp_accumulates_apart(w, c) -> bool:
 
 
 def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int, grads: float,
-               optimizer: float, device: str, named: list | None = None) -> tuple[float, float]:
+               optimizer: float, device: str, named: list | None = None,
+               terms: Terms = NO_TERMS) -> tuple[float, float]:
     """(activations, buffers) of a stage at the step's peak: the largest, over the moments of the
     step below, of what the rank holds beyond its model states at rest (what `loom train` measures:
     the step's live-tensor peak minus the states). Activations: saved tensors and the loss's and
@@ -220,7 +398,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     """
     shape, tp, e = w.shape, c.tp, w.act_bytes
     last, pipelined = stage == c.pp - 1, c.pp > 1
-    chunk = w.loss_chunk if tp == 1 and not pipelined else 0  # TP and PP keep the full logits
+    chunk = w.loss_chunk  # every layout chunks (TP: each rank's vocabulary shard; PP: the last stage)
     deepspeed = c.engine == "deepspeed"
     strategy = c.strategy_info
     fsdp = not deepspeed and strategy.uses_fsdp(tp) and w.recipe == "torch"
@@ -231,19 +409,47 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     local = lambda n: (n - shape.layer_norm_params) / tp + shape.layer_norm_params  # noqa: E731
 
     # Activations of one micro-batch, kept from its forward to its backward.
-    per_layer = activation_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast)
+    sb, h = seq * mb, shape.d_model
+    if terms:
+        how = ("torch.autocast (fp32 residual stream and norms, each matmul casts its input)" if autocast
+               else "16-bit weights (FSDP2 MixedPrecisionPolicy / DeepSpeed)" if e < 4 else "fp32")
+        terms.note(f"activations of one micro-batch (Korthikanti et al. 2022's sbh(34 + 5as/h), adapted to "
+                   f"RMSNorm, RoPE, SwiGLU, GQA and flash attention), {how}: s·b = {sb}")
+    per_layer = activation_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast, terms)
     residual = residual_bytes(shape, seq, mb, e, autocast)
     ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
     op = c.activation_checkpointing == "op"  # a checkpointed block also keeps its matmuls' outputs
     per_ckpt = residual / (tp if sp else 1)
-    if op:
-        per_ckpt = op_saved_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast)
-    one_micro = (layers - ckpt) * per_layer + ckpt * per_ckpt
+    (over, by), ne = ("/tp", f"/{tp}") if sp else ("", ""), 4 if autocast else e
+    if ckpt and terms:
+        rule = ("all L_s blocks" if c.activation_checkpointing != "selective"
+                else f"⌈L_s/{c.ac_every}⌉ = ⌈{layers}/{c.ac_every}⌉")
+        terms.item("checkpointed blocks c", rule, None, str(ckpt))
+        terms.item("kept input", f"s·b·h·{'4' if autocast else 'e'}{over}", f"{sb}·{h}·{ne}{by}",
+                   gb(per_ckpt))
+    if op and ckpt:
+        per_ckpt = op_saved_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast, terms)
+    blocks = (layers - ckpt) * per_layer + ckpt * per_ckpt
+    if terms and ckpt:
+        terms.item("blocks", "(L_s − c)·block + c·kept input",
+                   f"({layers} − {ckpt})·{gb(per_layer)} + {ckpt}·{gb(per_ckpt)}", gb(blocks))
+    elif terms:
+        terms.item("blocks", "L_s·block", f"{layers}·{gb(per_layer)}", gb(blocks))
+    parts = [("blocks", blocks)]
     if last:
-        one_micro += head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast, chunk)
-    elif pipelined:
-        one_micro += residual  # the stage's output, kept by the schedule for its backward
-    saved = _micro_batches_in_flight(c, stage) * one_micro
+        parts.append(("head", head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast, chunk, terms)))
+    elif pipelined:  # the stage's output, kept by the schedule for its backward
+        parts.append(("stage output", residual))
+        if terms:
+            terms.item("stage output", f"s·b·h·{'4' if autocast else 'e'} (kept for its backward)",
+                       f"{sb}·{h}·{ne}", gb(residual))
+    one_micro = sum(x for _, x in parts)
+    inflight = _micro_batches_in_flight(c, stage, terms)
+    saved = inflight * one_micro
+    if terms:
+        terms.item("saved", "in flight × (" + " + ".join(n for n, _ in parts) + ")",
+                   f"{num(inflight)} × {gb(one_micro)}", gb(saved))
+    transient = head_transient_bytes(shape, seq, mb, tp, chunk, e, terms) if last else 0.0
     # the fp32 log-softmax, or chunked each token's fp32 logsumexp
     loss_saved = 4 * seq * mb * (1 if chunk else shape.vocab_size / tp) if last else 0.0
 
@@ -251,9 +457,10 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     held = 0.0
     if deepspeed:
         held += DEEPSPEED_BUCKETS
-    if fsdp and c.grad_accum > 1:
-        # Micro-steps without gradient sync accumulate the unsharded gradients (FSDP2 no_sync;
-        # pipelining does the same between micro-batches): the stage's whole gradient.
+    if fsdp and c.grad_accum > 1 and (pipelined or not w.reduce_every_micro_step):
+        # Micro-steps without gradient sync accumulate the unsharded gradients (FSDP2 no_sync, under
+        # parallel.reduce_every_micro_step = false; pipelining does the same between micro-batches):
+        # the stage's whole gradient.
         held += GRAD_COMM_BYTES[w.recipe] * (stage_params - replicated) / tp + replicated * 4
     if ddp_accumulates_apart(w, c):
         held += grads
@@ -261,8 +468,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         held += 2 * e * local(shape.layer_params)  # parameters staged in from the host
     if autocast:
         # autocast caches each weight's 16-bit copy until the context exits, after backward: every
-        # matmul weight (the tied embedding through the head; an untied one is only looked up).
-        cast = layers * (shape.layer_params - shape.layer_norm_params)
+        # matmul weight but w2 (swiglu_down casts its own), the tied embedding through the head (an
+        # untied one is only looked up).
+        cast = layers * shape.autocast_cached_params
         cast += shape.vocab_size * shape.d_model if last else 0
         held += e * cast
     units = [local(u) for u in c.fsdp_unit_params(shape, layers, stage == 0, last)] if fsdp else []
@@ -272,11 +480,19 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         # head's, or the root's with the tied embedding); zero2 (and ddp/zero1 under TP, FSDP2
         # over a (dp, 1) mesh) keep every unit gathered from forward to backward.
         kept = e * (units[-1] if strategy.reshard_after_forward else sum(units))
-        held -= grads  # the sharded gradients, not yet rebuilt
+        if c.grad_accum == 1 or pipelined or not w.reduce_every_micro_step:
+            held -= grads  # the sharded gradients, not yet rebuilt (a later micro-step holds them)
 
     if deepspeed:  # DeepSpeed's engine: its buckets, activations and the larger transient
-        transient = head_transient_bytes(shape, seq, mb, tp, chunk, e) if last else 0.0
-        return saved + max(per_layer if ckpt else 0.0, transient), held
+        rebuilt = per_layer if ckpt else 0.0
+        activations = saved + max(rebuilt, transient)
+        if terms:
+            terms.item("activations", "saved + max(recomputed block, loss gradients) (DeepSpeed's engine)",
+                       f"{gb(saved)} + max({gb(rebuilt)}, {gb(transient)})", gb(activations))
+        return activations, held
+    if terms:  # the activations of the moment that holds exactly them, below
+        name, what = ("loss", "saved + loss gradients") if last else ("backward's start", "saved")
+        terms.note(f"  {what} = {gb(saved + transient)}: the activations of the moment {name!r} below")
 
     vh = shape.vocab_size * shape.d_model / tp  # the head's (or the embedding's) weight, local
     tied_root = fsdp and shape.tie_embeddings  # the root unit holds the embedding = the head
@@ -284,23 +500,33 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     others = saved - one_micro  # other micro-batches in flight (pipeline)
     moments = [] if named is None else named  # (name, activations, buffers)
     if last:
-        head = head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast, chunk)
+        head = parts[-1][1]
         # Forward's end, in the loss: the logits (and their fp32 copy under 16-bit) beside the
         # log-softmax; FSDP2 frees the latest all-gather's flat buffer only after the root's forward
         # (the last block's unit, or the head's; with one unit, a second copy of the model).
         logits = seq * mb * shape.vocab_size / tp * (e + (4 if e < 4 else 0))
         if chunk:  # one chunk's
-            logits = chunk_logits_bytes(shape, seq, mb, e, chunk)
+            logits = chunk_logits_bytes(shape, seq, mb, e, chunk, tp)
         latest = 0.0
         if fsdp and c.shard_size > 1:
             latest = e * (units[-2] if tied_root and len(units) > 1 else units[-1])
         moments.append(("forward's end", saved + logits, kept + latest + held))
-        moments.append(("loss", saved + head_transient_bytes(shape, seq, mb, tp, chunk, e), kept + held))
+        moments.append(("loss", saved + transient, kept + held))
         logits_grad, weight_grad = head_backward_bytes(shape, seq, mb, e, tp, autocast, chunk)
         moments.append(("head backward", saved - loss_saved + logits_grad, kept + weight_grad + held))
-        if own_head:  # its gradient reduce-scattered at once, the unit resharded first
+        if own_head:  # its gradient reduce-scattered at once, the unit resharded first (zero2: the
+            # others stay gathered)
             gloo = device == "cpu" and c.shard_size > 1
-            moments.append(("head reduce-scatter", saved - head, _reduce_scatter(units[-1], e, gloo) + held))
+            others_gathered = kept - e * units[-1] if not strategy.reshard_after_forward else 0.0
+            moments.append(("head reduce-scatter", saved - head,
+                            _reduce_scatter(units[-1], e, gloo) + others_gathered + held))
+        if fsdp and strategy.reshard_after_forward and len(units) > 2 and c.shard_size > 1:
+            # The topmost block's unit gathered again for its backward, the loss and head done: the
+            # all-gather's output and the unsharded copy of it, and the next unit's prefetched
+            # output (gloo: one more, its copy of the output; measured 4 units on CPU).
+            copies = 4 if device == "cpu" else 3
+            root = e * units[-1] if tied_root else 0.0
+            moments.append(("block backward", saved - head, root + copies * e * units[-2] + held))
     else:
         head = 0.0
         moments.append(("backward's start", saved, kept + held))
@@ -363,14 +589,21 @@ def _reduce_scatter(unit: float, elem: int, gloo: bool, held: float = 0.0) -> fl
     return max(elem * unit + 4 * unit, held + 8 * unit if gloo else 0.0)
 
 
-def _micro_batches_in_flight(c, stage: int) -> float:
+def _micro_batches_in_flight(c, stage: int, terms: Terms = NO_TERMS) -> float:
     """Micro-batches whose activations a stage holds at once: 1 without a pipeline; GPipe all m;
     1F1B p − stage (p on the first); interleaved 1F1B p·(1 + (p−1)/(p·v)) on the first."""
-    if c.pp == 1:
-        return 1
-    m = c.grad_accum
-    if c.schedule == "gpipe":
-        return m
-    if c.schedule == "interleaved" and stage == 0:
-        return min(m * c.virtual_stages, c.pp * (1 + (c.pp - 1) / (c.pp * c.virtual_stages)))
-    return min(m, c.pp - stage)
+    p, m, v = c.pp, c.grad_accum, c.virtual_stages
+    if p == 1:
+        inflight, rule, nums = 1, "1 (no pipeline)", None
+    elif c.schedule == "gpipe":
+        inflight, rule, nums = m, "m (GPipe: every forward before any backward)", f"{m}"
+    elif c.schedule == "interleaved" and stage == 0:
+        inflight = min(m * v, p * (1 + (p - 1) / (p * v)))
+        rule = "min(m·v, p·(1 + (p−1)/(p·v))) (interleaved 1F1B, first stage)"
+        nums = f"min({m}·{v}, {p}·(1 + ({p}−1)/({p}·{v})))"
+    else:
+        inflight, rule = min(m, p - stage), f"min(m, p − stage) (1F1B, stage {stage})"
+        nums = f"min({m}, {p} − {stage})"
+    if terms:
+        terms.item("micro-batches in flight", rule, nums, num(inflight))
+    return inflight

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loom.config import TrainConfig
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.hardware import Cluster, lookup
 from loom.plan.published import LLAMA3_8B
@@ -38,13 +39,29 @@ class PublishedMemory:
     note: str = ""
     gpu: str = "H100-SXM"  # torchtitan's are 96 GB HBM2e H100s: capacity does not enter the figure
 
-    def planned_bytes(self) -> float:
+    def planned_bytes(self, as_loom_runs_it: bool = False) -> float:
+        """The planner's peak per GPU for this run as torchtitan ran it: the full logits (no chunked
+        loss) and its op policy, which keeps every other matmul's output (see titan_recomputed_bytes).
+        `as_loom_runs_it`: the same layout as `loom train` runs it (loss chunked by train.loss_chunk's
+        default, every matmul's output kept)."""
         nodes = max(1, self.gpus // 8)
         cluster = Cluster(lookup(self.gpu), min(8, self.gpus), nodes)
         layout = Candidate("zero3", self.gpus, 1, 1, activation_checkpointing=self.activation_checkpointing,
                            micro_batch=self.local_batch, grad_accum=1)
-        workload = Workload(self.shape, self.seq_len, self.local_batch * self.gpus, "bf16", "torch")
-        return estimate(workload, layout, cluster)["memory_bytes"]["total"]
+        chunk = TrainConfig().loss_chunk if as_loom_runs_it else 0
+        workload = Workload(self.shape, self.seq_len, self.local_batch * self.gpus, "bf16", "torch", chunk)
+        planned = estimate(workload, layout, cluster)["memory_bytes"]["total"]
+        if as_loom_runs_it or self.activation_checkpointing != "op":
+            return planned
+        return planned - (1 + cluster.fragmentation) * self.titan_recomputed_bytes()
+
+    def titan_recomputed_bytes(self) -> float:
+        """What torchtitan's op-level policy does not keep of what loom's does: it saves the outputs
+        of every other aten.mm of a block (wq, wv, w1, w2 kept; wk, wo, w3 recomputed), loom's all
+        seven. Per block s·b·(kv + h + f)·2 bytes in bf16, over all L blocks (one micro-batch)."""
+        shape = self.shape
+        tokens = self.seq_len * self.local_batch
+        return shape.n_layers * tokens * (shape.kv_dim + shape.d_model + shape.ffn_hidden) * 2
 
     def ratio(self) -> float:
         return self.planned_bytes() / (self.memory_gib * GIB)

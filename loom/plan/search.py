@@ -429,7 +429,8 @@ def emit_config(base, record: dict):
 def config_workload(cfg, shape, recipe: str = "torch") -> Workload:
     # loom's GPT chunks its loss (train.loss_chunk); a Hugging Face model returns full logits
     chunk = cfg.train.loss_chunk if not cfg.model.init_from else 0
-    return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe, chunk)
+    return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe, chunk,
+                    cfg.parallel.reduce_every_micro_step)
 
 
 def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int) -> Candidate:

@@ -15,6 +15,7 @@ from loom.checked import finite
 from loom.errors import ConfigError
 from loom.hf_config import HFConfig, read_hf_config
 from loom.models.gpt.config import GPTConfig, preset
+from loom.plan.terms import NO_TERMS, Terms, gb
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,13 @@ class ModelShape:
     def layer_norm_params(self) -> int:
         """Norm gains: not split by tensor parallelism."""
         return 2 * self.d_model
+
+    @property
+    def autocast_cached_params(self) -> int:
+        """A block's weights whose 16-bit copy torch.autocast caches (and autograd keeps): every
+        matmul's but w2's, which swiglu_down casts itself, in forward and again in backward (tp 1,
+        as autocast always is in loom)."""
+        return self.layer_params - self.layer_norm_params - self.d_model * self.ffn_hidden
 
     @property
     def embedding_params(self) -> int:
@@ -98,7 +106,8 @@ def layers_of_stage(n_layers: int, stage: int, stages: int) -> int:
 
 
 def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, elem: int,
-                               tp: int = 1, sequence_parallel: bool = False, autocast: bool = False) -> float:
+                               tp: int = 1, sequence_parallel: bool = False, autocast: bool = False,
+                               terms: Terms = NO_TERMS) -> float:
     """Bytes one decoder block keeps for backward, for one micro-batch.
 
     Korthikanti et al. 2022 (arXiv 2205.05198) Table 2 counts sbh(34 + 5as/h) for a GPT block in
@@ -114,10 +123,13 @@ def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, el
       attention      q after RoPE, k after RoPE and v (grouped: kv wide, not
                      repeated to every head), and its output, which is also wo's input  e·(2·h + 2·kv)
                      the softmax statistics (log-sum-exp, fp32, per head)               4·a
-      MLP (SwiGLU)   gate and up (silu(gate) is recomputed), the product (w2's input)   3·e·f
+      MLP (SwiGLU)   gate and up: SwiGLU fused with w2 (swiglu_down) recomputes silu(gate)
+                     and their product, w2's input, in backward                          2·e·f
+                     under TP (w2 row-parallel, a DTensor through its module) the
+                     product is kept too                                                 + e·f
       RoPE           the table only: its backward is the inverse rotation
-    In all: fp32 24·h + 8·kv + 12·f; 16-bit weights 12·h + 4·kv + 6·f; autocast 16·h + 4·kv + 6·f
-    (+ 4·a + 8).
+    In all (tp 1): fp32 24·h + 8·kv + 8·f; 16-bit weights 12·h + 4·kv + 4·f; autocast
+    16·h + 4·kv + 4·f (+ 4·a + 8).
     `autocast`: 16-bit through torch.autocast (loom's ddp and zero1 without TP): the residual
     stream, the norms' inputs and the loss stay fp32 and each matmul casts its inputs; the cached
     16-bit weight copies are counted among the buffers. Otherwise (FSDP2's MixedPrecisionPolicy,
@@ -131,13 +143,35 @@ def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, el
     kv = shape.kv_dim
     sb = s * b
     autocast = autocast and elem < 4
-    split = sb * ((2 * h + 2 * kv + 3 * f) * elem + 4 * shape.n_heads)
+    split = sb * ((2 * h + 2 * kv + mlp_saved_widths(tp) * f) * elem + 4 * shape.n_heads)
     norms = 2 * sb * (h * (4 if autocast else elem) + 4)
     linear_inputs = 2 * sb * h * elem
     rope = elem * s * shape.head_dim if elem < 4 and not autocast else 0
-    if sequence_parallel and tp > 1:
-        return split / tp + norms / tp + linear_inputs + rope
-    return split / tp + norms + linear_inputs + rope
+    sp = sequence_parallel and tp > 1
+    per_layer = split / tp + (norms / tp if sp else norms) + linear_inputs + rope
+    if terms:
+        e, ne, m, a = elem, 4 if autocast else elem, mlp_saved_widths(tp), shape.n_heads
+        terms.item("split by TP", f"s·b·((2h + 2kv + {m}f)·e + 4a) (q, k, v, out; gate, up"
+                   f"{', product' if m == 3 else ''}; lse)", f"{sb}·((2·{h} + 2·{kv} + {m}·{f})·{e} + 4·{a})",
+                   gb(split))
+        terms.item("norms", f"2·s·b·(h·{'4' if autocast else 'e'} + 4) (input + fp32 rstd)",
+                   f"2·{sb}·({h}·{ne} + 4)", gb(norms))
+        terms.item("linear inputs", "2·s·b·h·e (the two norm outputs)", f"2·{sb}·{h}·{e}", gb(linear_inputs))
+        if rope:
+            terms.item("RoPE table", "e·s·Q (FSDP2's 16-bit cast, kept)", f"{e}·{s}·{shape.head_dim}",
+                       gb(rope))
+        over, by = ("/tp", f"/{tp}") if sp else ("", "")
+        rope_sym, rope_num = (" + RoPE", f" + {gb(rope)}") if rope else ("", "")
+        terms.item("per block", f"split/tp + norms{over} + linear inputs{rope_sym}"
+                   + (" (sequence parallel)" if sp else ""),
+                   f"{gb(split)}/{tp} + {gb(norms)}{by} + {gb(linear_inputs)}{rope_num}", gb(per_layer))
+    return per_layer
+
+
+def mlp_saved_widths(tp: int) -> int:
+    """How many f-wide tensors the MLP keeps per token: gate and up; under TP also their product
+    (loom/models/gpt/model.py FeedForward: the fused swiglu_down takes plain tensors only)."""
+    return 2 if tp == 1 else 3
 
 
 def residual_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, autocast: bool = False) -> float:
@@ -148,37 +182,63 @@ def residual_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, aut
 
 def head_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1,
                      pipelined: bool = False, sequence_parallel: bool = False,
-                     autocast: bool = False, chunk: int = 0) -> float:
+                     autocast: bool = False, chunk: int = 0, terms: Terms = NO_TERMS) -> float:
     """What the final norm and the loss keep per micro-batch until its backward: the norm's fp32
     input, its normalized tensor and the head's input (as in a block, one linear reading it); the
     loss's fp32 log-softmax (loss_parallel under TP keeps its fp32 shifted logits instead, split
     over the vocabulary). The logits themselves are not kept (the head's matmul keeps its input,
     cross entropy casts them to fp32). A pipeline schedule also keeps the stage's output, the
-    logits, in the compute dtype. Chunked (train.loss_chunk, loom/models/chunked_loss.py: tp 1, no
-    pipeline): no logits kept, only each token's fp32 logsumexp."""
+    logits, in the compute dtype. Chunked (train.loss_chunk, loom/models/chunked_loss.py, every
+    layout; a last pipeline stage outputs the norm's output, the head's input): no logits kept,
+    only each token's fp32 logsumexp."""
     sb, h = seq * micro_batch, shape.d_model
     sbv = sb * shape.vocab_size / tp
     normalized = sb * h * (4 + (4 if autocast and elem < 4 else elem))
-    norm = (normalized / tp if sequence_parallel and tp > 1 else normalized) + sb * h * elem
-    if chunk:
-        return norm + 4 * sb
-    return norm + sbv * (4 + (elem if pipelined else 0))
+    sp, autocast = sequence_parallel and tp > 1, autocast and elem < 4
+    norm = (normalized / tp if sp else normalized) + sb * h * elem
+    saved = norm + 4 * sb if chunk else norm + sbv * (4 + (elem if pipelined else 0))
+    if terms:
+        e, ne, v = elem, 4 if autocast else elem, shape.vocab_size
+        over, by = ("/tp", f"/{tp}") if sp else ("", "")
+        formula = f"s·b·h·(4 + {'4' if autocast else 'e'}){over} + s·b·h·e"
+        if chunk:  # no logits kept, each token's logsumexp
+            terms.item("final norm + loss", f"{formula} + 4·s·b (chunked loss: fp32 logsumexp)",
+                       f"{sb}·{h}·(4 + {ne}){by} + {sb}·{h}·{e} + 4·{sb}", gb(saved))
+        else:
+            logits = f" + sbV/tp·{e} (the logits a pipeline keeps)" if pipelined else ""
+            kept = 4 + (e if pipelined else 0)  # bytes per logit: the fp32 log-softmax (+ the logits)
+            terms.item("final norm + loss", f"{formula} + 4·s·b·V/tp (fp32 log-softmax){logits}",
+                       f"{sb}·{h}·(4 + {ne}){by} + {sb}·{h}·{e} + {kept}·{sb}·{v}/{tp}",
+                       gb(saved))
+    return saved
 
 
-def chunk_logits_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, chunk: int) -> float:
+def chunk_logits_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, chunk: int,
+                       tp: int = 1) -> float:
     """The chunked loss's one chunk of logits at a time, in forward and in backward: the compute
-    dtype's and its fp32 form (the softmax, made in place), min(chunk, s·b) tokens."""
-    return min(chunk, seq * micro_batch) * shape.vocab_size * (4 + (elem if elem < 4 else 0))
+    dtype's and its fp32 form (the softmax, made in place), min(chunk, s·b) tokens of this rank's
+    V/tp vocabulary shard."""
+    return min(chunk, seq * micro_batch) * shape.vocab_size / tp * (4 + (elem if elem < 4 else 0))
 
 
 def head_transient_bytes(shape: ModelShape, seq: int, micro_batch: int, tp: int = 1, chunk: int = 0,
-                         elem: int = 4) -> float:
+                         elem: int = 4, terms: Terms = NO_TERMS) -> float:
     """At the start of backward the loss's fp32 gradients of the logits exist at once: two (nll's
     and log-softmax's); loss_parallel's backward under TP makes three (the one-hot target, the
     softmax and their difference), each split over the vocabulary. Chunked: one chunk's."""
+    sb, v, k = seq * micro_batch, shape.vocab_size, 2 if tp == 1 else 3
     if chunk:
-        return chunk_logits_bytes(shape, seq, micro_batch, elem, chunk)
-    return (2 if tp == 1 else 3) * 4 * seq * micro_batch * shape.vocab_size / tp
+        transient = chunk_logits_bytes(shape, seq, micro_batch, elem, chunk, tp)
+        if terms:
+            x = 4 + (elem if elem < 4 else 0)
+            terms.item("loss gradients", f"min(chunk, s·b)·V/tp·{x} (one chunk's logits and fp32 softmax)",
+                       f"{min(chunk, sb)}·{v}/{tp}·{x}", gb(transient))
+        return transient
+    transient = k * 4 * sb * v / tp
+    if terms:
+        terms.item("loss gradients", f"{k}·4·s·b·V/tp (the loss's fp32 gradients of the logits)",
+                   f"{k}·4·{sb}·{v}/{tp}", gb(transient))
+    return transient
 
 
 def head_backward_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1,
@@ -186,14 +246,13 @@ def head_backward_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int
     """The head's backward, once the loss's tensors are gone: (the logits' gradient in the compute
     dtype, the head weight's gradient). The weight's gradient is V·h in the compute dtype (FSDP2's
     unsharded gradient of the weight it all-gathered); under autocast also its fp32 copy on the
-    way to the fp32 parameter's gradient. Chunked: one chunk's logits beside the chunks' weight
-    gradient (each chunk's product in the compute dtype, summed in fp32 over several chunks; one
-    chunk's is cast to the fp32 parameter's at the end, as unchunked)."""
+    way to the fp32 parameter's gradient. Chunked: one chunk's logits beside the weight's gradient,
+    the same bytes (each chunk's product summed into it in place; under autocast in fp32, beside the
+    chunk's 16-bit product)."""
     if chunk:
-        vh = shape.vocab_size * shape.d_model
-        several = seq * micro_batch > chunk
-        weight = vh * (elem + (4 if several or (autocast and elem < 4) else 0))
-        return chunk_logits_bytes(shape, seq, micro_batch, elem, chunk), weight
+        vh = shape.vocab_size * shape.d_model / tp
+        weight = vh * (elem + (4 if autocast and elem < 4 else 0))
+        return chunk_logits_bytes(shape, seq, micro_batch, elem, chunk, tp), weight
     logits = seq * micro_batch * shape.vocab_size / tp * elem
     weight = shape.vocab_size * shape.d_model / tp * (elem + (4 if autocast and elem < 4 else 0))
     return logits, weight
@@ -208,7 +267,8 @@ def checkpointed_layers(layers: int, mode: str, every: int) -> int:
 
 
 def op_saved_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1,
-                             sequence_parallel: bool = False, autocast: bool = False) -> float:
+                             sequence_parallel: bool = False, autocast: bool = False,
+                             terms: Terms = NO_TERMS) -> float:
     """Bytes one block checkpointed under "op" keeps for backward, for one micro-batch: its input
     (residual_bytes) and what the policy saves (loom/parallel/activation_checkpointing.py), counted
     from the block's code (loom/models/gpt/model.py), in the compute dtype e:
@@ -222,6 +282,11 @@ def op_saved_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, elem
     split = sb * (elem * (2 * h + 2 * shape.kv_dim + 2 * f) + 4 * shape.n_heads) / tp
     rows = sb * 2 * h * elem
     block_input = residual_bytes(shape, seq, micro_batch, elem, autocast and elem < 4)
+    if terms:
+        e, kv, a = elem, shape.kv_dim, shape.n_heads
+        terms.item("kept outputs (op)", "s·b·(e·(2h + 2kv + 2f) + 4a)/tp + 2·s·b·h·e (q k v, attention "
+                   "+ log-sum-exp, gate up; wo, w2 whole)",
+                   f"{sb}·({e}·(2·{h} + 2·{kv} + 2·{f}) + 4·{a})/{tp} + 2·{sb}·{h}·{e}", gb(split + rows))
     return split + rows + block_input / (tp if sequence_parallel and tp > 1 else 1)
 
 

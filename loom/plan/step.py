@@ -29,15 +29,17 @@ import math
 from dataclasses import dataclass
 
 from loom.plan.comm import DDP_BUCKET, CommAccount
-from loom.plan.efficiency import compute_fraction, link_efficiency
+from loom.plan.efficiency import D0_SCALE, DEFAULT, FAMILY, compute_fraction, link_efficiency
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
+from loom.plan.terms import NO_TERMS, Terms, gb, num, sec
 
 # Elementwise traffic of one decoder block's forward + backward per token (bytes, fp32), counted
 # on loom's block with a TorchDispatchMode over every non-matmul aten op (inputs + outputs):
-# 93·d + 16·f + 18·kv_dim elements (tests/unit/test_plan_truth.py recounts it), in 86 ops (the lean
-# block: k, v stay kv_dim wide, SwiGLU recomputes silu); the loss adds about six passes over the
-# fp32 logits.
-BLOCK_ELEMENTWISE = (93, 16, 18)
+# 93·d + 22·f + 18·kv_dim elements (tests/unit/test_plan_truth.py recounts it), in 88 ops (the lean
+# block: k, v stay kv_dim wide; SwiGLU fused with w2 recomputes the product and silu twice, 6·f more,
+# 1·f of them silu_backward's in-place output, counted as its input too); the loss adds about six
+# passes over the fp32 logits.
+BLOCK_ELEMENTWISE = (93, 22, 18)
 LOSS_PASSES = 6
 KERNELS_PER_LAYER = 3 * 40  # GPU kernels of a block's forward + backward (a fused-free eager run)
 ADAM_BYTES, CLIP_BYTES = 28, 12  # per fp32 parameter: read p, g, m, v and write p, m, v; clip
@@ -79,106 +81,273 @@ def local_params(w, c) -> float:
     return stage / c.tp / c.shard_size
 
 
-def step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]) -> StepTime:
+def step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float],
+              terms: Terms = NO_TERMS) -> StepTime:
     if cluster.profile is not None:
-        return measured_step_time(w, c, cluster, comm)
-    return catalog_step_time(w, c, cluster, comm, groups)
+        return measured_step_time(w, c, cluster, comm, terms)
+    return catalog_step_time(w, c, cluster, comm, groups, terms)
 
 
-def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]) -> StepTime:
+def flops_per_token(w, terms: Terms = NO_TERMS) -> float:
+    """ModelShape.flops_per_token at the workload's sequence length, recorded with its parts."""
+    shape, t = w.shape, w.seq_len
+    per_token = shape.flops_per_token(t)
+    if shape.known:
+        matmul = shape.num_params - (0 if shape.tie_embeddings else shape.embedding_params)
+        what = "N = Ψ" + ("" if shape.tie_embeddings else " − V·h (the input embedding is a lookup)")
+        if terms:
+            terms.item("N matmul weights", what, None, num(matmul))
+            terms.item("FLOPs per token", "6N + 12·L·H·Q·T",
+                       f"6·{num(matmul)} + 12·{shape.n_layers}·{shape.n_heads}·{shape.head_dim}·{t}",
+                       num(per_token))
+    elif terms:
+        terms.item("FLOPs per token", "6N (attention unknown)", f"6·{num(shape.params_only)}",
+                   num(per_token))
+    return per_token
+
+
+def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float],
+                      terms: Terms = NO_TERMS) -> StepTime:
     gpu = cluster.gpu
-    flops = w.tokens_per_step * w.shape.flops_per_token(w.seq_len) / c.world
-    fraction = cluster.achievable_fraction or compute_fraction(gpu, w.shape, c.tp)
+    per_token = flops_per_token(w, terms)
+    flops = w.tokens_per_step * per_token / c.world
+    if terms:
+        terms.item("FLOPs per GPU", "tokens per step × FLOPs per token / GPUs",
+                   f"{num(w.tokens_per_step)} × {num(per_token)} / {c.world}", num(flops))
+    if cluster.achievable_fraction:
+        fraction = cluster.achievable_fraction
+        if terms:
+            terms.item("compute fraction", "--hw achievable_fraction", None, num(fraction))
+    else:
+        fraction = compute_fraction(gpu, w.shape, c.tp)
+        if w.shape.known:
+            d0, d = D0_SCALE * gpu.bf16_tflops / gpu.hbm_tbps, w.shape.d_model
+            if terms:
+                terms.item("d0", "D0_SCALE × TFLOP/s ÷ TB/s",
+                           f"{D0_SCALE} × {num(gpu.bf16_tflops)} ÷ {num(gpu.hbm_tbps)}", num(d0))
+                terms.item("compute fraction", "frac_max · h/(h + d0) (plan/efficiency.py, fitted)",
+                           f"{FAMILY.get(gpu.name, DEFAULT)[0]} × {d}/({d} + {num(d0)})", num(fraction))
+        elif terms:
+            terms.item("compute fraction", "frac_max (the family's large-model fraction)", None,
+                       num(fraction))
     compute = flops / (gpu.bf16_tflops * 1e12 * fraction)
+    if terms:
+        terms.item("compute", "FLOPs / (peak × fraction)",
+                   f"{num(flops)} / ({num(gpu.bf16_tflops)}e12 × {num(fraction)})", sec(compute))
     if w.shape.known:  # no layer runs faster than its kernels launch
         layers = math.ceil(w.shape.n_layers / c.pp)
-        compute = max(compute, micro_steps(c) * layers * KERNELS_PER_LAYER * gpu.kernel_launch_s)
-    recompute = _recompute(w, c, compute, gpu)
+        floor = micro_steps(c) * layers * KERNELS_PER_LAYER * gpu.kernel_launch_s
+        if terms:
+            terms.item("kernel-launch floor", "micro-steps × ⌈L/p⌉ × kernels per block × launch",
+                       f"{micro_steps(c)} × {layers} × {KERNELS_PER_LAYER} × {num(gpu.kernel_launch_s)} s",
+                       sec(floor))
+        if floor > compute and terms:
+            terms.note(f"  compute = the floor, {sec(floor)} (the launches take longer than the FLOPs)")
+        compute = max(compute, floor)
+    recompute = _recompute(w, c, compute, gpu, terms)
     busy = compute + recompute
-    bubble = _bubble(c, busy)
+    bubble = _bubble(c, busy, terms)
     efficiency = cluster.comm_efficiency or link_efficiency(gpu)
+    if terms:
+        terms.note(f"exposed communication: bytes / (link × efficiency {num(efficiency)}) + α × count "
+                   f"(α {num(gpu.intra_node_latency_s)} s intra-node, {num(gpu.inter_node_latency_s)} s "
+                   f"inter-node)")
 
-    def seconds(sent: float, inter: bool, group: str) -> float:
-        bw = (gpu.inter_node_gbps if inter else gpu.intra_node_gbps) * 1e9 * efficiency
+    def seconds(what: str, sent: float, inter: bool, group: str) -> float:
+        link = gpu.inter_node_gbps if inter else gpu.intra_node_gbps
         latency = gpu.inter_node_latency_s if inter else gpu.intra_node_latency_s
         count = comm.count_by_group.get(group, 0) if group != "broadcast" else 0
-        return sent / bw + latency * count
+        t = sent / (link * 1e9 * efficiency) + latency * count
+        if (sent or count) and terms:
+            terms.item(what, "Φ_sent/(link × eff) + α × count",
+                       f"{gb(sent)}/({num(link)} GB/s × {num(efficiency)}) + {num(latency)} × {count}",
+                       sec(t))
+        return t
 
     # Each group's bytes on its link; a ZeRO-1 broadcast and TP/PP transfers are exposed.
     dp_inter = c.dp * c.tp > cluster.gpus_per_node
     shard_inter = c.shard_size * c.tp > cluster.gpus_per_node
     broadcast = comm.by_kind.get("broadcast", 0.0) if w.recipe == "torch" else 0.0
     dp_bytes = groups["dp"] - broadcast
-    hidden_dp = seconds(dp_bytes, shard_inter if c.strategy_info.shards_params else dp_inter, "dp")
-    exposed = max(0.0, hidden_dp - busy) + seconds(broadcast, dp_inter, "broadcast")
-    exposed += seconds(groups["tp"], False, "tp")
+    dp_link = shard_inter if c.strategy_info.shards_params else dp_inter
+    hidden_dp = seconds("data parallel", dp_bytes, dp_link, "dp")
+    parts = [("dp", max(0.0, hidden_dp - busy))]
+    if terms:
+        terms.item("dp exposed", "max(0, dp − (compute + recompute)) (overlapped)",
+                   f"max(0, {sec(hidden_dp)} − {sec(busy)})", sec(parts[0][1]))
+    if broadcast:
+        parts.append(("broadcast", seconds("ZeRO-1 broadcast", broadcast, dp_inter, "broadcast")))
+    if groups["tp"] or comm.count_by_group.get("tp"):
+        parts.append(("tp", seconds("tensor parallel", groups["tp"], False, "tp")))
     pp_inter = c.world > cluster.gpus_per_node and c.dp * c.tp >= cluster.gpus_per_node
-    exposed += seconds(groups["pp"], pp_inter, "pp")
-    optimizer = (ADAM_BYTES + CLIP_BYTES) * local_params(w, c) / (gpu.hbm_tbps * 1e12) \
-        if c.offload == "none" else 0.0
-    return StepTime(compute, recompute, bubble, exposed, optimizer, _offload(w, c, cluster))
+    if groups["pp"] or comm.count_by_group.get("pp"):
+        parts.append(("pp", seconds("pipeline", groups["pp"], pp_inter, "pp")))
+    exposed = sum(v for _, v in parts)
+    if terms:
+        terms.item("comm exposed", " + ".join(n for n, _ in parts), " + ".join(sec(v) for _, v in parts),
+                   sec(exposed))
+    optimizer = 0.0
+    if c.offload == "none":
+        local = local_params(w, c)
+        optimizer = (ADAM_BYTES + CLIP_BYTES) * local / (gpu.hbm_tbps * 1e12)
+        if terms:
+            terms.item("Ψ stepped per rank", "Ψ_stage/tp/N", None, num(local))
+            terms.item("optimizer", "(28 Adam + 12 clip bytes)·Ψ/HBM",
+                       f"40 × {num(local)} / {num(gpu.hbm_tbps)} TB/s", sec(optimizer))
+    return StepTime(compute, recompute, bubble, exposed, optimizer, _offload(w, c, cluster, terms))
 
 
-def measured_step_time(w, c, cluster, comm: CommAccount) -> StepTime:
+def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS) -> StepTime:
     """Compute and collectives at the rates `loom plan --calibrate` measured on this device."""
     profile, ranks, shape = cluster.profile, cluster.gpus_per_node, w.shape
     tokens = w.seq_len * c.micro_batch
     bandwidth = profile.elementwise_bytes(ranks, tokens * max(shape.d_model, 1) * 4)
     overhead = profile.op_overhead(ranks)
+    if terms:
+        terms.item("memory bandwidth", "measured elementwise rate at a tensor of s·b·h·4 bytes", None,
+                   f"{num(bandwidth / 1e9)} GB/s")
+        terms.item("op overhead", "measured fixed cost per op", None, sec(overhead))
     if shape.known:
         d, tp = shape.d_model, c.tp
-        layer = block_seconds(profile, ranks, shape, w.seq_len, tokens, tp)
-        layer *= profile.block_in_situ(ranks, tokens * d * 4)
+        if terms:
+            terms.note(f"one block, one micro-batch of s·b = {tokens} tokens: each linear "
+                       f"6·tokens·in·out / its measured rate")
+        layer = block_seconds(profile, ranks, shape, w.seq_len, tokens, tp, terms)
+        if terms:
+            terms.item("block", "linears + attention + elementwise", None, sec(layer))
+        in_situ = profile.block_in_situ(ranks, tokens * d * 4)
+        if in_situ != 1.0 and terms:
+            terms.item("block as run",
+                       "block × in-situ factor (two blocks run whole ÷ their parts, measured)",
+                       f"{sec(layer)} × {num(in_situ)}", sec(layer * in_situ))
+        layer *= in_situ
         layers = layers_of_stage(shape.n_layers, 0, c.pp)
+        last_layers = layers_of_stage(shape.n_layers, c.pp - 1, c.pp)
         vocab = shape.vocab_size / tp
-        head = 6 * tokens * d * vocab / profile.linear_flops(ranks, tokens, d, vocab)
+        head_rate = profile.linear_flops(ranks, tokens, d, vocab)
+        head = 6 * tokens * d * vocab / head_rate
         head += LOSS_PASSES * 4 * tokens * vocab / bandwidth
+        if terms:
+            terms.item("head + loss", f"6·tokens·h·V/tp / rate + {LOSS_PASSES}·4·tokens·V/tp / bandwidth",
+                       f"6·{tokens}·{d}·{num(vocab)} / {num(head_rate / 1e12)} TFLOP/s + "
+                       f"{LOSS_PASSES}·4·{tokens}·{num(vocab)} / {num(bandwidth / 1e9)} GB/s", sec(head))
         embedding = 2 * 4 * shape.vocab_size * d / tp / bandwidth  # backward: a dense [V, d] gradient
-        heaviest = max(layers * layer + (embedding if c.pp > 1 else 0.0),
-                       layers_of_stage(shape.n_layers, c.pp - 1, c.pp) * layer + head
-                       + (embedding if c.pp == 1 else 0.0))
+        if terms:
+            terms.item("embedding backward", "2·4·V·h/tp / bandwidth (a dense [V, h] gradient)",
+                       f"8·{shape.vocab_size}·{d}/{tp} / {num(bandwidth / 1e9)} GB/s", sec(embedding))
+        first = layers * layer + (embedding if c.pp > 1 else 0.0)
+        last = last_layers * layer + head + (embedding if c.pp == 1 else 0.0)
+        heaviest = max(first, last)
+        if c.pp > 1 and terms:
+            terms.item("heaviest stage", "max(L_0·block + embedding, L_last·block + head)",
+                       f"max({layers}·{sec(layer)} + {sec(embedding)}, "
+                       f"{last_layers}·{sec(layer)} + {sec(head)})",
+                       sec(heaviest))
+        elif terms:
+            terms.item("one micro-step", "L·block + head + embedding",
+                       f"{layers}·{sec(layer)} + {sec(head)} + {sec(embedding)}", sec(heaviest))
         compute = micro_steps(c) * heaviest
+        if terms:
+            terms.item("compute", "micro-steps × that", f"{micro_steps(c)} × {sec(heaviest)}", sec(compute))
         ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
         recompute = micro_steps(c) * ckpt * layer / 3
-        if c.activation_checkpointing == "op":  # the matmuls and attention are kept, not rerun
+        if recompute and c.activation_checkpointing == "op":  # the matmuls and attention are kept, not rerun
             elementwise = block_elementwise_seconds(profile, ranks, shape, tokens, tp)
-            recompute = micro_steps(c) * ckpt * elementwise * profile.block_in_situ(ranks, tokens * d * 4) / 3
+            recompute = micro_steps(c) * ckpt * elementwise * in_situ / 3
+            if terms:
+                terms.item("recompute", "micro-steps × checkpointed blocks × elementwise × in-situ/3",
+                           f"{micro_steps(c)} × {ckpt} × {sec(elementwise)} × "
+                           f"{num(in_situ)}/3", sec(recompute))
+        elif recompute and terms:
+            terms.item("recompute", "micro-steps × checkpointed blocks × block/3",
+                       f"{micro_steps(c)} × {ckpt} × {sec(layer)}/3", sec(recompute))
     else:
-        compute = w.tokens_per_step * shape.flops_per_token(w.seq_len) / c.world / profile.peak_flops(ranks)
+        per_token = flops_per_token(w, terms)
+        peak = profile.peak_flops(ranks)
+        compute = w.tokens_per_step * per_token / c.world / peak
+        if terms:
+            terms.item("compute", "tokens × FLOPs per token / GPUs / best measured rate",
+                       f"{num(w.tokens_per_step)} × {num(per_token)} / {c.world} / "
+                       f"{num(peak / 1e12)} TFLOP/s", sec(compute))
         recompute = 0.0
     busy = compute + recompute
-    bubble = _bubble(c, busy)
+    bubble = _bubble(c, busy, terms)
     # Collectives at their measured cost, and the copies in and out of their buffers.
+    if terms:
+        terms.note("collectives at their measured α·count + payload/β, plus copying the payload in and out "
+                   "(2·payload at the bandwidth measured for one collective's size); nothing overlaps")
     exposed = 0.0
     for kind, payload in comm.payload_by_kind.items():
         kind = "send" if kind == "recv" else kind
         count = _count(comm, kind, payload)
-        exposed += profile.collective_seconds(ranks, kind, payload, count)
-        exposed += 2 * payload / profile.elementwise_bytes(ranks, payload / max(count, 1))  # staging copies
+        copy_bw = profile.elementwise_bytes(ranks, payload / max(count, 1))
+        t = profile.collective_seconds(ranks, kind, payload, count) + 2 * payload / copy_bw  # staging copies
+        fits = profile.ranks_entry(ranks)["collectives"]
+        fit = fits.get(kind) or fits.get("all_gather" if kind == "broadcast" else "all_reduce")
+        numbers = (f"{num(fit['alpha_s'])} s × {count} + {gb(payload)} / {num(fit['bytes_per_s'] / 1e9)} "
+                   f"GB/s + 2 × {gb(payload)} / {num(copy_bw / 1e9)} GB/s") if fit else None
+        if terms:
+            terms.item(kind, "α·count + payload/β + 2·payload/bandwidth", numbers, sec(t))
+        exposed += t
     if c.world > 1:  # the loop's few-byte all-reduces: mean loss and gradient norm
-        exposed += profile.collective_seconds(ranks, "all_reduce", 8, 2)
+        t = profile.collective_seconds(ranks, "all_reduce", 8, 2)
+        if terms:
+            terms.item("loop all-reduces", "2·α + 8 bytes/β (mean loss, grad norm)", None, sec(t))
+        exposed += t
     if not c.strategy_info.shards_params and c.dp > 1:  # gradients into DDP's buckets and back
         grads = 4 * local_params(w, c) * c.shard_size
-        exposed += 4 * grads / profile.elementwise_bytes(ranks, min(grads, DDP_BUCKET))
-    optimizer = profile.optimizer_seconds(ranks, local_params(w, c))
+        copy_bw = profile.elementwise_bytes(ranks, min(grads, DDP_BUCKET))
+        t = 4 * grads / copy_bw
+        if terms:
+            terms.item("bucket copies",
+                       "4·(4Ψ)/bandwidth (gradients into DDP's buckets and back, read + write)",
+                       f"4 × {gb(grads)} / {num(copy_bw / 1e9)} GB/s", sec(t))
+        exposed += t
+    if terms:
+        terms.item("comm exposed", "sum of the above", None, sec(exposed))
+    local = local_params(w, c)
+    optimizer = profile.optimizer_seconds(ranks, local)
     if optimizer is None:  # a profile from before the optimizer was measured: its bytes and ops
-        big = profile.elementwise_bytes(ranks, 4 * local_params(w, c))
-        optimizer = (ADAM_BYTES + CLIP_BYTES) * local_params(w, c) / big
-        optimizer += 2 * overhead * (2 * (shape.n_layers if shape.known else 1) * 9 // max(c.pp, 1))
-    return StepTime(compute, recompute, bubble, exposed, optimizer, _offload(w, c, cluster))
+        big = profile.elementwise_bytes(ranks, 4 * local)
+        ops = 2 * (shape.n_layers if shape.known else 1) * 9 // max(c.pp, 1)
+        optimizer = (ADAM_BYTES + CLIP_BYTES) * local / big + 2 * overhead * ops
+        if terms:
+            terms.item("optimizer", "40·Ψ/bandwidth + 2·overhead·(2·L·9/p) (per-tensor ops)",
+                       f"40 × {num(local)} / {num(big / 1e9)} GB/s + 2 × {sec(overhead)} × {ops}",
+                       sec(optimizer))
+    elif terms:
+        terms.item("optimizer", "Ψ_local × measured clipping + AdamW seconds per parameter",
+                   f"{num(local)} × {num(optimizer / local)} s", sec(optimizer))
+    return StepTime(compute, recompute, bubble, exposed, optimizer, _offload(w, c, cluster, terms))
 
 
-def block_seconds(profile, ranks: int, shape, seq: int, tokens: int, tp: int) -> float:
+LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def block_seconds(profile, ranks: int, shape, seq: int, tokens: int, tp: int,
+                  terms: Terms = NO_TERMS) -> float:
     """One decoder block's forward + backward over `tokens` tokens at the rates `profile` measured
     for its parts alone: the linears, attention and the elementwise work. How much slower the block
     runs as a whole is the profile's block_in_situ factor, applied by the caller."""
     d, kv, f = shape.d_model, shape.kv_dim, shape.ffn_hidden
     linears = [(d, d / tp), (d, kv / tp), (d, kv / tp), (d / tp, d),  # q, k, v, o
                (d, f / tp), (d, f / tp), (f / tp, d)]  # gate, up, down
-    layer = sum(6 * tokens * k * n / profile.linear_flops(ranks, tokens, k, n) for k, n in linears)
+    layer = 0.0
+    for name, (k, n) in zip(LINEARS, linears):
+        rate = profile.linear_flops(ranks, tokens, k, n)
+        t = 6 * tokens * k * n / rate
+        if terms:
+            terms.item(f"linear {name}", "6·tokens·in·out / rate",
+                       f"6·{tokens}·{num(k)}·{num(n)} / {num(rate / 1e12)} TFLOP/s", sec(t))
+        layer += t
     attention = 12 * (shape.n_heads / tp) * shape.head_dim * seq * tokens
-    layer += attention / profile.attention_flops(ranks, seq, shape.head_dim)
-    return layer + block_elementwise_seconds(profile, ranks, shape, tokens, tp)
+    rate = profile.attention_flops(ranks, seq, shape.head_dim)
+    if terms:
+        terms.item("attention", "12·(H/tp)·Q·T·tokens / rate",
+                   f"12·{num(shape.n_heads / tp)}·{shape.head_dim}·{seq}·{tokens} / "
+                   f"{num(rate / 1e12)} TFLOP/s", sec(attention / rate))
+    layer += attention / rate
+    return layer + block_elementwise_seconds(profile, ranks, shape, tokens, tp, terms)
 
 
 def block_elementwise_bytes(shape, tokens: int, tp: int) -> float:
@@ -187,10 +356,16 @@ def block_elementwise_bytes(shape, tokens: int, tp: int) -> float:
     return 4 * tokens * (a * shape.d_model + b * shape.ffn_hidden / tp + e * shape.kv_dim / tp)
 
 
-def block_elementwise_seconds(profile, ranks: int, shape, tokens: int, tp: int) -> float:
+def block_elementwise_seconds(profile, ranks: int, shape, tokens: int, tp: int,
+                              terms: Terms = NO_TERMS) -> float:
     """block_seconds' elementwise part: what "op" checkpointing recomputes (a third of it, forward's)."""
     block_bandwidth = profile.block_elementwise_bytes(ranks, tokens * shape.d_model * 4)
-    return block_elementwise_bytes(shape, tokens, tp) / block_bandwidth
+    moved = block_elementwise_bytes(shape, tokens, tp)
+    a, b, e = BLOCK_ELEMENTWISE
+    if terms:
+        terms.item("elementwise", f"4·tokens·({a}h + {b}f/tp + {e}kv/tp) / block bandwidth",
+                   f"{gb(moved)} / {num(block_bandwidth / 1e9)} GB/s", sec(moved / block_bandwidth))
+    return moved / block_bandwidth
 
 
 def _count(comm: CommAccount, kind: str, payload: float) -> int:
@@ -199,7 +374,7 @@ def _count(comm: CommAccount, kind: str, payload: float) -> int:
     return known if known else max(1, math.ceil(payload / DDP_BUCKET))
 
 
-def _recompute(w, c, compute: float, gpu=None) -> float:
+def _recompute(w, c, compute: float, gpu=None, terms: Terms = NO_TERMS) -> float:
     if not w.shape.known or c.activation_checkpointing == "none":
         return 0.0
     layers = w.shape.n_layers
@@ -207,26 +382,68 @@ def _recompute(w, c, compute: float, gpu=None) -> float:
         # only the elementwise work of a forward is rerun, at memory bandwidth (or kernel launches)
         stage = math.ceil(layers / c.pp)
         tokens = w.seq_len * c.micro_batch
-        per_layer = max(block_elementwise_bytes(w.shape, tokens, c.tp) / 3 / (gpu.hbm_tbps * 1e12),
-                        KERNELS_PER_LAYER / 3 * gpu.kernel_launch_s)
-        return micro_steps(c) * stage * per_layer
-    return compute / 3 * checkpointed_layers(layers, c.activation_checkpointing, c.ac_every) / layers
+        moved = block_elementwise_bytes(w.shape, tokens, c.tp)
+        per_layer = max(moved / 3 / (gpu.hbm_tbps * 1e12), KERNELS_PER_LAYER / 3 * gpu.kernel_launch_s)
+        recompute = micro_steps(c) * stage * per_layer
+        a, b, e = BLOCK_ELEMENTWISE
+        if terms:
+            terms.item("recompute",
+                       f"micro-steps × ⌈L/p⌉ × max(4·tokens·({a}h + {b}f/tp + {e}kv/tp)/3 / HBM, "
+                       f"{KERNELS_PER_LAYER}/3 launches) (a forward's elementwise work again)",
+                       f"{micro_steps(c)} × {stage} × max({gb(moved)}/3 / {num(gpu.hbm_tbps)} TB/s, "
+                       f"{KERNELS_PER_LAYER // 3} × {num(gpu.kernel_launch_s)} s)", sec(recompute))
+        return recompute
+    ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
+    recompute = compute / 3 * ckpt / layers
+    if recompute and terms:
+        terms.item("recompute", "compute/3 × checkpointed/L (a forward again)",
+                   f"{sec(compute)}/3 × {ckpt}/{layers}", sec(recompute))
+    return recompute
 
 
-def _bubble(c, busy: float) -> float:
+def _bubble(c, busy: float, terms: Terms = NO_TERMS) -> float:
     if c.pp <= 1:
         return 0.0
-    b = bubble_fraction(c.pp, c.grad_accum, c.virtual_stages if c.schedule == "interleaved" else 1)
-    return busy * b / (1 - b)
+    v = c.virtual_stages if c.schedule == "interleaved" else 1
+    b = bubble_fraction(c.pp, c.grad_accum, v)
+    p, m = c.pp, c.grad_accum
+    if v > 1 and terms:
+        terms.item("bubble fraction", "(p−1)/(v·m+p−1) (interleaved)", f"({p}−1)/({v}·{m}+{p}−1)", num(b))
+    elif terms:
+        terms.item("bubble fraction", "(p−1)/(m+p−1)", f"({p}−1)/({m}+{p}−1)", num(b))
+    bubble = busy * b / (1 - b)
+    if terms:
+        terms.item("bubble", "busy · b/(1−b)", f"{sec(busy)} × {num(b)}/(1 − {num(b)})", sec(bubble))
+    return bubble
 
 
-def _offload(w, c, cluster) -> float:
+def _offload(w, c, cluster, terms: Terms = NO_TERMS) -> float:
     if c.offload == "none":
         return 0.0
     gpu = cluster.gpu
     local = w.shape.num_params / (c.tp * c.pp * c.shard_size)
-    offload = (4 * local + 2 * local) / (gpu.host_link_gbps * 1e9)  # fp32 gradients out, 16-bit params in
-    offload += local / (cluster.cpu_adam_params_per_s / cluster.gpus_per_node)
+    if terms:
+        terms.item("Ψ offloaded per GPU", "Ψ/(tp·pp·N)",
+                   f"{num(w.shape.num_params)}/({c.tp}·{c.pp}·{c.shard_size})", num(local))
+    link = (4 * local + 2 * local) / (gpu.host_link_gbps * 1e9)  # fp32 gradients out, 16-bit params in
+    if terms:
+        terms.item("host link", "(4Ψ + 2Ψ)/host link (fp32 grads out, 16-bit params in)",
+                   f"6 × {num(local)} / {num(gpu.host_link_gbps)} GB/s", sec(link))
+    rate = cluster.cpu_adam_params_per_s / cluster.gpus_per_node
+    adam = local / rate
+    if terms:
+        terms.item("host Adam", "Ψ/(CPU Adam rate per node / GPUs per node)",
+                   f"{num(local)} / "
+                   f"({num(cluster.cpu_adam_params_per_s)}/{cluster.gpus_per_node})", sec(adam))
+    offload = link + adam
+    nvme = ""
     if c.offload in ("optimizer-nvme", "nvme"):
-        offload += 2 * 12 * local / (cluster.nvme_gbps * 1e9 / cluster.gpus_per_node)
+        disk = 2 * 12 * local / (cluster.nvme_gbps * 1e9 / cluster.gpus_per_node)
+        if terms:
+            terms.item("NVMe", "2·12Ψ/(NVMe bandwidth / GPUs per node) (optimizer states read and written)",
+                       f"24 × {num(local)} / ({num(cluster.nvme_gbps)} GB/s / {cluster.gpus_per_node})",
+                       sec(disk))
+        offload, nvme = offload + disk, " + NVMe"
+    if terms:
+        terms.item("offload", "host link + host Adam" + nvme, None, sec(offload))
     return offload

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.config import Config, pipeline_microbatches
+from loom.models.gpt.model import GPT
 from loom.parallel import precision
 from loom.parallel.apply import gradient_sync, uses_fsdp
 from loom.parallel.mesh import Dist, local_view
@@ -46,16 +47,33 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
     stage_ids = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages)
     accum = cfg.train.grad_accum
     scale: dict = {}
+    head = chunked_head(parts, stage_ids.index(num_stages - 1), cfg) if num_stages - 1 in stage_ids else None
 
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        sft = cfg.data.format == "sft"  # the sum over its loss tokens, in units of the global mean
+        reduction = "sum" if sft else "mean"
+        if head is not None:  # the last stage's norm output, through the head chunk by chunk
+            loss = head(output, targets=targets, loss_chunk=cfg.train.loss_chunk, masked=sft,
+                        reduction=reduction)
+        else:  # the last stage's logits
+            loss = cross_entropy(output, targets, masked=sft, reduction=reduction)
         # The schedule sums micro-batch gradients; over grad_accum steps they must average too.
-        if cfg.data.format == "sft":  # the sum over its loss tokens, in units of the global mean
-            return cross_entropy(logits, targets, masked=True, reduction="sum") * scale["value"] / accum
-        return cross_entropy(logits, targets) / accum
+        return loss * scale["value"] / accum if sft else loss / accum
 
     schedule = build_schedule(parts, stage_ids, num_stages, d.mesh["pp"].get_group(), d.device,
                               p.pp_schedule, pipeline_microbatches(p), loss_fn)
     return Pipeline(schedule, 0 in stage_ids, num_stages - 1 in stage_ids, d.mesh["pp"].get_group(), scale)
+
+
+def chunked_head(parts: list[nn.Module], last: int, cfg: Config) -> nn.Module | None:
+    """The chunked loss under a pipeline (train.loss_chunk > 0, loom's GPT): the last stage, parts[last],
+    returns its norm's output and the schedule's loss calls this head on it, so the stage never
+    holds the full logits. None: the last stage returns logits (loss_chunk 0, other models)."""
+    stage = getattr(parts[last], "module", parts[last])  # DDP wraps a stage
+    if cfg.train.loss_chunk <= 0 or not isinstance(stage, GPT):
+        return None
+    stage.head_in_loss = True
+    return stage.output
 
 
 def token_scale(batches: list[torch.Tensor], cfg: Config,
@@ -99,8 +117,10 @@ class StepValues:
 def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: list[torch.Tensor],
                cfg: Config, d: Dist, pipe: Pipeline | None, loss_fn, timer: PhaseTimer | None = None,
                step: int = 0) -> StepValues:
-    """One optimizer step over grad_accum micro-batches; gradients sync on the last one only."""
+    """One optimizer step over grad_accum micro-batches; gradients sync on the last one only (FSDP2:
+    on each, unless parallel.reduce_every_micro_step is false, so that they stay sharded)."""
     t = cfg.train
+    fsdp = uses_fsdp(cfg.parallel)
     timer = timer or PhaseTimer(d.device)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=d.device)
@@ -119,7 +139,8 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
                 # undo 1/accum
                 loss_sum += local_view(faults.after_forward(step, d.rank, loss)) * t.grad_accum
             continue
-        with (gradient_sync(model, enabled=micro == t.grad_accum - 1), autocast(cfg, d.device),
+        sync = micro == t.grad_accum - 1 or (fsdp and cfg.parallel.reduce_every_micro_step)
+        with (gradient_sync(model, enabled=sync), autocast(cfg, d.device),
               loss_context(cfg.parallel.tp)):
             with timer.phase("forward"):
                 loss = faults.after_forward(step, d.rank, loss_fn(model, batch))

@@ -80,10 +80,10 @@ def next_token_loss(model: nn.Module, batch: torch.Tensor, loss_chunk: int = 0) 
 
 
 def config_loss_fn(cfg: Config, gpt: bool) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-    """The config's loss: chunked (train.loss_chunk) for loom's GPT outside TP and PP, whose losses
-    take today's path (TP: the vocabulary-parallel loss of sharded logits; PP: the schedule's
-    loss_fn gets the last stage's logits); Hugging Face models return logits."""
-    chunk = cfg.train.loss_chunk if gpt and cfg.parallel.tp == 1 and cfg.parallel.pp == 1 else 0
+    """The config's loss: chunked (train.loss_chunk) for loom's GPT under every layout (TP: on each
+    rank's vocabulary shard; PP: the schedule's loss, loom.train.step.build_pipeline, chunks the
+    same way); Hugging Face models return logits."""
+    chunk = cfg.train.loss_chunk if gpt else 0
     return functools.partial(next_token_loss, loss_chunk=chunk) if chunk else next_token_loss
 
 

@@ -2,7 +2,8 @@
 
 Same global batch, same seed: per-step losses, gradient norms and the final gathered weights must
 match the plain loop within 1e-5 relative; measured model-state bytes must match the strategy's
-formula; a step's gradient collectives are one sync per optimizer step (grad_accum = 2). The tiny
+formula; a step's gradient collectives are DDP's one sync per optimizer step and FSDP2's one per
+micro-step (grad_accum = 2; once per step under reduce_every_micro_step = false). The tiny
 model is one FSDP2 unit at the default parallel.fsdp_unit_mb (25 MB), where zero2 and zero3 hold
 the same: the `units` cases (fsdp_unit_mb = 0) give the embedding, each block and norm + head their
 own unit.
@@ -130,20 +131,24 @@ def assert_matches_reference(results, ref_losses, ref_state, ref_norms=None) -> 
 
 UNITS = "parallel.fsdp_unit_mb=0"  # a unit per block (and the embedding, norm + head)
 HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2")
+ONCE = "parallel.reduce_every_micro_step=false"  # FSDP2 syncs on the last micro-step only
 CASES = [("ddp", 2, ()), ("zero1", 2, ()), ("zero2", 2, ()), ("zero3", 2, ()), ("hsdp", 4, HSDP),
-         ("zero2", 2, (UNITS,)), ("zero3", 2, (UNITS,)), ("hsdp", 4, (*HSDP, UNITS))]
-CASE_IDS = [s + ("-units" if UNITS in extra else "") for s, _, extra in CASES]
+         ("zero2", 2, (UNITS,)), ("zero3", 2, (UNITS,)), ("hsdp", 4, (*HSDP, UNITS)),
+         ("zero3", 2, (UNITS, ONCE))]
+CASE_IDS = [s + ("-units" if UNITS in extra else "") + ("-once" if ONCE in extra else "")
+            for s, _, extra in CASES]
 
 
 def grad_syncs_per_step(strategy: str, extra: tuple[str, ...]) -> dict[str, int]:
-    """A step's all-reduces and reduce-scatters with gradients synced once, by hand: DDP (ddp,
-    zero1) all-reduces its one bucket (the tiny model's 0.5 MB is under DDP's first, 1 MB bucket);
-    FSDP2 reduce-scatters each unit (1, or 4 with `units`), hsdp all-reduces it across the replicas
-    too. The loop adds the mean loss's all-reduce, and under FSDP2 the gradient norm's (over shards).
-    Syncing every micro-step (grad_accum = 2) doubles the gradients' share."""
+    """A step's all-reduces and reduce-scatters, by hand: DDP (ddp, zero1) all-reduces its one bucket
+    once per step (no_sync on the other micro-step; the tiny model's 0.5 MB is under DDP's first,
+    1 MB bucket); FSDP2 reduce-scatters each unit (1, or 4 with `units`) on each of the ACCUM
+    micro-steps, so that the gradients stay sharded (once per step under reduce_every_micro_step =
+    false), and hsdp all-reduces it across the replicas too. The loop adds the mean loss's
+    all-reduce, and under FSDP2 the gradient norm's (over shards)."""
     if strategy in ("ddp", "zero1"):
         return {"all_reduce": 1 + 1}
-    units = 4 if UNITS in extra else 1
+    units = (4 if UNITS in extra else 1) * (1 if ONCE in extra else ACCUM)
     return {"reduce_scatter": units, "all_reduce": (units if strategy == "hsdp" else 0) + 2}
 
 

@@ -151,7 +151,7 @@ def test_no_tensor_of_the_full_logits_ever_exists():
     assert max(largest) >= tokens * V  # the measure sees the full path's logits
 
 
-def test_the_config_chunks_only_where_it_can():
+def test_the_config_chunks_under_every_layout():
     from loom.train.task import config_loss_fn
 
     cfg = load_config(None, ["train.loss_chunk=512"])
@@ -159,7 +159,63 @@ def test_the_config_chunks_only_where_it_can():
     assert config_loss_fn(cfg, gpt=False) is next_token_loss  # Hugging Face models return logits
     for layout in ("parallel.tp=2", "parallel.pp=2"):
         cfg = load_config(None, ["train.loss_chunk=512", layout])
-        assert config_loss_fn(cfg, gpt=True) is next_token_loss
+        assert config_loss_fn(cfg, gpt=True).keywords == {"loss_chunk": 512}
+    assert config_loss_fn(load_config(None, ["train.loss_chunk=0"]), gpt=True) is next_token_loss
+
+
+def _logits_saved(fn, vocab: int, tokens: int) -> list[tuple]:
+    """The fp32 tensors of at least one sequence's logits that autograd saves while fn() runs."""
+    saved: list[tuple] = []
+
+    def pack(x):
+        if x.dtype == torch.float32 and x.dim() >= 2 and x.shape[-1] == vocab and x.numel() >= tokens * vocab:
+            saved.append(tuple(x.shape))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn().backward()
+    return saved
+
+
+def test_gpt_saves_no_logits_for_backward():
+    """loom's GPT through next_token_loss (tp = 1): nothing of [tokens, V] in fp32 saved; the full
+    path saves its log-softmax (the hook sees it). Batch 2 × 64 tokens, chunk 48."""
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", vocab_size=V, max_seq_len=64), "cpu")
+    model.init_weights(0)
+    batch = torch.randint(0, V, (2, 65))
+    assert not _logits_saved(lambda: next_token_loss(model, batch, loss_chunk=48), V, 64)
+    assert _logits_saved(lambda: next_token_loss(model, batch), V, 64)
+
+
+def test_a_last_stage_under_the_chunked_loss_emits_its_norm_output():
+    """PP: the last stage (head_in_loss) returns the norm's output, [B, T, d], and the pipeline's
+    loss (loom.train.step.chunked_head) applies the head to it: the model's own loss and
+    gradients, the SFT mask and sum included."""
+    from loom.train.step import chunked_head
+
+    cfg = load_config(None, ["train.loss_chunk=48"])
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", vocab_size=V, max_seq_len=64), "cpu")
+    model.init_weights(0)
+    tokens, text = torch.randint(0, V, (2, 64)), torch.randint(0, V, (2, 64))
+    sft = text.clone()
+    sft[0, :20] = IGNORE
+    for targets, masked, reduction in ((text, False, "mean"), (sft, True, "sum")):
+        model.head_in_loss = False
+        want = cross_entropy(model(tokens), targets, masked, reduction)
+        want_grads = torch.autograd.grad(want, list(model.parameters()))
+        head = chunked_head([model], 0, cfg)
+        assert head is model.output and model.head_in_loss
+        out = model(tokens)
+        assert out.shape == (2, 64, model.cfg.d_model)  # not the logits
+        got = head(out, targets=targets, loss_chunk=48, masked=masked, reduction=reduction)
+        assert abs(got.item() - want.item()) <= 1e-6 * want.item()
+        for a, e in zip(torch.autograd.grad(got, list(model.parameters())), want_grads, strict=True):
+            _close((a,), (e,), 1e-6)
+    model.head_in_loss = False
+    assert chunked_head([model], 0, load_config(None, ["train.loss_chunk=0"])) is None
+    assert not model.head_in_loss  # loss_chunk 0: the stage keeps emitting logits
 
 
 def _loss_peak(h, w, t, chunk: int) -> int:
@@ -195,8 +251,8 @@ def test_the_loss_peak_at_gpt2_vocabulary_is_under_a_fifth():
 
 def test_the_plan_prices_one_chunk_of_logits():
     """Issue 26's case (Llama-3's vocabulary, 2 × 8192 tokens, bf16): the full logits' loss
-    moment holds 2 fp32 gradients of them; chunked, one chunk's logits and fp32 softmax; TP keeps
-    the full logits whatever loss_chunk says."""
+    moment holds 2 fp32 gradients of them; chunked, one chunk's logits and fp32 softmax, of the
+    V/tp shard under TP; a pipeline's last stage chunks too."""
     from loom.plan.candidate import Candidate, Workload
     from loom.plan.memory import stage_memory
     from loom.plan.shapes import ModelShape, head_saved_bytes, head_transient_bytes
@@ -205,6 +261,7 @@ def test_the_plan_prices_one_chunk_of_logits():
     sb = 2 * 8192
     assert head_transient_bytes(shape, 8192, 2) == 2 * 4 * sb * 128256
     assert head_transient_bytes(shape, 8192, 2, chunk=512, elem=2) == 512 * 128256 * (4 + 2)
+    assert head_transient_bytes(shape, 8192, 2, tp=2, chunk=512, elem=2) == 512 * 128256 / 2 * (4 + 2)
     assert head_saved_bytes(shape, 8192, 2, 2) - head_saved_bytes(shape, 8192, 2, 2, chunk=512) \
         == 4 * sb * 128256 - 4 * sb
     at = {}
@@ -214,4 +271,11 @@ def test_the_plan_prices_one_chunk_of_logits():
         stage_memory(w, Candidate("zero3", dp=8 // tp, tp=tp, micro_batch=2), 0, moments=moments)
         at[chunk, tp] = max(a + b for _, a, b in moments)
     assert at[0, 1] - at[512, 1] > 20e9  # the 29 GB of the issue, less one chunk and the weight's gradient
-    assert at[0, 2] == at[512, 2]
+    assert at[0, 2] - at[512, 2] > 10e9  # half of it on each TP rank
+    pp = {}
+    for chunk in (0, 512):  # the last of 2 stages
+        w = Workload(shape, 8192, 16, "bf16", loss_chunk=chunk)
+        moments = []
+        stage_memory(w, Candidate("zero3", dp=4, pp=2, micro_batch=2), 1, moments=moments)
+        pp[chunk] = max(a + b for _, a, b in moments)
+    assert pp[0] - pp[512] > 20e9

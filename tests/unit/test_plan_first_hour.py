@@ -136,10 +136,11 @@ def test_ties_go_to_the_torch_engine_and_say_so(capsys):
 
 
 def test_deepspeed_pick_gives_its_true_reason(capsys):
-    """8b at 64 × 4096 on 8 GPUs: DeepSpeed's zero2 wins because the same layout on the torch
-    engine does not fit, not because of an offload it does not use, and no '0.0% faster'."""
+    """8b at 64 × 4096 on 8 GPUs, FSDP2 holding unsharded gradients between micro-steps
+    (reduce_every_micro_step false): DeepSpeed wins because the same layout on the torch engine does
+    not fit, not because of an offload it does not use, and no '0.0% faster'."""
     plan = plan_json(capsys, "--model", "8b", "--gpu", "H100-SXM", "--set", "train.batch_size=64",
-                     "--set", "data.seq_len=4096")
+                     "--set", "data.seq_len=4096", "--set", "parallel.reduce_every_micro_step=false")
     best = plan["candidates"][plan["recommended"]]
     reason = plan["reason"]
     assert "0.0% faster" not in reason and "optimizer-only" not in reason
@@ -291,3 +292,26 @@ def test_deepspeed_candidates_with_checkpointing_are_not_ranked():
     assert ds_ac and not any(r["runs_in_loom"] for r in ds_ac)
     best = plan.candidates[plan.recommended]
     assert not (best["engine"] == "deepspeed" and best["activation_checkpointing"] != "none")
+
+
+def test_the_8b_default_plan_runs_fsdp_alone(capsys):
+    """Issue 26's goal: the default 8b job on 8 H100s (loss chunked as loom trains it, FSDP2
+    reduce-scattering each micro-step) needs neither TP nor PP, and fits with room."""
+    plan = plan_json(capsys, "--model", "8b", "--gpu", "H100-SXM")
+    best = plan["candidates"][plan["recommended"]]
+    assert best["strategy"] in ("zero2", "zero3") and best["tp"] == best["pp"] == 1, best["label"]
+    assert best["engine"] == "fsdp2" and best["offload"] == "none"
+    assert best["memory_bytes"]["total"] <= TIGHT * 80e9
+
+
+def test_the_plan_prices_the_loss_as_loom_trains_it(capsys):
+    """`loom plan` prices train.loss_chunk for loom's GPT (0 when the config sets 0): the chunked
+    run's activations are the smaller by the full logits it does not hold."""
+    args = ("--model", "1b", "--gpu", "H100-SXM", "--set", "train.batch_size=8", "--set", "data.seq_len=4096")
+    chunked, full = (plan_json(capsys, *args, "--set", f"train.loss_chunk={k}") for k in (512, 0))
+    same = lambda plan: {r["label"] + str(r["micro_batch"]): r for r in plan["candidates"]}  # noqa: E731
+    a, b = same(chunked), same(full)
+    shape = from_preset("1b")
+    logits = 4096 * shape.vocab_size * 4  # one sequence's fp32 log-softmax, at the least
+    for key in ("zero3" + "1", "ddp" + "1"):
+        assert a[key]["memory_bytes"]["activations"] + logits <= b[key]["memory_bytes"]["activations"], key

@@ -1,6 +1,7 @@
 """The decoder block's elementwise pieces as autograd Functions that keep only what their backward
 needs, in the compute dtype (issue 26): RMSNorm keeps its input and the fp32 rstd [tokens, 1];
-RoPE keeps nothing but the table (its backward is the inverse rotation); SwiGLU keeps gate and up.
+RoPE keeps nothing but the table (its backward is the inverse rotation); SwiGLU keeps gate and up,
+and fused with the down projection (swiglu_down) not even their product, w2's input.
 
 Each works on plain tensors and on DTensors (the norms under sequence parallel): the ops inside
 dispatch through DTensor like any other, and reductions over the sequence leave the weight's
@@ -89,3 +90,40 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, keeping gate and up for backward (not silu(gate) too)."""
     return _SwiGLU.apply(gate, up)
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, weight):
+        # The matmul in gate's dtype, as autocast's linear runs it; autocast's own cast would be cached
+        # and kept for backward, this one is dropped after the matmul (backward casts again).
+        with torch.autocast(gate.device.type, enabled=False):
+            out = F.linear(F.silu(gate).mul_(up), weight.to(gate.dtype))  # one f-wide temporary
+        ctx.save_for_backward(gate, up, weight)  # the weight is the parameter itself: no bytes of its own
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, weight = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):
+            # At most two f-wide tensors of its own live at once (autograd's backward of the unfused
+            # product holds three): w2's input recomputed and dropped after the weight's gradient, then
+            # silu(gate) again (one f-wide pass more) and every other step in place.
+            product = F.silu(gate).mul_(up)
+            # As mm's backward computes it for nn.Linear's transposed weight: grad^T · input, contiguous
+            # (the same kernel, so the same rounding; no copy into the parameter's layout).
+            grad_w = grad.flatten(0, -2).t().mm(product.flatten(0, -2))
+            del product
+            grad_product = grad.matmul(weight.to(grad.dtype))
+            grad_up = F.silu(gate).mul_(grad_product)
+            grad_product.mul_(up)
+            grad_gate = torch.ops.aten.silu_backward.grad_input(grad_product, gate, grad_input=grad_product)
+            return grad_gate, grad_up, grad_w.to(weight.dtype)
+
+
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(silu(gate) * up, weight), keeping gate, up and the weight for backward: not the
+    product (w2's input) nor, under autocast, a 16-bit copy of the weight. Plain tensors only: under
+    tensor parallel w2 is row-parallel (a DTensor laid out by its module's hooks) and goes through
+    swiglu and its module instead."""
+    return _SwiGLUDown.apply(gate, up, weight)

@@ -18,11 +18,12 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from loom.errors import ConfigError
 from loom.models.chunked_loss import Head
 from loom.models.gpt.config import GPTConfig, validate
-from loom.models.gpt.lean_ops import apply_rope, rms_norm, swiglu
+from loom.models.gpt.lean_ops import apply_rope, rms_norm, swiglu, swiglu_down
 from loom.parallel.weights import WeightSource, block, plain_name, write_weights
 
 
@@ -77,7 +78,17 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+        gate, up = self.w1(x), self.w3(x)
+        if _hooked(self.w2) or isinstance(self.w2.weight, DTensor):
+            # Tensor parallel's row-parallel w2 lays out its input and output in its hooks: through
+            # the module, keeping the product (planned so: loom/plan/shapes.py).
+            return self.w2(swiglu(gate, up))
+        return swiglu_down(gate, up, self.w2.weight)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling `module` does more than its forward (hooks that a direct use of its weight skips)."""
+    return bool(module._forward_pre_hooks or module._forward_hooks)
 
 
 class Block(nn.Module):
@@ -94,6 +105,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # A last pipeline stage under the chunked loss: forward returns the final norm's output and the
+    # schedule's loss calls the head with the targets (loom/train/step.py), so no logits leave it.
+    head_in_loss: bool = False
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         validate(cfg)
@@ -133,9 +148,11 @@ class GPT(nn.Module):
             h = layer(h, rope)
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
-            if targets is not None:  # the loss inside the head's call (FSDP2 gathers it there)
-                return self.output(h, targets, loss_chunk=loss_chunk, masked=masked)
+        if self.output is not None and not self.head_in_loss:
+            # The loss inside the head's call (FSDP2 gathers it there); targets by keyword: the TP
+            # plan's input hook passes on the first positional argument alone.
+            if targets is not None:
+                return self.output(h, targets=targets, loss_chunk=loss_chunk, masked=masked)
             h = self.output(h)
         return h
 

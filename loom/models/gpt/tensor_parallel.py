@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -25,13 +25,26 @@ from torch.distributed.tensor.parallel import (
 )
 
 
+class VocabParallelHead(ColwiseParallel):
+    """The head split over the vocabulary; a loss it computed itself (Head given targets: the chunked
+    loss's plain scalar, the same on every TP rank, or loss_parallel's replicated one) leaves as it
+    is, logits as ColwiseParallel lays them out."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor) or outputs.dim() == 0:
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Parallelize loom's GPT in place over `tp_mesh`."""
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     root_plan: dict[str, object] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        # Logits sharded over the vocabulary, left as DTensor for the vocab-parallel loss.
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        # Logits sharded over the vocabulary, left as DTensor for the vocab-parallel loss (or, given
+        # targets, the chunked loss the head computed on its shard: loom/models/chunked_loss.py).
+        "output": VocabParallelHead(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
         "norm": SequenceParallel(),
     }
     if not sequence_parallel:
