@@ -4,7 +4,7 @@ layouts (a covering set, not the full product).
 Each case runs `loom train` on gloo ranks for two steps and reads summary.json's
 `measured_vs_planned`: per rank, the step's peak minus the model states at rest (measured: the
 live-tensor tracker over step 2) beside the plan's activations + buffers (loom/plan/memory.py,
-stage_memory). Target: every row within ±20%.
+stage_memory). Target: every row within ±10%.
 
     nice -n 19 python bench/activations.py [--cases NAME ...] [--json PATH] [--keep DIR]
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 from provenance import describe, provenance  # noqa: E402
 
 MIB = 2**20
-TOLERANCE = 0.20
+TOLERANCE = 0.10
 B125 = ("model.preset=125m", "train.batch_size=4", "data.seq_len=256")
 SMALL = ("model.preset=small", "train.batch_size=8", "data.seq_len=256")
 TINY = ("model.preset=tiny", "train.batch_size=8", "data.seq_len=128")

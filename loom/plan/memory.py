@@ -227,6 +227,7 @@ MOMENTS = {
     "loss": "backward's start: saved + the loss's gradients of the logits",
     "backward's start": "saved | what backward holds from its start",
     "head backward": "the loss's tensors gone: the logits' and the head weight's gradients",
+    "final norm backward": "the head done: the final norm's backward temporaries beside the head's gradient",
     "head reduce-scatter": "the head's own unit reduce-scatters its gradient, resharded first",
     "block backward": "the topmost block's unit all-gathered again for its backward, the next prefetched",
     "recompute": "the topmost checkpointed block rebuilt, with its backward's first gradients (SwiGLU "
@@ -514,6 +515,12 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         moments.append(("loss", saved + transient, kept + held))
         logits_grad, weight_grad = head_backward_bytes(shape, seq, mb, e, tp, autocast, chunk)
         moments.append(("head backward", saved - loss_saved + logits_grad, kept + weight_grad + held))
+        # then the final norm's backward (lean_ops._RMSNorm): its input's gradient in the compute
+        # dtype and four fp32 [s·b, h] temporaries (normalized input, gradient, weighted gradient,
+        # the correction), the head's weight gradient still held
+        rows = seq * mb * shape.d_model / (tp if sp else 1)
+        moments.append(("final norm backward", saved - loss_saved + rows * (16 + e),
+                        kept + weight_grad + held))
         if own_head:  # its gradient reduce-scattered at once, the unit resharded first (zero2: the
             # others stay gathered)
             gloo = device == "cpu" and c.shard_size > 1

@@ -246,13 +246,23 @@ def head_backward_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int
     """The head's backward, once the loss's tensors are gone: (the logits' gradient in the compute
     dtype, the head weight's gradient). The weight's gradient is V·h in the compute dtype (FSDP2's
     unsharded gradient of the weight it all-gathered); under autocast also its fp32 copy on the
-    way to the fp32 parameter's gradient. Chunked: one chunk's logits beside the weight's gradient,
-    the same bytes (each chunk's product summed into it in place; under autocast in fp32, beside the
-    chunk's 16-bit product)."""
+    way to the fp32 parameter's gradient. Chunked (loom/models/chunked_loss.py), the weight's
+    gradient (e·V·h; under autocast its fp32 sum, 4·V·h) and, beside it at the backward's peak, the
+    rest: with several chunks a later chunk's fp32 and 16-bit softmax (and under autocast the chunk's
+    16-bit product, e·V·h, beside that chunk's 16-bit gradient); with one chunk its gradient lives
+    beside the weight's only in the compute dtype (and under autocast the 16-bit gradient is cast
+    to fp32 at the end). The first value is that rest, so the two add up to the peak."""
     if chunk:
-        vh = shape.vocab_size * shape.d_model / tp
-        weight = vh * (elem + (4 if autocast and elem < 4 else 0))
-        return chunk_logits_bytes(shape, seq, micro_batch, elem, chunk, tp), weight
+        e, vh, tokens = elem, shape.vocab_size * shape.d_model / tp, seq * micro_batch
+        logits = chunk_logits_bytes(shape, seq, micro_batch, elem, chunk, tp)  # (4 + e)·c·V/tp, e < 4
+        grad = min(chunk, tokens) * shape.vocab_size / tp * e  # one chunk's gradient, compute dtype
+        cast = autocast and e < 4
+        weight = vh * (4 if cast else e)
+        if tokens > chunk:  # the gradient summed over the chunks exists beside each later one's
+            peak = weight + max(logits, e * vh + grad) if cast else weight + logits
+        else:
+            peak = max(logits, e * vh + grad, e * vh + 4 * vh) if cast else max(logits, e * vh + grad)
+        return peak - weight, weight
     logits = seq * micro_batch * shape.vocab_size / tp * elem
     weight = shape.vocab_size * shape.d_model / tp * (elem + (4 if autocast and elem < 4 else 0))
     return logits, weight

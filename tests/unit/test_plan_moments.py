@@ -9,7 +9,7 @@ import pytest
 
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.memory import stage_memory
-from loom.plan.shapes import ModelShape
+from loom.plan.shapes import ModelShape, head_backward_bytes
 
 SHAPE = ModelShape("units", vocab_size=8192, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=512)
 
@@ -43,3 +43,15 @@ def test_zero3_all_gathers_the_top_block_for_its_backward(device, copies):
     held = zero3["loss"][1] - 4 * units[-1]  # the loss moment's buffers less the head's unit, resharded
     assert buf == pytest.approx(held + copies * 4 * units[-2])
     assert "block backward" not in moments("zero2", device)[0]  # zero2 gathers nothing again
+
+
+def test_the_final_norm_backward_holds_its_temporaries_beside_the_head_gradient():
+    """After the head's backward: the loss's tensors gone, the norm's input gradient (compute dtype)
+    and four fp32 [s·b, h] temporaries; the head weight's gradient still held."""
+    named, _ = moments("ddp")
+
+    logits_grad, _ = head_backward_bytes(SHAPE, 32, 2, 4)
+    rows = 32 * 2 * SHAPE.d_model
+    norm = named["head backward"][0] - logits_grad + rows * (16 + 4)
+    assert named["final norm backward"][0] == pytest.approx(norm)
+    assert named["final norm backward"][1] == named["head backward"][1]
