@@ -27,7 +27,7 @@ from loom.plan.explain import explain
 from loom.plan.hardware import GPU, Cluster, lookup, with_overrides
 from loom.plan.memory import RECIPES
 from loom.plan.report import render_table
-from loom.plan.search import Plan, config_candidate, emit_config, estimate, search, size_text
+from loom.plan.search import Plan, config_candidate, emit_config, estimate, loss_chunk_of, search, size_text
 from loom.plan.shapes import ModelShape, from_hf_config, from_params, from_preset, llama_like
 
 
@@ -81,17 +81,6 @@ def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
     w = Workload(shape, seq, batch, precision, args.recipe, chunk, every)
     return w, (f"assumed workload: {size} × {seq} tokens ({why} sequence length); "
                f"change with --set train.batch_size=… --set data.seq_len=…")
-
-
-def loss_chunk_of(cfg, model: str | None) -> int:
-    """The loss chunk `loom train` runs the planned model with (train.loss_chunk): loom's GPT chunks
-    its loss; a pretrained Hugging Face folder (model.init_from, or the --emit of a config.json beside
-    its weights) returns full logits."""
-    folder = Path(model).parent if model and model.endswith(".json") else None
-    pretrained = cfg.model.init_from and model is None
-    if pretrained or (folder is not None and any(folder.glob("*.safetensors"))):
-        return 0
-    return cfg.train.loss_chunk
 
 
 def model_seq_len(cfg, model: str | None) -> int:

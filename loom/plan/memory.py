@@ -598,19 +598,22 @@ def _reduce_scatter(unit: float, elem: int, gloo: bool, held: float = 0.0) -> fl
 
 def _micro_batches_in_flight(c, stage: int, terms: Terms = NO_TERMS) -> float:
     """Micro-batches whose activations a stage holds at once: 1 without a pipeline; GPipe all m;
-    1F1B p − stage (p on the first); interleaved 1F1B p·(1 + (p−1)/(p·v)) on the first."""
+    1F1B p − stage (p on the first); interleaved 1F1B p·(1 + (p−1)/(p·v)) on the first. The rule's
+    words are templates, filled in only when recorded."""
     p, m, v = c.pp, c.grad_accum, c.virtual_stages
     if p == 1:
         inflight, rule, nums = 1, "1 (no pipeline)", None
     elif c.schedule == "gpipe":
-        inflight, rule, nums = m, "m (GPipe: every forward before any backward)", f"{m}"
+        inflight, rule, nums = m, "m (GPipe: every forward before any backward)", "{m}"
     elif c.schedule == "interleaved" and stage == 0:
         inflight = min(m * v, p * (1 + (p - 1) / (p * v)))
         rule = "min(m·v, p·(1 + (p−1)/(p·v))) (interleaved 1F1B, first stage)"
-        nums = f"min({m}·{v}, {p}·(1 + ({p}−1)/({p}·{v})))"
+        nums = "min({m}·{v}, {p}·(1 + ({p}−1)/({p}·{v})))"
     else:
-        inflight, rule = min(m, p - stage), f"min(m, p − stage) (1F1B, stage {stage})"
-        nums = f"min({m}, {p} − {stage})"
+        inflight = min(m, p - stage)
+        rule, nums = "min(m, p − stage) (1F1B, stage {stage})", "min({m}, {p} − {stage})"
     if terms:
-        terms.item("micro-batches in flight", rule, nums, num(inflight))
+        fill = {"m": m, "p": p, "v": v, "stage": stage}
+        nums = nums and nums.format(**fill)
+        terms.item("micro-batches in flight", rule.format(**fill), nums, num(inflight))
     return inflight

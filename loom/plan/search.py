@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from loom import strategies
 from loom.errors import ConfigError
@@ -426,11 +427,20 @@ def emit_config(base, record: dict):
     return cfg
 
 
+def loss_chunk_of(cfg, model: str | None = None) -> int:
+    """The loss chunk `loom train` runs the planned model with (train.loss_chunk): loom's GPT chunks
+    its loss; a pretrained Hugging Face folder (model.init_from, or `loom plan --model` of a
+    config.json beside its weights) returns full logits."""
+    folder = Path(model).parent if model and model.endswith(".json") else None
+    pretrained = cfg.model.init_from and model is None
+    if pretrained or (folder is not None and any(folder.glob("*.safetensors"))):
+        return 0
+    return cfg.train.loss_chunk
+
+
 def config_workload(cfg, shape, recipe: str = "torch") -> Workload:
-    # loom's GPT chunks its loss (train.loss_chunk); a Hugging Face model returns full logits
-    chunk = cfg.train.loss_chunk if not cfg.model.init_from else 0
-    return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe, chunk,
-                    cfg.parallel.reduce_every_micro_step)
+    return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe,
+                    loss_chunk_of(cfg), cfg.parallel.reduce_every_micro_step)
 
 
 def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int) -> Candidate:

@@ -139,7 +139,7 @@ BUGS = [
         "if False else \"\")",
         ("tests/unit/test_core_wait.py::test_a_runs_step_time_names_the_load",)),
     Bug("plan-prices-full-logits", "loom plan prices the full logits, though loom's GPT chunks its loss",
-        "loom/plan/command.py",
+        "loom/plan/search.py",
         "    return cfg.train.loss_chunk\n",
         "    return 0\n",
         (f"{HOUR}::test_the_plan_prices_the_loss_as_loom_trains_it",
