@@ -45,6 +45,8 @@ CKPT_ERROR_POLICIES = ("stop", "continue")
 PREEMPT_SIGNALS = ("USR1", "USR2")  # signals free for this use: INT, TERM and HUP already stop a run
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # loom/parallel/pipeline.py's SCHEDULES
 BIN_DTYPES = ("uint16", "uint32")
+CP_MODES = ("ring", "alltoall")  # loom/parallel/context_parallel.py
+PACKINGS = ("concat", "documents")
 
 
 @dataclass
@@ -82,6 +84,9 @@ class DataConfig:
     streaming: bool = False  # read records as a stream (corpora larger than memory)
     bpe_vocab_size: int = 2048
     bin_dtype: str = "uint16"
+    # concat: windows cut across documents, attention sees the whole window | documents: attention
+    # never crosses a document's end (its EOS) and positions restart at each document
+    packing: str = "concat"
     seq_len: int = 128
     eval_fraction: float = 0.02
     num_workers: int = 1
@@ -116,6 +121,10 @@ class ParallelConfig:
     microbatches: int = 0  # pipeline micro-batches per micro-step; 0 = pp
     tp: int = 1  # tensor-parallel degree (innermost mesh dim: the ranks of one node)
     sequence_parallel: bool = False  # tp: shard norms and residuals along the sequence
+    # context parallel: each sequence split over cp ranks (a chunk from the front and its mirror from
+    # the back), attention exchanged between them; FSDP2 shards over dp_shard × cp
+    cp: int = 1
+    cp_mode: str = "ring"  # ring (k/v blocks passed around, isend/irecv) | alltoall (Ulysses: seq ↔ heads)
     activation_checkpointing: str = "none"  # none | full | selective | op (keep matmul outputs)
     ac_every: int = 2  # selective: checkpoint every k-th block
 
@@ -246,6 +255,7 @@ RULES: dict[str, Rule] = {
     "data.messages_field": _name("name the records' chat field, e.g. messages"),
     "data.bpe_vocab_size": _count(1, MAX_VOCAB),
     "data.bin_dtype": _one_of(BIN_DTYPES),
+    "data.packing": _one_of(PACKINGS),
     "data.seq_len": _count(1, MAX_POSITIONS),
     "data.eval_fraction": Rule(0, 1, below=True, span=True, eg="0.02"),
     "data.num_workers": _count(0, 256, "(0 loads in the main process)"),
@@ -268,6 +278,7 @@ RULES: dict[str, Rule] = {
     "parallel.pp_virtual_stages": _count(1, MAX_LAYERS),
     "parallel.microbatches": _count(0, why="(0: one per stage)"),
     "parallel.tp": _count(),
+    "parallel.cp": _count(), "parallel.cp_mode": _one_of(CP_MODES),
     "parallel.activation_checkpointing": _one_of(ACTIVATION_CHECKPOINTING),
     "parallel.ac_every": _count(1, MAX_LAYERS),
     # train
@@ -535,12 +546,13 @@ def _choice(path: str, value: str, choices: typing.Sequence[str], why: str = "")
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The mesh [pp, dp_replicate, dp_shard, tp]; their product is the world size."""
+    """The mesh [pp, dp_replicate, dp_shard, cp, tp]; their product is the world size."""
 
     dp_replicate: int
     dp_shard: int
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
@@ -548,7 +560,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
 
 def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
@@ -556,27 +568,28 @@ def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
     (zero2, zero3) or both (hsdp: dp_replicate × dp_shard)."""
     _check_rule("parallel.tp", p.tp)
     _check_rule("parallel.pp", p.pp)
-    tp, pp = p.tp, p.pp
-    if world_size % (pp * tp):
-        raise ConfigError(f"pp × tp = {pp} × {tp} = {pp * tp} does not divide the world size {world_size}; "
-                          f"pick degrees whose product divides {world_size}")
-    dp = world_size // (pp * tp)
+    _check_rule("parallel.cp", p.cp)
+    tp, pp, cp = p.tp, p.pp, p.cp
+    if world_size % (pp * cp * tp):
+        raise ConfigError(f"pp × cp × tp = {pp} × {cp} × {tp} = {pp * cp * tp} does not divide the world "
+                          f"size {world_size}; pick degrees whose product divides {world_size}")
+    dp = world_size // (pp * cp * tp)
     s = strategies.lookup(p.strategy)
     if s.dp_mesh != "hybrid":
         replicate, shard = s.dp_dims(dp)
-        return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp)
+        return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp)
     if p.dp_replicate == 1:  # one replica group: zero3's sharding plus an all-reduce over itself
         raise ConfigError("parallel.strategy = hsdp with parallel.dp_replicate = 1 is zero3 with a useless "
                           "all-reduce; use parallel.strategy=zero3, or set parallel.dp_replicate ≥ 2 "
                           "(the replica groups, e.g. one per node)")
     shard = p.dp_shard if p.dp_shard != -1 else dp // max(p.dp_replicate, 1)
-    product = pp * p.dp_replicate * shard * tp
+    product = pp * p.dp_replicate * shard * cp * tp
     if product != world_size or shard < 1:
         raise ConfigError(
-            f"hsdp needs pp × dp_replicate × dp_shard × tp = world size, but {pp} × {p.dp_replicate} × "
-            f"{p.dp_shard} × {tp} = {pp * p.dp_replicate * p.dp_shard * tp} ≠ {world_size}; "
+            f"hsdp needs pp × dp_replicate × dp_shard × cp × tp = world size, but {pp} × {p.dp_replicate} × "
+            f"{p.dp_shard} × {cp} × {tp} = {pp * p.dp_replicate * p.dp_shard * cp * tp} ≠ {world_size}; "
             f"set parallel.dp_replicate × parallel.dp_shard = {dp}")
-    return ParallelDims(dp_replicate=p.dp_replicate, dp_shard=shard, tp=tp, pp=pp)
+    return ParallelDims(dp_replicate=p.dp_replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp)
 
 
 def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
@@ -632,6 +645,7 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
     if p.sequence_parallel and d.seq_len % dims.tp:
         raise ConfigError(f"parallel.sequence_parallel splits data.seq_len = {d.seq_len} over "
                           f"tp = {dims.tp}; use a seq_len divisible by {dims.tp}")
+    _check_context_parallel(cfg, dims)
     if dims.pp > 1 and t.precision == "fp16":
         raise ConfigError("fp16 loss scaling is not wired into the pipeline schedules; "
                           "use train.precision=bf16")
@@ -644,6 +658,26 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
             f"train.batch_size = {t.batch_size} is not divisible by grad_accum ({t.grad_accum}) × "
             f"data-parallel size ({dims.dp}){pipeline} = {per}; use a multiple of {per}: {multiples}")
     return dims
+
+
+def _check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
+    """What context parallelism and document packing need of the sequence (the model's heads are
+    checked where the model is known: loom/train/task.py)."""
+    p, seq = cfg.parallel, cfg.data.seq_len
+    if dims.cp > 1:
+        split = 2 * dims.cp * (dims.tp if p.sequence_parallel else 1)
+        why = " × tp (sequence parallel splits each rank's share again)" if p.sequence_parallel else ""
+        if seq % split:
+            raise ConfigError(f"parallel.cp = {dims.cp} splits each sequence into 2 × cp{why} = {split} "
+                              f"chunks (one from the front and its mirror from the back per rank), but "
+                              f"data.seq_len = {seq} is not divisible by {split}; use e.g. "
+                              f"data.seq_len={max(split, seq // split * split)}")
+        if p.engine == "deepspeed":
+            raise ConfigError(f"parallel.cp = {dims.cp} is run by the torch engine; DeepSpeed's does not "
+                              f"split sequences. Set parallel.cp=1, or parallel.engine=torch")
+    if cfg.data.packing == "documents" and dims.pp > 1:
+        raise ConfigError(f"data.packing = 'documents' is not wired through the pipeline's stages (pp = "
+                          f"{dims.pp}) yet; set data.packing=concat, or parallel.pp=1")
 
 
 def _check_engine(p: ParallelConfig, this_machine: bool) -> None:

@@ -48,6 +48,7 @@ class RunData:
     vocab_size: int  # the tokenizer's vocabulary: every id < vocab_size
     description: str  # one line: sources, format, tokens, tokenizer
     format: str = "text"  # "sft": items are LongTensor[2, seq_len + 1]
+    eos_id: int | None = None  # the id that ends each document (documents' sources), else None
 
 
 @dataclass
@@ -76,14 +77,24 @@ def build_run_data(cfg: Config, model_dir: Path | None = None) -> RunData:
     choice = resolve_tokenizer(d.tokenizer, model_dir)
     cache_dir = Path(d.cache_dir).expanduser()
     if d.streaming:
-        return _streaming(cfg, entries, choice, cache_dir)
+        return _packed(cfg, _streaming(cfg, entries, choice, cache_dir))
     only = entries[0].source if len(entries) == 1 else None
     if only is not None and d.format == "text":
         if only.kind == "bin":
-            return _bin(cfg, only, choice, model_dir)
+            return _packed(cfg, _bin(cfg, only, choice, model_dir))
         if only.kind == "text" and choice in ("byte", "bpe"):
-            return _classic_text(cfg, only, str(choice), cache_dir)
-    return _documents(cfg, entries, choice, cache_dir)
+            return _packed(cfg, _classic_text(cfg, only, str(choice), cache_dir))
+    return _packed(cfg, _documents(cfg, entries, choice, cache_dir))
+
+
+def _packed(cfg: Config, data: RunData) -> RunData:
+    """data.packing = documents masks attention at each document's EOS: the data must have one."""
+    if cfg.data.packing == "documents" and data.eos_id is None:
+        raise ConfigError(f"data.packing = 'documents' needs documents that each end with the tokenizer's "
+                          f"EOS, but data.source '{cfg.data.source}' is read as one stream of tokens; give "
+                          f"records (JSONL, Parquet, ...) or text with a tokenizer.json (data.tokenizer), or "
+                          f"set data.packing=concat")
+    return data
 
 
 def _split(cfg: Config, tokens, mask, description: str, vocab: int) -> RunData:
@@ -170,7 +181,9 @@ def _documents(cfg: Config, entries: list[_Entry], choice: str | Path, cache_dir
         parts = " + ".join(f"{e.spec} ×{e.weight:g} ({n:,} docs drawn, {x.num_docs:,} in it)"
                            for e, x, n in zip(entries, found, counts))
         what = f"mix of {parts}: {len(tokens):,} tokens"
-    return _split(cfg, tokens, mask, f"{what} ({d.format}), tokenizer {name} (vocab {vocab:,})", vocab)
+    data = _split(cfg, tokens, mask, f"{what} ({d.format}), tokenizer {name} (vocab {vocab:,})", vocab)
+    data.eos_id = (tokenizer or load_document_tokenizer(choice)).eos_id if d.packing == "documents" else None
+    return data
 
 
 def _stream_documents(source: sources.Source, tokenizer: DocumentTokenizer, fields: RecordFields,
@@ -211,4 +224,4 @@ def _streaming(cfg: Config, entries: list[_Entry], choice: str | Path, cache_dir
     held = f"{n_eval:,} eval windows of {d.seq_len + 1} held out at its start" if n_eval else "no eval"
     description = (f"{what} (streaming, {d.format}), tokenizer {tokenizer.name} "
                    f"(vocab {tokenizer.vocab_size:,}); {held}")
-    return RunData(train, evals, tokenizer.vocab_size, description, d.format)
+    return RunData(train, evals, tokenizer.vocab_size, description, d.format, tokenizer.eos_id)

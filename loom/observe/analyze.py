@@ -16,6 +16,7 @@ from pathlib import Path
 
 import loom
 from loom.checked import Fields, parse_json, read_json, read_text, read_toml
+from loom.config import CP_MODES
 from loom.files import atomic_write
 from loom.observe.diagnose import diagnose, try_text
 from loom.observe.ledger import analyze_dir
@@ -29,8 +30,11 @@ def analyze(trace_dir: Path) -> dict:
     analysis["stragglers"] = find_stragglers(analysis["collectives"], analysis["ranks"])
     run_dir = trace_dir.parent if trace_dir.name == "traces" else trace_dir
     config = run_config(run_dir / "config.toml")
-    analysis["run"] = {"name": run_dir.name, "strategy": (config or {}).get("parallel", {}).get("strategy"),
+    parallel = (config or {}).get("parallel", {})
+    analysis["run"] = {"name": run_dir.name, "strategy": parallel.get("strategy"),
                        "world_size": len(analysis["ranks"])} | run_facts(run_dir, config, analysis)
+    if config is not None:  # the layout's context parallelism (the report's header, --compare)
+        analysis["run"] |= {"cp": parallel.get("cp", 1), "cp_mode": parallel.get("cp_mode", "ring")}
     analysis["plan"] = run_plan(run_dir / "plan.json")
     analysis["measured_vs_planned"] = measured_vs_planned(run_dir / "summary.json")
     analysis["findings"] = diagnose(analysis, config)
@@ -55,7 +59,7 @@ def run_config(path: Path) -> dict | None:
             if key not in fields:
                 continue
             if kind is str:
-                out[key] = fields.str(key, nonempty=True)
+                out[key] = fields.str(key, choices=low, nonempty=key != "init_from")
             elif kind is int:
                 out[key] = fields.int(key, min=low, max=high)
             else:  # sizes: ddp_bucket_mb above 0, fsdp_unit_mb 0 or more (0: one unit per module)
@@ -65,14 +69,15 @@ def run_config(path: Path) -> dict | None:
     return config
 
 
-# What run_config reads: section -> key -> (type, low, high).
+# What run_config reads: section -> key -> (type, low, high); text: (str, the choices or None, None).
 _TEXT, _COUNT = (str, None, None), (int, 0, 1 << 20)
 _CONFIG_KEYS = {
-    "model": {"preset": _TEXT},
+    "model": {"preset": _TEXT, "n_heads": _COUNT, "n_kv_heads": _COUNT, "init_from": _TEXT},
     "data": {"num_workers": (int, 0, 4096), "seq_len": _COUNT},
     "parallel": {"strategy": _TEXT, "engine": _TEXT, "fsdp_prefetch": (int, 0, 1024),
                  "fsdp_unit_mb": (float, 0, 1e6), "ddp_bucket_mb": (float, 0, 1e6), "tp": _COUNT,
-                 "pp": _COUNT, "pp_schedule": _TEXT, "microbatches": _COUNT},
+                 "pp": _COUNT, "pp_schedule": _TEXT, "microbatches": _COUNT, "cp": _COUNT,
+                 "cp_mode": (str, CP_MODES, None)},
     "train": {"batch_size": _COUNT, "grad_accum": _COUNT, "precision": _TEXT, "optimizer_impl": _TEXT},
 }
 
@@ -214,8 +219,11 @@ def _pair(doc: Fields, key: str) -> None:
 
 
 def render_table(analysis: dict) -> str:
+    # context parallelism's exchange: its part of the exposed and hidden comm, where a rank had one
+    cp = any("cp_exposed_ms" in s for info in analysis["ranks"].values() for s in info.get("steps", []))
     lines = [(f"{'rank':>4} {'step':>5} {'wall ms':>9} {'compute':>8} {'comm exp':>9} {'io':>6} {'idle':>6} "
-              f"{'hidden ms':>9} {'overlap':>7} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8}")]
+              f"{'hidden ms':>9} {'overlap':>7} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8}"
+              + (f" {'cp exp ms':>9} {'cp hid ms':>9}" if cp else ""))]
     for rank, info in sorted(analysis["ranks"].items(), key=lambda kv: int(kv[0])):
         for w in info.get("warnings", []):
             lines.append(f"  rank {rank}: warning: {w}")
@@ -224,7 +232,9 @@ def render_table(analysis: dict) -> str:
             lines.append(f"{rank:>4} {s['step']:>5} {s['wall_ms']:9.1f} {sh['compute']:7.1f}% "
                          f"{sh['comm_exposed']:8.1f}% {sh['io']:5.1f}% {sh['idle']:5.1f}% "
                          f"{s['comm_hidden_ms']:9.1f} {s['overlap_pct']:6.0f}% "
-                         f"{s['forward_ms']:8.1f} {s['backward_ms']:8.1f} {s['optimizer_ms']:8.1f}")
+                         f"{s['forward_ms']:8.1f} {s['backward_ms']:8.1f} {s['optimizer_ms']:8.1f}"
+                         + (f" {s.get('cp_exposed_ms', 0.0):9.1f} {s.get('cp_hidden_ms', 0.0):9.1f}"
+                            if cp else ""))
     kinds: dict[str, list[float]] = {}
     for info in analysis["ranks"].values():
         for c in info.get("collectives", []):

@@ -12,6 +12,8 @@ the Φ of the ring formulas, in bytes:
   gather, scatter                         the full tensor, N per-rank pieces
   all_to_all                              this rank's input
   send, recv                              the tensor (batch_isend_irecv: each op separately)
+  cp_ring                                 context parallelism's ring: the tensors this rank sends
+  cp_alltoall                             context parallelism's all-to-all: this rank's input
 What the wire carries depends on the algorithm the backend picks and is not seen here;
 `modelled_wire_bytes` applies the ring model (loom.plan.comm.ring) to the observed payload and is
 labelled as the model it is.
@@ -28,6 +30,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from loom.parallel.context_parallel import RING, active_exchange
 from loom.plan.comm import ring
 
 # op -> (kind, argument holding the payload, payload is one rank's share to multiply by N).
@@ -138,10 +141,15 @@ class CollectiveCounter(TorchDispatchMode):
             ops = [("send" if op == "isend" else "recv", t) for op, t in pairs]
         else:
             ops = [(kind, bound[payload_arg] if payload_arg else None)]
+        exchange = active_exchange()  # context parallelism's: its own kind
         for k, tensors in ops:
+            if exchange == RING and k == "recv":
+                continue  # a ring's receives are the previous rank's sends: its payload is what it sends
             payload = _nbytes(tensors) * (n if per_rank else 1)
+            wire = ring_sent_bytes(k, payload, n)  # by what the wire carries: a send, an all-to-all
+            k = exchange or k
             self.records.append({"kind": k, "group_size": n, "payload_bytes": payload,
-                                 "modelled_wire_bytes": ring_sent_bytes(k, payload, n), "op": func.name(),
+                                 "modelled_wire_bytes": wire, "op": func.name(),
                                  "dtype": _dtype(tensors)})
 
     def summary(self) -> dict:

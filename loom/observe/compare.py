@@ -22,7 +22,7 @@ from pathlib import Path
 from loom.errors import LoomError
 from loom.files import atomic_write
 from loom.observe.analyze import analyze
-from loom.observe.diagnose import try_text
+from loom.observe.diagnose import toml_value, try_text
 from loom.observe.ledger import PHASES, TOP_OPS, collective_kind
 from loom.observe.report import _CSS, _e, _section, _table, size_text
 
@@ -44,7 +44,10 @@ _OP_PHASE_HINTS = (("optimizer", ("optimizer", "adam", "sgd", "multi_tensor_appl
                    ("data", ("dataloader", "loom/data")))
 # Where a collective of each kind can run in a training step; a kind not listed may run anywhere.
 _COLLECTIVE_PHASES = {"reduce_scatter": ("backward", "other"), "all_gather": ("forward", "backward", "other"),
-                      "all_reduce": ("backward", "optimizer", "other")}
+                      "all_reduce": ("backward", "optimizer", "other"),
+                      # context parallelism's exchanges run in attention, forward and backward
+                      "cp_ring": ("forward", "backward", "other"),
+                      "cp_alltoall": ("forward", "backward", "other")}
 # Which findings (diagnose.py categories) speak to a part, phase or culprit of the difference.
 _CATEGORIES = {"comm_exposed": ("comm", "straggler", "imbalance"), "io": ("io",), "idle": ("idle", "sync"),
                "optimizer": ("optimizer",), "data": ("io",), "collective": ("comm", "straggler", "imbalance"),
@@ -107,7 +110,7 @@ def summarize(analysis: dict) -> dict:
     run = analysis.get("run") or {}
     kind = "/".join(sorted({info.get("kind") for info in ranks.values() if info.get("kind")})) or None
     return {"name": run.get("name"), "strategy": run.get("strategy"), "ranks": len(ranks),
-            "steps": len(timed), "kind": kind,
+            "steps": len(timed), "kind": kind, "cp": run.get("cp"), "cp_mode": run.get("cp_mode"),
             "wall_ms": _mean(s["wall_ms"] for s in timed),
             "parts_ms": {k: _mean(s.get(key, 0.0) for s in timed) for k, key in PARTS},
             "shares": shares, "phases": phases, "collectives": kinds, "ops": ops,
@@ -159,14 +162,33 @@ def compare(analysis_a: dict, analysis_b: dict) -> dict:
     step = {"a_ms": a["wall_ms"], "b_ms": b["wall_ms"], "delta_ms": b["wall_ms"] - a["wall_ms"],
             "ratio": _ratio(a["wall_ms"], b["wall_ms"])}
     result = {
-        "a": {k: a[k] for k in ("name", "strategy", "ranks", "steps", "kind")},
-        "b": {k: b[k] for k in ("name", "strategy", "ranks", "steps", "kind")},
+        "a": {k: a[k] for k in ("name", "strategy", "ranks", "steps", "kind", "cp", "cp_mode")},
+        "b": {k: b[k] for k in ("name", "strategy", "ranks", "steps", "kind", "cp", "cp_mode")},
         "step": step, "shares": shares, "parts": parts, "phases": phases, "collectives": collectives,
         "ops": ops[:TOP_CHANGED], "findings": _findings(a["findings"], b["findings"]), "warnings": warnings,
+        "layout": _layout_keys(a, b),
     }
     result = _rounded(result)
     result["why"] = _why(result, _rounded(ops))
+    if result["layout"]:  # the runs were set up differently: that key is the difference made
+        result["why"]["config_key"] = result["layout"][0]["key"]
+        keys = "; ".join(f"{d['key']} = {toml_value(d['b'])} in B, {toml_value(d['a'])} in A"
+                         for d in result["layout"])
+        result["why"]["text"] += f" The layout differs: {keys}."
     return result
+
+
+def _layout_keys(a: dict, b: dict) -> list[dict]:
+    """The context-parallel keys set differently in the two runs' configs (both known): cp, and
+    cp_mode where both split sequences (cp > 1)."""
+    if a["cp"] is None or b["cp"] is None:
+        return []
+    out = []
+    if a["cp"] != b["cp"]:
+        out.append({"key": "parallel.cp", "a": a["cp"], "b": b["cp"]})
+    if a["cp"] > 1 and b["cp"] > 1 and a["cp_mode"] != b["cp_mode"]:
+        out.append({"key": "parallel.cp_mode", "a": a["cp_mode"], "b": b["cp_mode"]})
+    return out
 
 
 def _rounded(x):
@@ -359,6 +381,7 @@ def _short(name: str, width: int = 64) -> str:
 def _run_line(label: str, run: dict) -> str:
     where = run.get("path") or run.get("name") or "?"
     extra = f", {run['strategy']}" if run.get("strategy") else ""
+    extra += f", cp {run['cp']} ({run.get('cp_mode') or 'ring'})" if (run.get("cp") or 1) > 1 else ""
     return f"{label}: {where} ({run['ranks']} rank(s), {run['steps']} step(s), {run['kind'] or '?'}{extra})"
 
 

@@ -9,7 +9,8 @@ Each finding names the evidence (numbers), the likely cause, what to try and the
 effect. What to try is a config key with a valid TOML value (`knob`, `value`) and prose beside
 it (`note`); where no config key can fix the cause, `knob` is None and `note` says what to do.
 Keys fit the layout that ran: no FSDP prefetch for DDP or a model that is one FSDP unit, no DDP
-bucket size for FSDP. A healthy ledger gives no finding.
+bucket size for FSDP; for context parallelism's exchange, the cp_mode or cp that its heads and
+ranks allow. A healthy ledger gives no finding.
 """
 
 from __future__ import annotations
@@ -18,10 +19,20 @@ import json
 import statistics
 from collections import defaultdict
 
+from loom.models.gpt.config import PRESETS
+from loom.observe.ledger import CP_KINDS
+
 # A part of the step worth a finding (percent of wall time).
 SHARE = 15.0
 # Strategies whose collectives are FSDP's all-gathers and reduce-scatters (torch engine).
 _SHARDED = ("zero2", "zero3", "hsdp")
+# Why context parallelism's exchange is exposed, by its kind (ledger.CP_KINDS).
+_CP_CAUSE = {
+    "cp_ring": "each ring hop's k/v (and in backward dk/dv) transfer takes longer than the attention of the "
+               "block it should hide under",
+    "cp_alltoall": "the all-to-alls turning sequence shards into head shards and back run between the "
+                   "projections and attention: nothing computes while they move",
+}
 
 
 def _mean(values) -> float:
@@ -269,7 +280,8 @@ def _slowest_op(ranks: dict, slow: str) -> str:
 
 def _exposed_by_kind(ranks: dict, waits: dict, matched: list[dict], cfg: dict) -> list[dict]:
     """Exposed communication less the waiting for a slower rank, shared among the collective
-    kinds by their transfer time; a finding for each kind holding a quarter of it or more."""
+    kinds by their transfer time (context parallelism's exchange takes what the ledger measured as
+    its own); a finding for each kind holding a quarter of it or more."""
     transfer: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # rank -> kind -> ms
     if matched:
         for m in matched:
@@ -283,14 +295,13 @@ def _exposed_by_kind(ranks: dict, waits: dict, matched: list[dict], cfg: dict) -
     shares = []
     for rank, info in ranks.items():
         kinds = transfer.get(rank, {})
-        total = sum(kinds.values())
         for s in info.get("steps", []):
             if s["wall_ms"] <= 0:
                 continue
             exposed = max(_ms(s, "comm_exposed") - waits.get(rank, {}).get(s.get("step"), 0.0), 0.0)
             shares.append(100 * exposed / s["wall_ms"])
-            for kind, ms in kinds.items():
-                per_kind[kind].append(100 * exposed * ms / total / s["wall_ms"] if total else 0.0)
+            for kind, ms in _split_exposed(exposed, s, kinds).items():
+                per_kind[kind].append(100 * ms / s["wall_ms"])
     exposed = _mean(shares)
     if exposed < SHARE:
         return []
@@ -313,9 +324,37 @@ def _exposed_by_kind(ranks: dict, waits: dict, matched: list[dict], cfg: dict) -
             f"exposed communication {exposed:.0f}% of a {wall:.1f} ms step once waiting for slower ranks is "
             f"taken out; {kind} {share:.0f}% ({share * wall / 100:.1f} ms per step); by kind "
             + ", ".join(f"{k} {v:.0f}%" for k, v in ranked) + f"; layout {layout['label']}",
-            f"{kind} transfers run after the compute that could hide them", knob, value, note,
-            f"up to {share:.0f}% shorter steps as {kind} overlaps compute", kind=kind))
+            _CP_CAUSE.get(kind, f"{kind} transfers run after the compute that could hide them"), knob, value,
+            note, f"up to {share:.0f}% shorter steps as {kind} overlaps compute" if kind not in CP_KINDS else
+            f"up to {share:.0f}% shorter steps as less of the exchange waits", kind=kind))
     return out
+
+
+def _split_exposed(exposed: float, step: dict, kinds: dict[str, float]) -> dict[str, float]:
+    """A step's exposed ms per kind, shared by transfer time; CP's exchange takes the part the ledger
+    measured as its own (`cp_exposed_ms`), the other kinds the rest."""
+    def by_transfer(ms: float, members: dict[str, float]) -> dict[str, float]:
+        total = sum(members.values())
+        return {k: ms * t / total if total else 0.0 for k, t in members.items()}
+
+    cp = {k: t for k, t in kinds.items() if k in CP_KINDS}
+    rest = {k: t for k, t in kinds.items() if k not in CP_KINDS}
+    if not cp or step.get("cp_exposed_ms") is None or not rest:
+        return by_transfer(exposed, kinds)
+    cp_ms = min(step["cp_exposed_ms"], exposed)
+    return by_transfer(cp_ms, cp) | by_transfer(exposed - cp_ms, rest)
+
+
+def _heads(cfg: dict) -> tuple[int, int] | None:
+    """The run's attention heads and kv heads, where its config says (a loom GPT preset or overrides;
+    a model from init_from brings its own shape, not known here)."""
+    model = cfg.get("model", {})
+    if model.get("init_from"):
+        return None
+    base = PRESETS.get(model.get("preset", "small"))
+    heads = model.get("n_heads") or (base.n_heads if base else None)
+    kv = model.get("n_kv_heads") or (base.n_kv_heads if base else None)
+    return (heads, kv) if heads and kv else None
 
 
 def _layout(ranks: dict, cfg: dict) -> dict:
@@ -333,12 +372,14 @@ def _layout(ranks: dict, cfg: dict) -> dict:
         strategy = "fsdp" if counts.get("reduce_scatter") or counts.get("all_gather") else "ddp"
     units = round(counts.get("reduce_scatter") or counts.get("all_gather") or 0)
     layout = {"strategy": strategy, "engine": par.get("engine", "torch"), "tp": par.get("tp", 1),
-              "pp": par.get("pp", 1), "units": units,
+              "pp": par.get("pp", 1), "cp": par.get("cp"), "heads": _heads(cfg), "units": units,
               "unit_mib": max(sizes.get("all_gather", 0), sizes.get("reduce_scatter", 0)) / 2**20, **par}
     label = f"{strategy}" + (f" ({layout['engine']})" if layout["engine"] != "torch" else "")
     if strategy in (*_SHARDED, "fsdp"):
         label += f", {units} FSDP unit(s) per step"
     label += "".join(f", {k} {layout[k]}" for k in ("tp", "pp") if layout[k] > 1)
+    if (layout["cp"] or 1) > 1:
+        label += f", cp {layout['cp']} ({layout.get('cp_mode', 'ring')})"
     layout["label"] = label
     return layout
 
@@ -346,6 +387,8 @@ def _layout(ranks: dict, cfg: dict) -> dict:
 def _kind_knob(kind: str, layout: dict) -> tuple[str | None, object, str]:
     """The key that moves a kind's exposed transfer, for the layout that ran: (key, value, note)."""
     strategy, tp, pp = layout["strategy"], layout["tp"], layout["pp"]
+    if kind in CP_KINDS:
+        return _cp_knob(kind, layout)
     if layout["engine"] == "deepspeed" and kind in ("all_gather", "reduce_scatter", "all_reduce"):
         return None, None, ("DeepSpeed overlaps ZeRO's collectives itself: overlap_comm and the bucket sizes "
                             "in the JSON of parallel.deepspeed_config")
@@ -387,3 +430,33 @@ def _kind_knob(kind: str, layout: dict) -> tuple[str | None, object, str]:
         return None, None, ("all-to-all comes from the model's own code (expert or context-parallel layers): "
                             "no loom key moves it; keep the exchange within a node, or exchange less")
     return None, None, f"{kind} on the step's path comes from the step's own code (a barrier, a broadcast)"
+
+
+def _cp_knob(kind: str, layout: dict) -> tuple[str | None, object, str]:
+    """Exposed CP exchange. Ring: each hop's k/v transfer hides under the attention of the block
+    before it, which the chunk length (sequence / cp) sets: attention per hop grows with its square,
+    the transfer with it. All-to-all (Ulysses) moves q, k, v and the output at once, on the critical
+    path, about (h + kv') / (kv · cp) of the ring's bytes, where the h heads divide by cp (kv' = kv
+    when the kv heads do too, else h: context_parallel.py repeats them to the query heads)."""
+    cp, heads = layout.get("cp"), layout.get("heads")
+    if not cp or cp < 2:
+        return None, None, ("context parallelism's exchange with the layout unknown (no config.toml): fewer "
+                            "ranks in parallel.cp, or the other parallel.cp_mode")
+    if kind == "cp_alltoall":
+        return "parallel.cp_mode", "ring", (
+            f"now alltoall over {cp} ranks: its all-to-alls wait before and after attention; the ring passes "
+            "k/v blocks while each block's attention computes, hidden once sequence / cp is long enough")
+    fewer = ("parallel.cp", cp // 2, (
+        f"now {cp}: each hop's attention over sequence / {cp} is too short to hide the next k/v block; half "
+        "the ranks double the chunk: attention per hop ×4, its transfer ×2 (more activation memory per "
+        "rank; a larger micro-batch grows both alike and does not help)"))
+    if heads is None:
+        return fewer[0], fewer[1], fewer[2] + '; or parallel.cp_mode = "alltoall" where the attention heads '\
+            "and kv heads divide by cp"
+    h, kv = heads
+    ratio = (h + (h if kv % cp else kv)) / (kv * cp)
+    if h % cp or ratio >= 1:
+        return fewer
+    return "parallel.cp_mode", "alltoall", (
+        f"now ring over {cp} ranks: its {h} heads divide by {cp} and the all-to-alls would move {ratio:.2f}× "
+        f"the ring's bytes ({kv} kv heads; exposed, but fewer); or fewer ranks: parallel.cp = {cp // 2}")

@@ -18,6 +18,16 @@ plus three integers per CPU op for its self time (its time minus the ops nested 
 what "top ops" ranks by), so a rank's 100 MB trace costs tens of MB. `analyze_dir` runs one
 process per trace.
 
+Context parallelism's exchanges are told from the pipeline's p2p by the profiler range they run
+in: a collective issued inside a `cp_ring` range (its k/v and dk/dv isend/irecv) is of kind
+`cp_ring`, one inside `cp_alltoall` (Ulysses' all_to_all_single) of kind `cp_alltoall`; the same
+send/recv outside stay send/recv/p2p. On CPU traces the main thread's time inside those ranges
+(issuing the exchange, waiting for it) is communication, though the autograd Function's op around
+it (`_AllToAll`, a backward node) would read as compute. Steps of a rank with such exchanges also
+say how much of their exposed and hidden communication was CP's (`cp_exposed_ms`, `cp_hidden_ms`:
+parts of `comm_exposed_ms` and `comm_hidden_ms`, CP's wherever its exchange was in flight or waited
+for).
+
 Host syncs are counted per step outside the optimizer (its step counters are the library's) and,
 in a loom run, inside loom's forward / backward / pipeline / data ranges only: the syncs between
 them are loom's own loop (`host_syncs_loop`: the stop agreement's reads of a gloo-reduced CPU
@@ -61,6 +71,9 @@ _WORK_PREFIXES = ("gloo:", "nccl:")  # a collective's work span (async: not a ma
 # step before's loss back), known, needed and not the user's to fix.
 _LOOM_STEP = ("loom/forward", "loom/backward", "loom/pipeline", "loom/data")
 LOOM_STEP = "loom:step"
+# Context parallelism's profiler ranges (loom/parallel/context_parallel.py); each name is also the
+# kind of the collectives issued inside it.
+CP_KINDS = ("cp_ring", "cp_alltoall")
 _TORCH_FORWARD = ("DistributedDataParallel.forward", "FullyShardedDataParallel.forward")
 _SYNC_OPS = frozenset({
     "aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero",
@@ -153,6 +166,8 @@ def _classify(name: str, cat: str) -> tuple[str, ...]:
         out.append("torch:optimizer")
     if name.startswith(_LOOM_STEP):
         out.append(LOOM_STEP)
+    if name in CP_KINDS:
+        out.append(name)
     if name.startswith("loom/data"):
         out.append("loom:data")
     elif io and not name.startswith("loom/checkpoint"):
@@ -470,8 +485,25 @@ def _collectives(col: _Collector, gpu: bool, world: int | None) -> list[dict]:
     for j, run in enumerate(runs):  # spans whose issue the trace does not show
         if not used[j] and run_kinds[j]:
             out.append(_record(run_kinds[j], [], run, world))
+    _tag_cp(out, col)
     out.sort(key=lambda c: c["_issue"])
     return out
+
+
+def _tag_cp(records: list[dict], col: _Collector) -> None:
+    """A collective issued inside a CP range (on the issuing thread) takes the range's kind; without
+    its issue in the trace, the thread and start of the span that ran it decide."""
+    ranges = {(thread, kind): _union(_pairs([arrays[kind]])) for thread, arrays in col.threads.items()
+              for kind in CP_KINDS if kind in arrays}
+    if not ranges:
+        return
+    for r in records:
+        thread, at = r["_issued_on"]
+        for kind in CP_KINDS:
+            u = ranges.get((thread, kind))
+            if u is not None and _inside(np.array([at], np.int64), u)[0]:
+                r["kind"] = kind
+                break
 
 
 def _is_kernel(ev: _CommEvent) -> bool:
@@ -485,10 +517,11 @@ def _record(kind: str, group: list[_CommEvent], run: _CommEvent | None, world: i
     head = group[0] if group else None
     start, end = (run.start, run.end) if run else (head.start, head.end)
     pg = _first(events, "Process Group Name")
+    first = head or run
     return {"kind": kind, "bytes": _payload_bytes(kind, events, size), "group_size": size,
             "group": str(pg) if pg is not None else None, "seq": _first(events, "Seq", "seq"),
             "_issue": head.start if head else start, "_enqueue": head.start if head else None,
-            "_start": start, "_end": end}
+            "_start": start, "_end": end, "_ran": run is not None, "_issued_on": (first.thread, first.start)}
 
 
 # -- the ledger ---------------------------------------------------------------------------------
@@ -577,8 +610,17 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
     else:
         inflight = np.array([(c["_enqueue"] if c["_enqueue"] is not None else c["_start"], c["_end"])
                              for c in collectives], np.int64).reshape(-1, 2)
-        sets = [io, _union(_pairs([arrays[COMM]] if COMM in arrays else [])),
+        # the main thread inside a CP range issues or waits for CP's exchange: communication, even
+        # inside the autograd Function's op (_AllToAll, a backward node) that holds it
+        sets = [io, _union(_pairs([arrays[c] for c in (COMM, *CP_KINDS) if c in arrays])),
                 _union(_pairs([arrays[CPU]] if CPU in arrays else [])), _union(inflight)]
+    # CP's exchanges in flight: on GPUs the kernels that ran them, on CPUs issue to end (as above)
+    cp = [c for c in collectives if c["kind"] in CP_KINDS and (c["_ran"] or not gpu)]
+    if cp:
+        begin = [c["_start"] if gpu or c["_enqueue"] is None else c["_enqueue"] for c in cp]
+        spans = np.array([(b, c["_end"]) for b, c in zip(begin, cp)], np.int64)
+        ranges = [] if gpu else [arrays[k] for k in CP_KINDS if k in arrays]  # its waits on the main thread
+        sets.append(_union(np.concatenate([spans, _pairs(ranges)])))
     unsized = sum(c["bytes"] is None for c in collectives)
     if unsized == len(collectives) and collectives:
         warnings.append(f"{label}: collective sizes unknown: profile with record_shapes=True")
@@ -604,6 +646,9 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
         row = {"step": n, "start_us": (base_ns + lo) / 1000, "wall_ms": wall / 1e6,
                "compute_ms": compute / 1e6, "comm_exposed_ms": exposed / 1e6,
                "comm_hidden_ms": hidden / 1e6, "io_ms": io_ns / 1e6, "idle_ms": idle / 1e6}
+        if cp:  # the part of the exposed and hidden communication that was CP's exchange
+            row["cp_exposed_ms"] = int(lengths[comm_m & cov[-1]].sum()) / 1e6
+            row["cp_hidden_ms"] = int(lengths[hidden_m & cov[-1]].sum()) / 1e6
         for p in PHASES:
             row[f"{p}_ms"] = _measure(phases[p], lo, hi) / 1e6
         if not len(phases["forward"][0]):  # no forward range anywhere (FSDP2, a bare module)

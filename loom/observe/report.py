@@ -28,6 +28,9 @@ LEDGER_PARTS: tuple[tuple[str, str, str, str], ...] = (
     ("io", "IO", "#f58518", "#1f2328"),
     ("idle", "idle", "#bab0ac", "#1f2328"),
 )
+# Context parallelism's exchange: the part of exposed comm that was CP's (ledger.py's cp_exposed_ms),
+# drawn inside the exposed comm where a rank had one.
+CP_PART: tuple[str, str, str, str] = ("cp_exposed", "exposed CP exchange", "#9c2f5a", "#ffffff")
 PHASE_PARTS: tuple[tuple[str, str, str, str], ...] = (
     ("forward_ms", "forward", "#72b7b2", "#1f2328"),
     ("backward_ms", "backward", "#b279a2", "#ffffff"),
@@ -246,14 +249,23 @@ def _stacked_rows(rows: list[tuple[str, list[tuple[str, str, str, str, float, st
     return "".join(out)
 
 
-def _mini_bar(shares: dict[str, float], width: int = 160, height: int = 12) -> str:
+def _mini_bar(shares: dict[str, float], width: int = 160, height: int = 12, cp: float | None = None) -> str:
+    """A step's ledger as a small bar; `cp`: the share of it CP's exchange was exposed (inside the
+    exposed comm)."""
     out = [f'<svg class="mini" width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
     x = 0.0
+    parts = []
     for key, label, fill, _ in LEDGER_PARTS:
-        w = shares.get(key, 0.0) * width
+        share = shares.get(key, 0.0)
+        if key == "comm_exposed" and cp:
+            parts.append((CP_PART[1], CP_PART[2], min(cp, share)))
+            share -= parts[-1][2]
+        parts.append((label, fill, share))
+    for label, fill, share in parts:
+        w = share * width
         if w > 0:
             out.append(f'<rect x="{_f(x)}" y="0" width="{_f(w)}" height="{height}" fill="{fill}">'
-                       f'<title>{_e(label)} {_pct(shares[key])}</title></rect>')
+                       f'<title>{_e(label)} {_pct(share)}</title></rect>')
         x += w
     out.append("</svg>")
     return "".join(out)
@@ -334,6 +346,8 @@ def _header(analysis: dict, ranks: list[tuple[str, dict]], base: Path | None = N
     items = [
         ("model", model or None),
         ("strategy", run.get("strategy") or plan.get("strategy") or "—"),
+        ("context parallel", f"cp {run['cp']} · {run.get('cp_mode') or 'ring'}"
+         if (_num(run.get("cp")) or 1) > 1 else None),
         ("ranks", run.get("world_size") or len(ranks)),
         ("batch", run.get("batch")),
         ("precision", run.get("precision")),
@@ -417,23 +431,39 @@ def _findings(analysis: dict) -> str:
     return _section("findings", f"Findings ({len(findings)})", "".join(cards))
 
 
+def _cp_share(rank: dict) -> float | None:
+    """The mean share of a rank's steps its CP exchange was exposed (None: the rank had none)."""
+    per_step = [(_num(s.get("cp_exposed_ms")), _wall(s)) for s in _steps(rank) if "cp_exposed_ms" in s]
+    shares = [cp / wall for cp, wall in per_step if cp is not None and wall]
+    return max(sum(shares) / len(shares), 0.0) if shares else None
+
+
 def _ledger(ranks: list[tuple[str, dict]], stragglers: dict[str, dict]) -> str:
-    rows = []
+    rows, with_cp = [], False
     for rid, r in ranks:
         shares = _mean_shares(r)
         if shares is None:
             continue
-        segs = [(k, label, fill, ink, shares[k] * LEDGER_BAR_W, _pct(shares[k]))
-                for k, label, fill, ink in LEDGER_PARTS]
+        segs = []
+        for k, label, fill, ink in LEDGER_PARTS:
+            share, cp = shares[k], _cp_share(r) if k == "comm_exposed" else None
+            if cp is not None:  # CP's exchange first, the rest of the exposed comm beside it
+                with_cp, cp = True, min(cp, share)
+                segs.append((*CP_PART, cp * LEDGER_BAR_W, _pct(cp)))
+                share -= cp
+            segs.append((k, label, fill, ink, share * LEDGER_BAR_W, _pct(share)))
         wall = _mean(_wall(s) for s in _steps(r))
         hidden = _mean(s.get("comm_hidden_ms") for s in _steps(r))
         right = f"{_ms(wall)} ms/step" + (f" · {_ms(hidden)} ms hidden" if hidden else "")
         rows.append((f"rank {rid}", segs, right, rid in stragglers))
     if not rows:
         return ""
-    legend = _legend((label, fill) for _, label, fill, _ in LEDGER_PARTS)
+    parts = LEDGER_PARTS[:1] + ((CP_PART,) if with_cp else ()) + LEDGER_PARTS[1:]
+    legend = _legend((label, fill) for _, label, fill, _ in parts)
     note = ('<p class="note">Mean share of each step\'s wall time. Exposed comm is communication the '
-            "step waited on; hidden comm ran under compute and costs nothing here.</p>")
+            "step waited on; hidden comm ran under compute and costs nothing here."
+            + (" The exposed CP exchange is context parallelism's (ring k/v blocks or all-to-alls), "
+               "the exposed comm beside it the rest." if with_cp else "") + "</p>")
     return _section("ledger", "Where the step time goes", legend + _stacked_rows(rows, "chart-ledger") + note)
 
 
@@ -460,17 +490,22 @@ def _step_table(ranks: list[tuple[str, dict]], stragglers: dict[str, dict]) -> s
     order = {rid: i for i, (rid, _) in enumerate(ranks)}
     rows.sort(key=lambda t: (t[0], order[t[1]]))
     shown = rows[:_MAX_TABLE_ROWS]
+    cp = any("cp_exposed_ms" in s for _, _, s in shown)  # columns of CP's exchange, where there is one
     head = [("step", True), ("rank", True), ("wall ms", True), ("compute", True), ("exposed comm", True),
-            ("hidden comm", True), ("IO", True), ("idle", True), ("overlap", True), ("ledger", False)]
+            ("hidden comm", True)]
+    head += [("CP exchange exposed", True), ("CP exchange hidden", True)] if cp else []
+    head += [("IO", True), ("idle", True), ("overlap", True), ("ledger", False)]
+    keys = ["compute_ms", "comm_exposed_ms", "comm_hidden_ms"]
+    keys += ["cp_exposed_ms", "cp_hidden_ms"] if cp else []
     body = []
     for _, rid, s in shown:
         shares = _step_shares(s)
         overlap = _num(s.get("overlap_pct"))
         cells = [(_e(s.get("step", "—")), "n"), (_e(rid), "n"), (_ms(_wall(s)), "n")]
-        cells += [(_ms(s.get(k)), "n") for k in ("compute_ms", "comm_exposed_ms", "comm_hidden_ms", "io_ms",
-                                                  "idle_ms")]
+        cells += [(_ms(s.get(k)), "n") for k in [*keys, "io_ms", "idle_ms"]]
+        cp_ms, wall = _num(s.get("cp_exposed_ms")), _wall(s)
         cells += [("—" if overlap is None else f"{overlap:.0f}%", "n"),
-                  (_mini_bar(shares) if shares else "", "")]
+                  (_mini_bar(shares, cp=cp_ms / wall if cp_ms and wall else None) if shares else "", "")]
         body.append((cells, "straggler" if rid in stragglers else ""))
     note = "" if len(rows) == len(shown) else f'<p class="note">First {len(shown)} of {len(rows)} rows.</p>'
     return _section("steps", "Ledger per step (ms)", _table(head, body) + note)

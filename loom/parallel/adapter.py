@@ -53,6 +53,12 @@ class ModelAdapter:
     def supports_pipeline(self, model: nn.Module) -> bool:
         return False
 
+    def split_sequences(self, model: nn.Module, split) -> None:
+        """Lay the input sequences out as `split` (a context_parallel.SequenceSplit) says: this rank's
+        tokens of each sequence (cp), attention within documents (packing)."""
+        raise ConfigError(f"{type(model).__name__} does not split its sequences; set parallel.cp=1 and "
+                          f"data.packing=concat (context parallelism and packed documents run on loom's GPT)")
+
     def num_layers(self, model: nn.Module) -> int:
         return len(self.layers(model))
 

@@ -20,6 +20,7 @@ from loom import strategies
 from loom.config import Config, pipeline_microbatches
 from loom.parallel.activation_checkpointing import apply_activation_checkpointing
 from loom.parallel.adapter import ModelAdapter
+from loom.parallel.context_parallel import SequenceSplit
 from loom.parallel.ddp import apply_ddp
 from loom.parallel.fsdp import apply_fsdp
 from loom.parallel.known_warnings import silence_dtensor_sequential_redistribute
@@ -29,27 +30,38 @@ from loom.parallel.weights import WeightSource
 
 
 def parallelize(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter,
-                weights: WeightSource | None = None) -> list[nn.Module]:
+                weights: WeightSource | None = None, split: SequenceSplit | None = None) -> list[nn.Module]:
     """Returns this rank's parallelized parts with weights on `d.device`: the whole model, or with
     pipeline parallelism this rank's stage(s). A meta-init model (loom's GPT, a pretrained Hugging
     Face decoder) arrives on the meta device and its weights are written after sharding, from
     `weights` (pretrained) or its own initialization; any other model arrives built (same seed on
-    every rank) and is moved and sharded."""
+    every rank) and is moved and sharded. `split`: context parallelism and packed documents, which
+    the model lays out itself (see sequence_split)."""
     p = cfg.parallel
     if p.pp == 1:
-        return [_parallelize_part(model, cfg, d, adapter, weights)]
+        return [_parallelize_part(model, cfg, d, adapter, weights, split)]
     n_layers = adapter.num_layers(model)
     validate_pipeline(n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, pipeline_microbatches(p))
     num_stages = p.pp * p.pp_virtual_stages
     layers = stage_layers(n_layers, p.pp, p.pp_virtual_stages)
     stages = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages)
     return [_parallelize_part(adapter.pipeline_stage(model, s, num_stages, layers[s]), cfg, d, adapter,
-                              weights) for s in stages]
+                              weights, split) for s in stages]
+
+
+def sequence_split(d: Dist, document_eos: int | None) -> SequenceSplit | None:
+    """How the model splits its sequences: over the cp ranks, into documents at `document_eos`
+    (data.packing = documents); None when neither."""
+    if d.cp is None and document_eos is None:
+        return None
+    return SequenceSplit(d.cp, document_eos)
 
 
 def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter,
-                      weights: WeightSource | None) -> nn.Module:
+                      weights: WeightSource | None, split: SequenceSplit | None) -> nn.Module:
     p = cfg.parallel
+    if split is not None:
+        adapter.split_sequences(model, split)
     if not adapter.meta_init:
         model.to(d.device)  # built whole on every rank; sharding below frees what is not ours
     if p.tp > 1:

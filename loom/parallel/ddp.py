@@ -14,7 +14,7 @@ def apply_ddp(model: nn.Module, p: ParallelConfig, d: Dist) -> nn.Module:
     ddp = DDP(
         model,
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
-        process_group=d.dp_mesh.get_group(),
+        process_group=d.grad_mesh.get_group(),  # dp × cp
         bucket_cap_mb=p.ddp_bucket_mb,
         gradient_as_bucket_view=True,  # grads live in the buckets: no second 4Ψ copy
         forward_sync_buffers=False,  # loom's buffers (RoPE tables) are computed, never trained

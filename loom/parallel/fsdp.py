@@ -31,8 +31,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], p: ParallelConfig, pre
     embeddings: a weight cannot live in two units). When one unit would hold every module, the
     root is that unit."""
     # hsdp, and ddp/zero1 under TP: replicate over dp_replicate, shard over dp_shard (1 for ddp)
-    two_d = strategies.lookup(p.strategy).dp_mesh in ("hybrid", "replicate")
-    mesh = d.mesh[("dp_replicate", "dp_shard")] if two_d else d.mesh["dp_shard"]
+    mesh = d.fsdp_mesh(replicated=strategies.lookup(p.strategy).dp_mesh in ("hybrid", "replicate"))
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward(p)}
     if precision != "fp32":
         # Compute in low precision, reduce gradients in fp32, keep fp32 master params.

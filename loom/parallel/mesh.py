@@ -1,8 +1,10 @@
-"""The process group and the DeviceMesh: world -> [pp, dp_replicate, dp_shard, tp].
+"""The process group and the DeviceMesh: world -> [pp, dp_replicate, dp_shard, cp, tp].
 
-The mesh dims are named so every engine takes the sub-mesh it needs: DDP and ZeRO-1 use the
-flattened "dp" group, FSDP2 uses "dp_shard", HSDP the 2-D ("dp_replicate", "dp_shard"), tensor
-parallel "tp" (innermost, so a TP group sits on one node's fast links).
+The mesh dims are named so every engine takes the sub-mesh it needs: the batch is sliced over the
+flattened "dp" ranks; gradients are reduced over dp × cp (context-parallel ranks hold other tokens of
+the same sequences, as torchtitan runs it): DDP and ZeRO-1 over the flattened "dp_cp", FSDP2 shards
+over "dp_shard" × "cp", HSDP replicates that over "dp_replicate"; tensor parallel is "tp" (innermost,
+so a TP group sits on one node's fast links), context parallel "cp" next to it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from torch.distributed.tensor import DTensor
 
 from loom.config import ParallelDims
 from loom.launch import free_port
+from loom.parallel.context_parallel import ContextGroup
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
@@ -28,8 +33,29 @@ class Dist:
     local_rank: int
     world_size: int
     device: torch.device
-    mesh: DeviceMesh  # named dims ("pp", "dp_replicate", "dp_shard", "tp")
-    dp_mesh: DeviceMesh  # all data-parallel ranks as one 1-D mesh (DDP, ZeRO-1, batch slicing)
+    mesh: DeviceMesh  # named dims MESH_DIMS
+    dp_mesh: DeviceMesh  # the data-parallel ranks as one 1-D mesh: who takes which part of the batch
+    # The ranks whose gradients are summed: dp × cp as one 1-D mesh (DDP, ZeRO-1), dp_mesh when cp = 1
+    grad_mesh: DeviceMesh | None = None
+    cp: ContextGroup | None = None  # the ranks sharing each sequence (None: cp = 1)
+
+    def __post_init__(self) -> None:
+        if self.grad_mesh is None:
+            self.grad_mesh = self.dp_mesh
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp.size if self.cp is not None else 1
+
+    def fsdp_mesh(self, replicated: bool) -> DeviceMesh:
+        """FSDP2's mesh: its shard dim spans dp_shard × cp; `replicated` (hsdp, and ddp/zero1 under TP)
+        adds dp_replicate as the replicate dim (under cp, ddp/zero1 replicate over dp_replicate × cp)."""
+        cp = self.cp is not None
+        if not replicated:
+            return self.mesh["dp_shard_cp" if cp else "dp_shard"]
+        if cp and self.mesh["dp_shard"].size() == 1 and self.mesh["dp_replicate"].size() > 1:
+            return self.mesh[("dp_replicate_cp", "dp_shard")]  # replication: no sharding over cp either
+        return self.mesh[("dp_replicate", "dp_shard_cp" if cp else "dp_shard")]
 
     @property
     def is_main(self) -> bool:
@@ -51,7 +77,8 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(dims_for_world, device_request: str = "auto", timeout_s: float = 600.0) -> Dist:
+def init_distributed(dims_for_world, device_request: str = "auto", timeout_s: float = 600.0,
+                     cp_mode: str = "ring") -> Dist:
     """Join (or, run alone, create) the process group and build the mesh.
 
     `dims_for_world(world_size) -> ParallelDims` chooses the layout once the world size is
@@ -66,11 +93,23 @@ def init_distributed(dims_for_world, device_request: str = "auto", timeout_s: fl
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **_attempt_store(timeout_s))
     world = dist.get_world_size()
     dims: ParallelDims = dims_for_world(world)
-    mesh = init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
-                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+    mesh, dp_mesh, grad_mesh, cp = build_mesh(device.type, dims, cp_mode)
     return Dist(rank=dist.get_rank(), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                world_size=world, device=device, mesh=mesh, dp_mesh=dp_mesh)
+                world_size=world, device=device, mesh=mesh, dp_mesh=dp_mesh, grad_mesh=grad_mesh, cp=cp)
+
+
+def build_mesh(device_type: str, dims: ParallelDims, mode: str = "ring"):
+    """(mesh, dp_mesh, grad_mesh, cp group or None) for `dims`; the dims cp needs flattened only under cp."""
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
+                            mesh_dim_names=MESH_DIMS)
+    dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+    if dims.cp == 1:
+        return mesh, dp_mesh, dp_mesh, None
+    grad_mesh = mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
+    mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    mesh[("dp_replicate", "cp")]._flatten("dp_replicate_cp")
+    cp = ContextGroup(mesh["cp"].get_group(), dims.cp, mesh["cp"].get_local_rank(), mode)
+    return mesh, dp_mesh, grad_mesh, cp
 
 
 def _attempt_store(timeout_s: float) -> dict:

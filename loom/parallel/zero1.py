@@ -22,7 +22,7 @@ def build_zero1_optimizer(groups: list[dict], d: Dist, **adamw) -> ZeroRedundanc
     """AdamW over `groups` (param groups), its states partitioned over the dp group."""
     sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
     zero = _ZeroOverLocalShards if sharded else ZeroRedundancyOptimizer
-    return zero(groups, optimizer_class=torch.optim.AdamW, process_group=d.dp_mesh.get_group(), **adamw)
+    return zero(groups, optimizer_class=torch.optim.AdamW, process_group=d.grad_mesh.get_group(), **adamw)
 
 
 def is_zero1(optimizer) -> bool:

@@ -54,10 +54,14 @@ class Candidate:
     sequence_parallel: bool = False
     framework: str = "torch"  # parallel.engine: torch, or deepspeed (which offload also needs)
     fsdp_unit_mb: float = 25.0  # parallel.fsdp_unit_mb: FSDP2 groups blocks into units this large
+    # parallel.cp: ranks each sequence is split over (seq/cp tokens each), inside dp on the mesh
+    # [pp, dp_replicate, dp_shard, cp, tp]; the batch divides over dp only
+    cp: int = 1
+    cp_mode: str = "ring"  # parallel.cp_mode: ring (k/v passed around) | alltoall (Ulysses)
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def strategy_info(self) -> strategies.Strategy:
@@ -65,9 +69,16 @@ class Candidate:
 
     @property
     def shard_size(self) -> int:
-        """N of the formulas: ranks one shard of the model states is split over."""
+        """N of the formulas: ranks one shard of the model states is split over. The cp ranks of a
+        dp index hold the same model: FSDP2 shards over dp_shard × cp, ZeRO-1 over dp × cp."""
         s = self.strategy_info
-        return s.shard_size(*s.dp_dims(self.dp, self.dp_shard))
+        n = s.shard_size(*s.dp_dims(self.dp, self.dp_shard))
+        return n * self.cp if s.sharded else n
+
+    @property
+    def grad_sync_size(self) -> int:
+        """Ranks whose gradients are averaged: every data-parallel rank of every context-parallel one."""
+        return self.dp * self.cp
 
     @property
     def replicate_size(self) -> int:
@@ -97,18 +108,20 @@ class Candidate:
 
     @property
     def runs_in_loom(self) -> bool:
-        """loom's deepspeed engine runs data parallelism (ZeRO 0-3, offload), not TP, PP or hsdp, and
-        without loom's activation checkpointing (the torch engine's)."""
+        """loom's deepspeed engine runs data parallelism (ZeRO 0-3, offload), not TP, PP, CP or hsdp,
+        and without loom's activation checkpointing (the torch engine's)."""
         if self.engine != "deepspeed":
             return True
-        return self.tp == 1 and self.pp == 1 and self.strategy_info.deepspeed_stage is not None \
-            and self.activation_checkpointing == "none"
+        return self.tp == 1 and self.pp == 1 and self.cp == 1 \
+            and self.strategy_info.deepspeed_stage is not None and self.activation_checkpointing == "none"
 
     def label(self) -> str:
         hybrid = self.strategy_info.dp_mesh == "hybrid"
         parts = [f"{self.strategy}({self.replicate_size}×{self.dp_shard})" if hybrid else self.strategy]
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
+        if self.cp > 1:
+            parts.append(f"cp{self.cp} {self.cp_mode}")
         if self.pp > 1:
             v = f"×v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(f"pp{self.pp}{v} {self.schedule}")
@@ -124,4 +137,8 @@ class Candidate:
     @property
     def dimensions(self) -> int:
         """Parallel dimensions beyond data parallelism: what a person counts as complexity."""
-        return (self.tp > 1) + (self.pp > 1)
+        return (self.tp > 1) + (self.pp > 1) + (self.cp > 1)
+
+    def local_seq(self, seq_len: int) -> int:
+        """The tokens of each sequence a rank holds: every per-token term is priced for these."""
+        return seq_len // self.cp

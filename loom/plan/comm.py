@@ -16,7 +16,10 @@ What the engines issue per step (as loom runs them; `loom train` measures the sa
          and a reduce-scatter for each, the same bytes); one each for the vocabulary-split
          embedding and head
   pp     each micro-batch's activation to the next stage in forward, its gradient back in backward
-A group lies within a node when its ranks fit in one (TP innermost, then dp_shard, dp_replicate,
+  cp     per block and micro-batch the attention's exchange (plan/context.py: ring sends, or
+         Ulysses' all_to_alls), again for a recomputed block's forward; the gradients of the
+         data-parallel collectives above are synced over dp·cp ranks (the cp ranks hold one model)
+A group lies within a node when its ranks fit in one (TP innermost, then CP, dp_shard, dp_replicate,
 PP outermost); otherwise its bytes are counted on the inter-node link.
 
 Beside the bytes sent (a model: the ring factors), the account keeps what a rank can observe,
@@ -33,8 +36,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from loom.plan import context
 from loom.plan.memory import GRAD_COMM_BYTES, RECIPES
-from loom.plan.shapes import checkpointed_layers
+from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num
 
 DDP_BUCKET = 25 * 2**20  # DDP's default bucket (parallel.ddp_bucket_mb)
@@ -51,7 +55,7 @@ class CommAccount:
     # bytes before any ring factor, and the count of collectives (None: not known to the plan).
     payload_by_kind: dict[str, float] = field(default_factory=dict)
     count_by_kind: dict[str, int | None] = field(default_factory=dict)
-    # Collectives per group ("dp", "tp", "pp"), each paying a latency: DDP's buckets, which the
+    # Collectives per group ("dp", "tp", "pp", "cp"), each paying a latency: DDP's buckets, which the
     # engine sizes, counted as one per 25 MiB.
     count_by_group: dict[str, int] = field(default_factory=dict)
     group: str = "dp"
@@ -113,7 +117,7 @@ def tp_reductions(w, c) -> tuple[float, float]:
     under sequence parallel the all-gathers before the column linears, run again): one more as well.
     The embedding (forward) and the head (backward) add one each."""
     shape = w.shape
-    activation = w.seq_len * c.micro_batch * shape.d_model * w.act_bytes
+    activation = c.local_seq(w.seq_len) * c.micro_batch * shape.d_model * w.act_bytes
     layers = shape.n_layers / c.pp
     ckpt = checkpointed_layers(round(layers), c.activation_checkpointing, c.ac_every)
     return activation, 4 * layers + ckpt + (2 if c.pp == 1 else 1)
@@ -123,7 +127,7 @@ def pp_sends(w, c) -> tuple[float, int]:
     """(bytes of one micro-batch's activation between stages, sends per micro-batch on a rank). A
     rank sends forward from each of its v stages but the model's last, and backward from each but
     the first: 2v on a middle rank, 2v − 1 when p = 2. Sequence parallel sends the split activation."""
-    activation = w.seq_len * c.micro_batch * w.shape.d_model * w.act_bytes
+    activation = c.local_seq(w.seq_len) * c.micro_batch * w.shape.d_model * w.act_bytes
     if c.sequence_parallel:
         activation /= c.tp
     return activation, 2 * c.virtual_stages - (1 if c.pp == 2 else 0)
@@ -133,12 +137,81 @@ def _link(inter: bool) -> str:
     return "inter-node" if inter else "intra-node"
 
 
+def _tokens(c, seq_len: int | None = None) -> str:
+    """A rank's tokens of a sequence in a formula: s, or s/cp under context parallelism (the symbol
+    without `seq_len`, its numbers with it)."""
+    if seq_len is None:
+        return "s/cp" if c.cp > 1 else "s"
+    return f"{seq_len}/{c.cp}" if c.cp > 1 else f"{seq_len}"
+
+
+def cp_exchange(w, c) -> tuple[context.Exchange, int, int]:
+    """(one block's exchange for one micro-batch, blocks of the heaviest stage, those recomputed)."""
+    shape = w.shape
+    layers = layers_of_stage(shape.n_layers, 0, c.pp)  # the first stage holds the most blocks
+    ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
+    ex = context.exchange(shape, c.local_seq(w.seq_len), c.micro_batch, w.act_bytes, c.tp, c.cp, c.cp_mode)
+    return ex, layers, ckpt
+
+
+def cp_payload_per_step(w, c) -> tuple[float, int]:
+    """(payload bytes, operations) of the context-parallel exchange a rank sends per step: every
+    micro-batch's forward and backward of each block, and the forward again of each recomputed one."""
+    ex, layers, ckpt = cp_exchange(w, c)
+    m = c.grad_accum
+    payload = m * (layers * (ex.forward + ex.backward) + ckpt * ex.forward)
+    ops = m * (layers * (ex.forward_ops + ex.backward_ops) + ckpt * ex.forward_ops)
+    return payload, ops
+
+
+def _context_exchange(w, c, gpus_per_node: int, acc: CommAccount, terms: Terms) -> float:
+    """The attention's exchange between the cp ranks (plan/context.py), in the account as its own kind
+    (cp_ring: the bytes a rank sends; cp_alltoall: its all_to_alls' inputs). Returns the wire bytes."""
+    shape, e = w.shape, w.act_bytes
+    ex, layers, ckpt = cp_exchange(w, c)
+    payload, ops = cp_payload_per_step(w, c)
+    kind, inter = context.KINDS[c.cp_mode], c.cp * c.tp > gpus_per_node
+    sent = payload if c.cp_mode == "ring" else ring("all_to_all", c.cp, payload)
+    if terms:
+        sl, b, tp, cp = f"{w.seq_len}/{c.cp}", c.micro_batch, c.tp, c.cp
+        width = context.kv_width(shape, tp, cp, c.cp_mode)
+        wide = "h" if width * tp != shape.kv_dim else "kv"
+        terms.note(f"context parallel ({_link(inter)}, cp = {cp}, {c.cp_mode}): per block and micro-batch "
+                   f"the attention's exchange, again for each recomputed block's forward")
+        if c.cp_mode == "ring":
+            terms.item("B_kv k or v block", "b·(s/cp)·(kv/tp)·e", f"{b}·{sl}·{num(width * tp)}/{tp}·{e}",
+                       gb(ex.block))
+            terms.item("ring forward", "2·(cp−1)·B_kv (k, v passed on cp−1 hops)",
+                       f"2·({cp}−1)·{gb(ex.block)}", gb(ex.forward))
+            terms.item("ring backward", "2·(cp−1)·B_kv + 2·cp·B_kv·4/e (k, v again; fp32 dk, dv, cp hops)",
+                       f"2·({cp}−1)·{gb(ex.block)} + 2·{cp}·{gb(ex.block)}·4/{e}", gb(ex.backward))
+        else:
+            terms.item("q, out inputs", "b·(s/cp)·(h/tp)·e", f"{b}·{sl}·{shape.d_model}/{tp}·{e}",
+                       gb(ex.block))
+            kv = (ex.forward - 2 * ex.block) / 2
+            why = " (repeated to the query heads: kv heads/tp do not divide over cp)" if wide == "h" else ""
+            terms.item("k, v inputs", f"b·(s/cp)·({wide}/tp)·e{why}", f"{b}·{sl}·{num(width * tp)}/{tp}·{e}",
+                       gb(kv))
+            terms.item("all_to_all per pass", "2·q + 2·kv (4 all_to_all_single; backward the same)",
+                       f"2·{gb(ex.block)} + 2·{gb(kv)}", gb(ex.forward))
+        terms.item("cp payload", "m·(L_s·(forward + backward) + c·forward), c recomputed blocks",
+                   f"{c.grad_accum}·({layers}·({gb(ex.forward)} + {gb(ex.backward)}) + "
+                   f"{ckpt}·{gb(ex.forward)})",
+                   gb(payload))
+        if c.cp_mode == "alltoall":
+            terms.item("cp bytes", "(cp−1)/cp·payload (each all_to_all keeps its own share)",
+                       f"({cp}−1)/{cp} × {gb(payload)}", gb(sent))
+    acc.add(kind, sent, inter)
+    acc.issue(kind, c.cp, payload, ops)
+    return sent
+
+
 def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[CommAccount, dict[str, float]]:
-    """(bytes sent per GPU per step by link and kind, bytes per group: {"dp", "tp", "pp"}); each
+    """(bytes sent per GPU per step by link and kind, bytes per group: {"dp", "tp", "pp", "cp"}); each
     quantity recorded in `terms` as it is computed (plan/terms.py)."""
     shape = w.shape
     acc = CommAccount()
-    groups = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    groups = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "cp": 0.0}
 
     # Data parallel over the stage's local (TP-split) parameters: the heaviest stage.
     stage_params = max(shape.stage_params(s, c.pp) for s in {0, c.pp - 1})
@@ -161,13 +234,14 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
         terms.item("Φ_g gradients", f"{gbytes}·Ψ_dp", f"{gbytes} × {num(local)}", gb(grad_bytes))
         terms.item("Φ_p parameters", f"{per_param}·Ψ_dp (gathered dtype)", f"{per_param} × {num(local)}",
                    gb(param_bytes))
-    dp_inter = c.dp * c.tp > gpus_per_node
+    dp_inter = c.grad_sync_size * c.tp > gpus_per_node
+    dp_ranks, dp_sym = c.grad_sync_size, "dp·cp" if c.cp > 1 else "dp"  # the cp ranks sync gradients too
     micro_steps = c.grad_accum if c.pp == 1 else 1  # a pipeline runs its micro-batches in one step
     s = c.strategy_info
     if w.recipe != "torch" and s.zero_stage in (1, 2):
         # The ZeRO paper's stages 1-2 (DeepSpeed): reduce-scatter the gradients, all-gather the
         # updated parameters once per step: 2Φ, as DDP.
-        n = c.dp
+        n = dp_ranks
         if terms:
             terms.note(f"ZeRO paper stage {s.zero_stage}: reduce-scatter the gradients, all-gather the "
                        f"updated parameters once: Φ_g + Φ_p ≈ 2Φ, as DDP ({_link(dp_inter)}, N = {n})")
@@ -177,24 +251,24 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
             terms.item("all-gather", "(N−1)/N·Φ_p", f"({n}−1)/{n} × {gb(param_bytes)}", gb(ag))
         acc.add("reduce_scatter", rs, dp_inter)
         acc.add("all_gather", ag, dp_inter)
-        acc.issue("reduce_scatter", c.dp, grad_bytes)
-        acc.issue("all_gather", c.dp, param_bytes)
+        acc.issue("reduce_scatter", dp_ranks, grad_bytes)
+        acc.issue("all_gather", dp_ranks, param_bytes)
     elif not s.shards_params:  # ddp, zero1: gradients all-reduced; zero1 broadcasts updated params
-        n = c.dp
+        n = dp_ranks
         ar = ring("all_reduce", n, grad_bytes)
         if terms:
             terms.note(f"{c.strategy}: the gradients all-reduced once per step: 2Φ "
-                       f"({_link(dp_inter)}, N = dp = {n})")
+                       f"({_link(dp_inter)}, N = {dp_sym} = {n})")
             terms.item("all-reduce", "2(N−1)/N·Φ_g", f"2({n}−1)/{n} × {gb(grad_bytes)}", gb(ar))
         acc.add("all_reduce", ar, dp_inter)
-        acc.issue("all_reduce", c.dp, grad_bytes)
+        acc.issue("all_reduce", dp_ranks, grad_bytes)
         if "broadcast" in s.collectives:
             bc = ring("broadcast", n, 4 * local)  # the updated fp32 params
             if terms:
                 terms.item("broadcast", "(N−1)/N·4Ψ_dp (updated fp32 partitions)",
                            f"({n}−1)/{n} × 4 × {num(local)}", gb(bc))
             acc.add("broadcast", bc, dp_inter)
-            acc.issue("broadcast", c.dp, 4 * local)
+            acc.issue("broadcast", dp_ranks, 4 * local)
     else:
         n = c.shard_size
         shard_inter = n * c.tp > gpus_per_node
@@ -264,8 +338,9 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
             terms.note(f"tensor parallel ({_link(c.tp > gpus_per_node)}, {kinds}): per block 2 in forward, "
                        f"2 in backward, +1 per checkpointed block, +{2 if c.pp == 1 else 1} for the "
                        f"embedding/head")
-            terms.item("Φ_a activation", "s·b·h·e",
-                       f"{w.seq_len}·{c.micro_batch}·{shape.d_model}·{w.act_bytes}", gb(activation))
+            terms.item("Φ_a activation", f"{_tokens(c)}·b·h·e",
+                       f"{_tokens(c, w.seq_len)}·{c.micro_batch}·{shape.d_model}·{w.act_bytes}",
+                       gb(activation))
             terms.item("reductions", f"4·L/p + c + {2 if c.pp == 1 else 1}",
                        f"4·{num(layers)} + {ckpt} + {2 if c.pp == 1 else 1}", num(reductions))
             terms.item("tp bytes", "m × reductions × 2(tp−1)/tp·Φ_a",
@@ -283,17 +358,22 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
     if c.pp > 1 and shape.known:
         activation, sends = pp_sends(w, c)
         sent = sends * c.grad_accum * activation
-        pp_inter = c.world > gpus_per_node and c.dp * c.tp >= gpus_per_node  # stages on other nodes
+        # stages on other nodes
+        pp_inter = c.world > gpus_per_node and c.grad_sync_size * c.tp >= gpus_per_node
         if terms:
             terms.note(f"pipeline ({_link(pp_inter)}): each micro-batch's activation forward from each of a "
                        f"rank's v stages, its gradient backward: 2v·m sends ((2v−1)·m when p = 2)")
-            terms.item("pp bytes", "sends·m·s·b·h·e" + ("/tp" if c.sequence_parallel else ""),
-                       f"{sends}·{c.grad_accum}·{w.seq_len}·{c.micro_batch}·{shape.d_model}·{w.act_bytes}"
+            terms.item("pp bytes", f"sends·m·{_tokens(c)}·b·h·e" + ("/tp" if c.sequence_parallel else ""),
+                       f"{sends}·{c.grad_accum}·{_tokens(c, w.seq_len)}·{c.micro_batch}·{shape.d_model}·"
+                       f"{w.act_bytes}"
                        + (f"/{c.tp}" if c.sequence_parallel else ""), gb(sent))
         acc.add("send", sent, pp_inter)
         groups["pp"] = sent
         for kind in ("send", "recv"):  # as many received as sent, on the rank modelled here
             acc.issue(kind, c.pp, sent, sends * c.grad_accum)
+    acc.group = "cp"
+    if c.cp > 1 and shape.known:
+        groups["cp"] = _context_exchange(w, c, gpus_per_node, acc, terms)
     if terms:
         counts = ", ".join(f"{g} {n}" for g, n in acc.count_by_group.items()) or "none"
         terms.note(f"collectives issued per step (each pays a latency α): {counts}")

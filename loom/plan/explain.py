@@ -25,11 +25,12 @@ def candidate_of(record: dict) -> Candidate:
     """The Candidate a record of `loom plan --format json` prices (the inverse of search.estimate)."""
     hybrid = strategies.lookup(record["strategy"]).dp_mesh == "hybrid"
     deepspeed = record["engine"] == "deepspeed" and record["offload"] == "none"
+    cp = record.get("cp", 1)  # the record's dp_shard is N, dp_shard × cp
     return Candidate(record["strategy"], record["dp"], record["tp"], record["pp"],
-                     record["dp_shard"] if hybrid else 0, record["offload"], record["pp_schedule"],
+                     record["dp_shard"] // cp if hybrid else 0, record["offload"], record["pp_schedule"],
                      record["pp_virtual_stages"], record["activation_checkpointing"], record["ac_every"],
                      record["micro_batch"], record["grad_accum"], record["sequence_parallel"],
-                     "deepspeed" if deepspeed else "torch")
+                     "deepspeed" if deepspeed else "torch", cp=cp, cp_mode=record.get("cp_mode", "ring"))
 
 
 def explain(plan, index: int) -> str:
@@ -62,8 +63,13 @@ def _header(out: Terms, index: int, record: dict, w, c: Candidate, cluster) -> N
     s = c.strategy_info
     shard = (f"N = {c.shard_size} (dp_shard; {c.replicate_size} replica groups)" if s.dp_mesh == "hybrid"
              else f"N = {c.shard_size}")
-    out.note(f"layout: dp {c.dp} × tp {c.tp} × pp {c.pp} = {c.world} ranks; {shard} ranks share one shard "
-             f"of the model states")
+    cp = f" × cp {c.cp}" if c.cp > 1 else ""
+    out.note(f"layout: dp {c.dp}{cp} × tp {c.tp} × pp {c.pp} = {c.world} ranks; {shard} ranks share one "
+             f"shard of the model states")
+    if c.cp > 1:
+        out.note(f"context parallel: cp = {c.cp} ({c.cp_mode}); each rank holds s/cp = {w.seq_len}/{c.cp} = "
+                 f"{c.local_seq(w.seq_len)} tokens of each sequence (chunk i and its mirror 2cp−1−i); "
+                 f"the batch divides over dp only")
     accum = "pipeline micro-batches m" if c.pp > 1 else "gradient-accumulation micro-steps"
     out.note(f"batch: global {w.global_batch} sequences × T = s = {w.seq_len} tokens = "
              f"{num(w.tokens_per_step)} tokens per step; per rank micro-batch b = {c.micro_batch} × "
@@ -131,7 +137,8 @@ def _comm(out: Terms, record: dict, w, c: Candidate, cluster):
                 "reduce-scatter (N−1)/N·Φ each, broadcast (N−1)/N·Φ; Φ = the whole tensor)")
     comm, groups = comm_per_step(w, c, cluster.gpus_per_node, out)
     parts = [("dp", groups["dp"])]
-    parts += [(g, groups[g]) for g, degree in (("tp", c.tp), ("pp", c.pp)) if degree > 1 and w.shape.known]
+    parts += [(g, groups[g]) for g, degree in (("tp", c.tp), ("pp", c.pp), ("cp", c.cp))
+              if degree > 1 and w.shape.known]
     out.check(parts, sum(v for _, v in parts), record["comm_bytes_per_step"], gb)
     return comm, groups
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom import strategies
+from loom.plan import context
 from loom.plan.shapes import (
     activation_bytes_per_layer,
     checkpointed_layers,
@@ -236,6 +237,8 @@ MOMENTS = {
     "reduce-scatter": "the end of backward: the last unit's reduce-scatter",
     "tied embedding": "the embedding's gradient added to the head's",
     "optimizer": "foreach AdamW's sqrt(v) on CPU: half the optimizer states",
+    "ring forward": "the last block's ring attention: its k/v blocks in flight and fp32 accumulators",
+    "ring backward": "the topmost (or rebuilt) block's ring backward: k/v in flight, fp32 dk, dv, dq",
     "at rest": "between steps: the states alone",
 }
 
@@ -329,8 +332,10 @@ def _record_states(terms: Terms, w, c, stage: int, stage_params: int, replicated
     full, short = _state_formula(p, g, o, sp, sg, so)
     why = f" (the {c.engine} engine's)" if recipe != w.recipe else ""
     shards = ", ".join(k for k, f in (("params", sp), ("grads", sg), ("optimizer", so)) if f) or "nothing"
+    cp_sharded = c.cp > 1 and s.sharded
+    over = f" = {c.shard_size // c.cp} × cp {c.cp} (the cp ranks hold one model)" if cp_sharded else ""
     terms.note(f"model states, recipe {recipe}{why}: {RECIPE_WORDS[recipe]}; {c.strategy} shards {shards} "
-               f"over N = {c.shard_size}")
+               f"over N = {c.shard_size}{over}")
     if recipe == "torch":
         seeds = f"the seeds' {c.strategy}: {s.formula}"
     else:
@@ -406,7 +411,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     # ddp and zero1 (without TP) reach 16-bit through torch.autocast; FSDP2 and DeepSpeed cast weights
     autocast = not deepspeed and not strategy.uses_fsdp(tp) and e < 4
     sp = c.sequence_parallel and tp > 1
-    seq, mb = w.seq_len, c.micro_batch
+    seq, mb = c.local_seq(w.seq_len), c.micro_batch  # context parallel: each rank's s/cp tokens
     local = lambda n: (n - shape.layer_norm_params) / tp + shape.layer_norm_params  # noqa: E731
 
     # Activations of one micro-batch, kept from its forward to its backward.
@@ -415,7 +420,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         how = ("torch.autocast (fp32 residual stream and norms, each matmul casts its input)" if autocast
                else "16-bit weights (FSDP2 MixedPrecisionPolicy / DeepSpeed)" if e < 4 else "fp32")
         terms.note(f"activations of one micro-batch (Korthikanti et al. 2022's sbh(34 + 5as/h), adapted to "
-                   f"RMSNorm, RoPE, SwiGLU, GQA and flash attention), {how}: s·b = {sb}")
+                   f"RMSNorm, RoPE, SwiGLU, GQA and flash attention), {how}: s·b = {sb}"
+                   + (f" (s = {w.seq_len}/{c.cp}: a rank's share of each sequence under cp = {c.cp})"
+                      if c.cp > 1 else ""))
     per_layer = activation_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast, terms)
     residual = residual_bytes(shape, seq, mb, e, autocast)
     ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
@@ -581,6 +588,26 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             moments.append(("tied embedding", 0.0, 3 * e * vh + extra + held + grads))
         else:
             moments.append(("tied embedding", 0.0, 3 * 4 * vh + held))
+    if c.cp > 1 and c.cp_mode == "ring":
+        # Ring attention's blocks in flight and its fp32 accumulators, beside the saved tensors: the
+        # last block's forward (all but the head saved), the topmost block's backward (a rebuilt
+        # one's, under checkpointing).
+        forward, backward = context.ring_transients(shape, seq, mb, e, tp)
+        body = others + one_micro - head
+        moments.append(("ring forward", body + forward, kept + held))
+        rebuilt = [m for m in moments if m[0] == "recompute"]
+        top = max([body] + [m[1] for m in rebuilt])
+        moments.append(("ring backward", top + backward, kept + held))
+        if terms:
+            b_kv = f"{sb}·{shape.kv_dim}/{tp}·{e}"
+            terms.item("ring forward", "2·2·B_kv + b·s·(h + a)/tp·4 (k/v blocks in flight, fp32 out + lse)",
+                       f"4·{b_kv} + {sb}·({h} + {shape.n_heads})/{tp}·4", gb(forward))
+            terms.item("ring backward",
+                       "2·2·B_kv + 2·2·b·s·kv/tp·4 + b·s·h/tp·4 (k/v in flight, fp32 dk/dv, dq)",
+                       f"4·{b_kv} + 4·{sb}·{shape.kv_dim}/{tp}·4 + {sb}·{h}/{tp}·4", gb(backward))
+    elif c.cp > 1 and terms:
+        terms.note("  alltoall: each all_to_all's output replaces its input (q, k, v and the output "
+                   "re-laid out between sequence and heads): no transient beyond a block's tensors modelled")
     if device == "cpu":
         moments.append(("optimizer", 0.0, optimizer / 2))
     moments.append(("at rest", 0.0, 0.0))  # between steps: the states alone (gradients included)

@@ -1,8 +1,8 @@
 """Every way to run a workload on a cluster, priced, and the one to recommend.
 
-Candidates: strategy (ddp, zero1, zero2, zero3, hsdp) × offload × tp × pp × pipeline schedule ×
-activation checkpointing × micro-batch, with grad_accum (or the pipeline's micro-batches) making
-up the global batch. Pure Python: thousands of candidates per second.
+Candidates: strategy (ddp, zero1, zero2, zero3, hsdp) × offload × tp × pp × cp (ring or alltoall) ×
+pipeline schedule × activation checkpointing × micro-batch, with grad_accum (or the pipeline's
+micro-batches) making up the global batch. Pure Python: thousands of candidates per second.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from loom import strategies
 from loom.errors import ConfigError
+from loom.plan import context
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.comm import comm_per_step
 from loom.plan.efficiency import compute_fraction, link_efficiency
@@ -33,6 +34,7 @@ def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
     record = {
         "label": c.label(), "strategy": c.strategy, "engine": c.engine, "runs_in_loom": c.runs_in_loom,
         "nodes": cluster.nodes, "gpus": c.world, "dp": c.dp, "dp_shard": c.shard_size, "tp": c.tp, "pp": c.pp,
+        "cp": c.cp, "cp_mode": c.cp_mode,
         "pp_schedule": c.schedule, "pp_virtual_stages": c.virtual_stages,
         "sequence_parallel": c.sequence_parallel,
         "offload": c.offload, "recipe": w.recipe, "precision": w.precision,
@@ -72,27 +74,42 @@ def enumerate_candidates(w: Workload, cluster: Cluster,
     shape, world, per_node = w.shape, cluster.world_size, cluster.gpus_per_node
     host_tier = cluster.profile is None or cluster.profile.device != "cpu"  # a CPU has no host to offload to
     tps = [t for t in (1, 2, 4, 8, 16) if t <= per_node and world % t == 0 and _tp_divides(shape, t)]
-    for tp in tps:
-        for pp in _pipeline_degrees(shape, world // tp):
-            dp = world // (tp * pp)
-            if w.global_batch % dp:
-                continue
-            local_batch = w.global_batch // dp
-            for strategy in names:
-                for shard in _shards(strategy, dp, tp, per_node, cluster.nodes):
-                    for offload, framework in _offloads(strategy, dp, tp, pp, host_tier):
-                        for schedule, virtual in _schedules(shape, pp):
-                            for ac in AC_MODES if shape.known else ("none",):
-                                for mb in MICRO_BATCHES:
-                                    if mb > local_batch or local_batch % mb:
-                                        continue
-                                    m = local_batch // mb
-                                    if pp > 1 and m < pp:
-                                        # 1F1B-style schedules need m ≥ p (GPipe too, to keep p busy)
-                                        continue
-                                    yield Candidate(strategy, dp, tp, pp, shard, offload, schedule, virtual,
-                                                    ac, 2, mb, m, sequence_parallel=tp > 1,
-                                                    framework=framework)
+    grid = [(tp, pp, cp, mode) for tp in tps for pp in _pipeline_degrees(shape, world // tp)
+            for cp, mode in _context_splits(w, world // (tp * pp), tp)]
+    layouts = sorted(grid, key=lambda layout: layout[2] > 1)  # cp = 1 first (stable: the candidates' order)
+    for tp, pp, cp, mode in layouts:
+        dp = world // (tp * pp * cp)
+        if w.global_batch % dp:
+            continue
+        local_batch = w.global_batch // dp
+        for strategy in names:
+            for shard in _shards(strategy, dp, tp, per_node, cluster.nodes, cp):
+                for offload, framework in _offloads(strategy, dp, tp, pp, host_tier, cp):
+                    for schedule, virtual in _schedules(shape, pp):
+                        for ac in AC_MODES if shape.known else ("none",):
+                            for mb in MICRO_BATCHES:
+                                if mb > local_batch or local_batch % mb:
+                                    continue
+                                m = local_batch // mb
+                                if pp > 1 and m < pp:
+                                    # 1F1B-style schedules need m ≥ p (GPipe too, to keep p busy)
+                                    continue
+                                yield Candidate(strategy, dp, tp, pp, shard, offload, schedule, virtual,
+                                                ac, 2, mb, m, sequence_parallel=tp > 1,
+                                                framework=framework, cp=cp, cp_mode=mode)
+
+
+def _context_splits(w: Workload, ranks: int, tp: int) -> list[tuple[int, str]]:
+    """(cp, mode) pairs: cp = 1, and powers of two dividing the ranks left beside tp and pp for which
+    loom splits the sequence (plan/context.py valid), in both modes."""
+    splits = [(1, "ring")]
+    cp = 2
+    while cp <= ranks:
+        if ranks % cp == 0:
+            splits += [(cp, mode) for mode in context.MODES
+                       if context.valid(w.shape, w.seq_len, cp, mode, tp, sequence_parallel=tp > 1)]
+        cp *= 2
+    return splits
 
 
 def _tp_divides(shape, tp: int) -> bool:
@@ -109,21 +126,23 @@ def _pipeline_degrees(shape, ranks: int) -> list[int]:
     return [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= shape.n_layers and ranks % p == 0]
 
 
-def _shards(strategy: str, dp: int, tp: int, per_node: int, nodes: int) -> list[int]:
+def _shards(strategy: str, dp: int, tp: int, per_node: int, nodes: int, cp: int = 1) -> list[int]:
     if strategies.lookup(strategy).dp_mesh != "hybrid":
         return [0]
-    shard = per_node // tp  # shard inside a node, replicate across nodes
-    if nodes == 1 or shard < 2 or dp % shard or dp == shard:
+    shard = per_node // (tp * cp)  # shard inside a node (over dp_shard × cp), replicate across nodes
+    if nodes == 1 or shard < 1 or shard * cp < 2 or dp % shard or dp == shard:
         return []
     return [shard]
 
 
-def _offloads(strategy: str, dp: int, tp: int, pp: int, host_tier: bool = True) -> list[tuple[str, str]]:
+def _offloads(strategy: str, dp: int, tp: int, pp: int, host_tier: bool = True,
+              cp: int = 1) -> list[tuple[str, str]]:
     """(offload, engine) pairs a strategy runs with. ZeRO-Offload takes stages 1-3 (the optimizer
     states); the parameters and NVMe need stage 3; hybrid sharding has FSDP2's CPUOffloadPolicy
     only. Sharding over one rank is no sharding: with dp = 1 only the simplest strategy that
     offers an offload tier is a candidate (zero3 tp8 is ddp tp8). loom's deepspeed engine runs
-    ZeRO without TP or PP: those layouts are also priced on it."""
+    ZeRO without TP or PP: those layouts are also priced on it. Nor does it split sequences: under
+    cp > 1 only the torch engine's tiers."""
     s = strategies.lookup(strategy)
     if s.zero_stage == 0:
         tiers = ("none",)
@@ -135,11 +154,13 @@ def _offloads(strategy: str, dp: int, tp: int, pp: int, host_tier: bool = True) 
         tiers = ("none", "optimizer", "optimizer+params", "optimizer-nvme", "nvme")
     if not host_tier:
         tiers = ("none",)
-    if dp == 1:
+    if dp * cp == 1:  # the cp ranks share a shard too
         simpler = [name for name, other in strategies.STRATEGIES.items()
                    if other.zero_stage < s.zero_stage and other.dp_mesh != "hybrid"]
         taken = {tier for name in simpler for tier, _ in _offloads(name, 2, tp, pp, host_tier)}
         tiers = tuple(t for t in tiers if t not in taken)
+    if cp > 1:
+        return [(tier, "torch") for tier in tiers if tier in ("none", "optimizer+params")]
     pairs = [(tier, "torch") for tier in tiers]
     if s.deepspeed_stage and tp == pp == 1 and dp > 1 and s.dp_mesh != "hybrid":
         pairs.append(("none", "deepspeed"))
@@ -176,13 +197,13 @@ class Plan:
                       "seq_len": self.workload.seq_len, "global_batch": self.workload.global_batch,
                       "flops_per_token": shape.flops_per_token(self.workload.seq_len)},
             "cluster": {**dataclasses.asdict(self.cluster), "world_size": self.cluster.world_size},
-            "assumptions": assumptions(self.cluster, shape),
+            "assumptions": assumptions(self.cluster, shape, any(r.get("cp", 1) > 1 for r in self.candidates)),
             "candidates": self.candidates, "recommended": self.recommended, "reason": self.reason,
             "recommendable": self.recommendable, "workload_origin": self.workload_origin,
         }
 
 
-def assumptions(cluster: Cluster, shape=None) -> list[str]:
+def assumptions(cluster: Cluster, shape=None, cp: bool = False) -> list[str]:
     gpu = cluster.gpu
     if cluster.profile is not None:
         return [f"compute, elementwise work and collectives at the rates measured on this machine "
@@ -199,7 +220,9 @@ def assumptions(cluster: Cluster, shape=None) -> list[str]:
          f"{gpu.intra_node_latency_s * 1e6:g} µs "
          f"({gpu.inter_node_latency_s * 1e6:g} µs across nodes) per collective"),
         ("data-parallel collectives overlap with compute (only the excess is exposed); "
-         "TP, PP and ZeRO-1's broadcast are exposed"),
+         "TP, PP and ZeRO-1's broadcast are exposed" + ("" if not cp else
+                                                        "; CP's ring hides each hop behind its block's "
+                                                        "attention, its all_to_alls are exposed")),
         f"fragmentation margin {cluster.fragmentation:.0%} of allocated bytes; GB = 1e9 bytes",
         "offload traffic and host Adam are not overlapped",
     ]
@@ -252,9 +275,14 @@ def simplicity(r: dict, capacity: float) -> tuple:
     (ddp < zero1 < zero2 < zero3 < hsdp), then the most headroom."""
     tight = r["memory_bytes"]["total"] > TIGHT * capacity
     order = list(strategies.STRATEGIES).index(r["strategy"])
-    return ((r["tp"] > 1) + (r["pp"] > 1), r["engine"] == "deepspeed", r["offload"] != "none",
+    return (dimensions(r), r["engine"] == "deepspeed", r["offload"] != "none",
             r["activation_checkpointing"] != "none", tight, order, r["memory_bytes"]["total"],
             -r["tokens_per_s"])
+
+
+def dimensions(r: dict) -> int:
+    """A record's parallel dimensions beyond data parallelism (Candidate.dimensions)."""
+    return (r["tp"] > 1) + (r["pp"] > 1) + (r.get("cp", 1) > 1)
 
 
 def _simpler(records: list[dict], best: int, fastest: int, band: list[int]) -> str:
@@ -268,7 +296,7 @@ def _simpler(records: list[dict], best: int, fastest: int, band: list[int]) -> s
     best, fastest = records[best], records[fastest]
     gap = 1 - best["tokens_per_s"] / fastest["tokens_per_s"]
     why = []
-    if (best["tp"] > 1) + (best["pp"] > 1) < (fastest["tp"] > 1) + (fastest["pp"] > 1):
+    if dimensions(best) < dimensions(fastest):
         why.append("fewer parallel dimensions")
     if best["engine"] != "deepspeed" and fastest["engine"] == "deepspeed":
         why.append("the torch engine")
@@ -295,10 +323,15 @@ def _simpler(records: list[dict], best: int, fastest: int, band: list[int]) -> s
 
 def _one_per_layout(records: list[dict], band: list[int], best: int) -> list[int]:
     """The recommendation, then the simplest candidate of each other layout in the band, then the
-    best of the other engine (so --emit can write both)."""
+    best of the other engine (so --emit can write both). Context-parallel layouts only beside a
+    context-parallel recommendation: when the sequence fits whole, splitting it adds a dimension for
+    nothing (the time model prices it as a near-tie)."""
     chosen, layouts = [best], {_layout(records[best])}
     capacity = max(r["memory_bytes"]["total"] for r in records) * 2
+    split = records[best].get("cp", 1) > 1
     for i in sorted(band, key=lambda i: simplicity(records[i], capacity)):
+        if records[i].get("cp", 1) > 1 and not split:
+            continue
         if _layout(records[i]) not in layouts:
             layouts.add(_layout(records[i]))
             chosen.append(i)
@@ -311,7 +344,8 @@ def _one_per_layout(records: list[dict], band: list[int], best: int) -> list[int
 
 
 def _layout(r: dict) -> tuple:
-    return (r["strategy"], r["tp"], r["pp"], r["pp_schedule"], r["offload"], r["engine"] == "deepspeed")
+    return (r["strategy"], r["tp"], r["pp"], r["pp_schedule"], r["offload"], r["engine"] == "deepspeed",
+            r.get("cp", 1), r.get("cp_mode", "ring"))
 
 
 def smallest_fitting_cluster(w: Workload, cluster: Cluster) -> str:
@@ -383,7 +417,7 @@ def _why_deepspeed(records: list[dict], best: int, pool: list[int], unit: str) -
         return f"it fits{how}, and no torch-engine layout fits with headroom"
     other = records[max(torch_ones, key=lambda i: records[i]["tokens_per_s"])]
     gap = r["tokens_per_s"] / other["tokens_per_s"] - 1
-    more = (other["tp"] > 1) + (other["pp"] > 1) - (r["tp"] > 1) - (r["pp"] > 1)
+    more = dimensions(other) - dimensions(r)
     if gap <= NEAR_TIE and more > 0:
         return (f"it fits{how}; the torch engine's fastest ({other['label']}, {gap:.1%} slower) needs {more} "
                 f"more parallel dimension(s)")
@@ -400,6 +434,9 @@ def size_text(nbytes: float) -> str:
 
 def emit_config(base, record: dict):
     """The loom Config that runs a candidate, from the user's config (model, data, batch kept)."""
+    if not record["runs_in_loom"] and record.get("cp", 1) > 1:
+        raise ConfigError(f"{record['label']} splits sequences (cp = {record['cp']}) on loom's deepspeed "
+                          f"engine, which does not; pick a torch-engine candidate, or one with cp = 1")
     if not record["runs_in_loom"]:
         raise ConfigError(f"{record['label']} needs DeepSpeed's offload together with TP or PP, which loom's "
                           f"deepspeed engine does not run; pick a candidate with tp = pp = 1")
@@ -417,8 +454,13 @@ def emit_config(base, record: dict):
         if "nvme" in record["offload"]:
             p.nvme_path = p.nvme_path or "/local_nvme/loom"  # a directory on the node's NVMe disk
     p.activation_checkpointing, p.ac_every = record["activation_checkpointing"], record["ac_every"]
-    if strategies.lookup(record["strategy"]).dp_mesh == "hybrid":
-        p.dp_shard, p.dp_replicate = record["dp_shard"], record["dp"] // record["dp_shard"]
+    cp = record.get("cp", 1)
+    p.cp = cp
+    if cp > 1:
+        p.cp_mode = record["cp_mode"]
+    if strategies.lookup(record["strategy"]).dp_mesh == "hybrid":  # the record's N is dp_shard × cp
+        p.dp_shard = record["dp_shard"] // cp
+        p.dp_replicate = record["dp"] // p.dp_shard
     if record["pp"] > 1:
         p.pp_schedule, p.pp_virtual_stages = record["pp_schedule"], record["pp_virtual_stages"]
         p.microbatches, t.grad_accum = record["grad_accum"], 1
@@ -443,9 +485,12 @@ def config_workload(cfg, shape, recipe: str = "torch") -> Workload:
                     loss_chunk_of(cfg), cfg.parallel.reduce_every_micro_step)
 
 
-def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int) -> Candidate:
-    """The candidate a resolved loom config runs (the inverse of emit_config)."""
+def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,
+                     cp: int | None = None) -> Candidate:
+    """The candidate a resolved loom config runs (the inverse of emit_config); `cp` the mesh's (by
+    default the config's parallel.cp)."""
     p, t = cfg.parallel, cfg.train
+    cp = p.cp if cp is None else cp
     dp = dp_replicate * dp_shard
     pipelined = pp > 1
     micro = (p.microbatches or pp) if pipelined else t.grad_accum
@@ -466,4 +511,4 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int) ->
                      p.pp_schedule if pipelined else "none", p.pp_virtual_stages if pipelined else 1,
                      p.activation_checkpointing, p.ac_every, per_micro, micro,
                      sequence_parallel=p.sequence_parallel and tp > 1, framework=p.engine,
-                     fsdp_unit_mb=p.fsdp_unit_mb)
+                     fsdp_unit_mb=p.fsdp_unit_mb, cp=cp, cp_mode=p.cp_mode if cp > 1 else "ring")

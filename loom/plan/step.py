@@ -15,8 +15,10 @@ Then, for both:
 - the bubble of a pipeline is (p−1)/(m+p−1) of its time ((p−1)/(v·m+p−1) interleaved);
 - on GPUs data-parallel collectives overlap with compute (DDP buckets, FSDP prefetch) and only the
   part longer than the compute is exposed; ZeRO-1's parameter broadcast follows the optimizer
-  step, and TP and PP transfers sit on the critical path: those are exposed. On a CPU the cores
-  that compute also move the bytes: nothing overlaps;
+  step, and TP and PP transfers sit on the critical path: those are exposed. Context parallelism's
+  ring passes the next k/v block while the current one's attention runs: only the excess of each
+  hop over that block's attention is exposed, plus a latency per hop; Ulysses' all_to_alls are
+  exposed (plan/context.py). On a CPU the cores that compute also move the bytes: nothing overlaps;
 - the optimizer step streams params, grads and Adam's m and v (28 bytes per fp32 parameter) and
   the gradient clip reads and scales the grads (12 more) at memory bandwidth;
 - offload moves gradients out and parameters in over the host link each step and runs Adam on
@@ -28,7 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loom.plan.comm import DDP_BUCKET, CommAccount
+from loom.plan import context
+from loom.plan.comm import DDP_BUCKET, CommAccount, cp_exchange
 from loom.plan.efficiency import D0_SCALE, DEFAULT, FAMILY, compute_fraction, link_efficiency
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num, sec
@@ -165,7 +168,7 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
         return t
 
     # Each group's bytes on its link; a ZeRO-1 broadcast and TP/PP transfers are exposed.
-    dp_inter = c.dp * c.tp > cluster.gpus_per_node
+    dp_inter = c.grad_sync_size * c.tp > cluster.gpus_per_node
     shard_inter = c.shard_size * c.tp > cluster.gpus_per_node
     broadcast = comm.by_kind.get("broadcast", 0.0) if w.recipe == "torch" else 0.0
     dp_bytes = groups["dp"] - broadcast
@@ -179,9 +182,20 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
         parts.append(("broadcast", seconds("ZeRO-1 broadcast", broadcast, dp_inter, "broadcast")))
     if groups["tp"] or comm.count_by_group.get("tp"):
         parts.append(("tp", seconds("tensor parallel", groups["tp"], False, "tp")))
-    pp_inter = c.world > cluster.gpus_per_node and c.dp * c.tp >= cluster.gpus_per_node
+    pp_inter = c.world > cluster.gpus_per_node and c.grad_sync_size * c.tp >= cluster.gpus_per_node
     if groups["pp"] or comm.count_by_group.get("pp"):
         parts.append(("pp", seconds("pipeline", groups["pp"], pp_inter, "pp")))
+    if c.cp > 1 and w.shape.known:
+        inter = c.cp * c.tp > cluster.gpus_per_node
+        link = (gpu.inter_node_gbps if inter else gpu.intra_node_gbps) * 1e9 * efficiency
+        alpha = gpu.inter_node_latency_s if inter else gpu.intra_node_latency_s
+        block = context.block_attention_flops(w.shape, c.local_seq(w.seq_len), c.micro_batch, c.tp)
+        block_s = block / (gpu.bf16_tflops * 1e12 * fraction)
+        if terms:
+            terms.item("cp block attention",
+                       "4·(a/tp)·Q·(s/cp)·b·(s/cp) / (peak × fraction) (one hop's forward)",
+                       f"{num(block)} / ({num(gpu.bf16_tflops)}e12 × {num(fraction)})", sec(block_s))
+        parts.append(("cp", _cp_seconds(w, c, link, alpha, block_s, True, terms, wire=True)))
     exposed = sum(v for _, v in parts)
     if terms:
         terms.item("comm exposed", " + ".join(n for n, _ in parts), " + ".join(sec(v) for _, v in parts),
@@ -200,7 +214,7 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
 def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS) -> StepTime:
     """Compute and collectives at the rates `loom plan --calibrate` measured on this device."""
     profile, ranks, shape = cluster.profile, cluster.gpus_per_node, w.shape
-    tokens = w.seq_len * c.micro_batch
+    tokens = c.local_seq(w.seq_len) * c.micro_batch
     bandwidth = profile.elementwise_bytes(ranks, tokens * max(shape.d_model, 1) * 4)
     overhead = profile.op_overhead(ranks)
     if terms:
@@ -278,6 +292,8 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
                    "(2·payload at the bandwidth measured for one collective's size); nothing overlaps")
     exposed = 0.0
     for kind, payload in comm.payload_by_kind.items():
+        if kind in context.OBSERVED:  # the context-parallel exchange, below
+            continue
         kind = "send" if kind == "recv" else kind
         count = _count(comm, kind, payload)
         copy_bw = profile.elementwise_bytes(ranks, payload / max(count, 1))
@@ -289,6 +305,14 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
         if terms:
             terms.item(kind, "α·count + payload/β + 2·payload/bandwidth", numbers, sec(t))
         exposed += t
+    if c.cp > 1 and shape.known:
+        fits = profile.ranks_entry(ranks)["collectives"]
+        fit = fits.get(context.OBSERVED[context.KINDS[c.cp_mode]]) or fits.get("all_reduce")
+        if fit is not None:
+            rate = profile.attention_flops(ranks, w.seq_len, shape.head_dim)
+            block_s = context.block_attention_flops(shape, c.local_seq(w.seq_len), c.micro_batch, c.tp) / rate
+            exposed += _cp_seconds(w, c, fit["bytes_per_s"], fit["alpha_s"], block_s, profile.device != "cpu",
+                                   terms, wire=False)
     if c.world > 1:  # the loop's few-byte all-reduces: mean loss and gradient norm
         t = profile.collective_seconds(ranks, "all_reduce", 8, 2)
         if terms:
@@ -368,6 +392,41 @@ def block_elementwise_seconds(profile, ranks: int, shape, tokens: int, tp: int,
     return moved / block_bandwidth
 
 
+def _cp_seconds(w, c, rate: float, alpha: float, block_s: float, overlap: bool,
+                terms: Terms = NO_TERMS, wire: bool = True) -> float:
+    """The context-parallel exchange's exposed seconds per step (plan/context.py): per block and
+    micro-batch forward and backward, and the forward again of each recomputed block. `rate`: the
+    link's bytes per second (`wire`: of the bytes sent; else a measured rate per payload byte);
+    `block_s`: one hop's forward attention, which a ring hop hides behind."""
+    ex, layers, ckpt = cp_exchange(w, c)
+    if c.cp_mode == "ring":
+        forward, backward = context.ring_exposed(ex, rate, alpha, block_s, overlap, w.act_bytes)
+        if terms:
+            cp, kv, dkv = c.cp, 2 * ex.block / rate, 2 * ex.block * 4 / w.act_bytes / rate
+            over, over_n = (("max(0, 2·B_kv/link − block)", f"max(0, {sec(kv)} − {sec(block_s)})") if overlap
+                            else ("2·B_kv/link", sec(kv)))
+            back, back_n = (("max(0, 2·B_kv·(1 + 4/e)/link − 2·block)",
+                             f"max(0, {sec(kv + dkv)} − 2·{sec(block_s)})") if overlap
+                            else ("2·B_kv·(1 + 4/e)/link", sec(kv + dkv)))
+            terms.item("ring forward", f"(cp−1)·({over} + α)", f"({cp}−1)·({over_n} + {num(alpha)} s)",
+                       sec(forward))
+            terms.item("ring backward", f"(cp−1)·{back} + 2·B_kv·4/e/link + (2cp−1)·α",
+                       f"({cp}−1)·{back_n} + {sec(dkv)} + (2·{cp}−1)·{num(alpha)} s", sec(backward))
+    else:
+        share = (c.cp - 1) / c.cp if wire else 1.0
+        forward = backward = context.alltoall_seconds(ex, share, rate, alpha)
+        if terms:
+            part, nums = ("(cp−1)/cp·", f"({c.cp}−1)/{c.cp}·") if wire else ("", "")
+            terms.item("all_to_all pass", f"{part}(2q + 2kv)/β + 4·α (exposed)",
+                       f"{nums}{gb(ex.forward)}/{num(rate / 1e9)} GB/s + 4 × {num(alpha)} s", sec(forward))
+    m = c.grad_accum
+    total = m * (layers * (forward + backward) + ckpt * forward)
+    if terms:
+        terms.item("context parallel", "m·(L_s·(forward + backward) + c·forward)",
+                   f"{m}·({layers}·({sec(forward)} + {sec(backward)}) + {ckpt}·{sec(forward)})", sec(total))
+    return total
+
+
 def _count(comm: CommAccount, kind: str, payload: float) -> int:
     """How many collectives of `kind` a step issues (DDP's buckets where the plan leaves it open)."""
     known = comm.count_by_kind.get(kind)
@@ -381,7 +440,7 @@ def _recompute(w, c, compute: float, gpu=None, terms: Terms = NO_TERMS) -> float
     if c.activation_checkpointing == "op" and gpu is not None:
         # only the elementwise work of a forward is rerun, at memory bandwidth (or kernel launches)
         stage = math.ceil(layers / c.pp)
-        tokens = w.seq_len * c.micro_batch
+        tokens = c.local_seq(w.seq_len) * c.micro_batch
         moved = block_elementwise_bytes(w.shape, tokens, c.tp)
         per_layer = max(moved / 3 / (gpu.hbm_tbps * 1e12), KERNELS_PER_LAYER / 3 * gpu.kernel_launch_s)
         recompute = micro_steps(c) * stage * per_layer

@@ -41,7 +41,8 @@ from loom.observe.rank_memory import (
     resident_bytes,
 )
 from loom.parallel import deepspeed_engine, precision
-from loom.parallel.apply import parallelize, uses_fsdp
+from loom.parallel.apply import parallelize, sequence_split, uses_fsdp
+from loom.parallel.context_parallel import sequence_share, take_tally
 from loom.parallel.mesh import Dist, init_distributed
 from loom.parallel.weights import TensorsSource
 from loom.plan.memory import deepspeed_states, model_state_bytes
@@ -102,13 +103,14 @@ def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = Non
         torch.manual_seed(t.seed)
         user_model = task.model_fn()
     num_params = count_params(user_model)
-    parts = parallelize(user_model, cfg, d, adapter_for(user_model), task.weights)
+    split = sequence_split(d, task.document_eos)
+    parts = parallelize(user_model, cfg, d, adapter_for(user_model), task.weights, split)
     del user_model  # a pipeline stage keeps only its layers
     _release(task)
     model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)  # interleaved: several stages
     if task.init_checkpoint is not None:  # model.init_from a loom checkpoint: DCP reads our chunks
         checkpoint.load_weights(task.init_checkpoint, model, d)
-    pipe = build_pipeline(parts, cfg, d) if p.pp > 1 else None
+    pipe = build_pipeline(parts, cfg, d, split) if p.pp > 1 else None
     optimizer = build_optimizer(model, t, p.strategy, d)
     scheduler = build_scheduler(optimizer, t)
     params = [q for q in model.parameters() if q.requires_grad]
@@ -167,7 +169,8 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     if resume is None and run_dir is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume = "auto"
     flight.enable(run_dir)
-    d = init_distributed(lambda world: validate(cfg, world), t.device, timeout_s=t.collective_timeout_s)
+    d = init_distributed(lambda world: validate(cfg, world), t.device, timeout_s=t.collective_timeout_s,
+                         cp_mode=cfg.parallel.cp_mode)
     watcher = flight.Watcher(run_dir, d) if run_dir is not None and d.world_size > 1 else None
     try:
         return _train(cfg, d, run_dir, return_state, quiet, task or config_task(cfg), resume)
@@ -240,7 +243,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
         if steady:  # what the process holds in the steady state: in memory, and swapped to NVMe
             memory.resident_bytes = resident_bytes()
             memory.nvme_bytes = deepspeed_engine.rank_swap_bytes(swap, d.rank) if swap is not None else None
-        log.queued(step, out, phases, step_start)
+        log.queued(step, out, phases, step_start, take_tally() if d.cp is not None else None)
         if profiler is not None:
             profiler.step()
         if t.eval_every and step % t.eval_every == 0 and step < t.steps:  # the last step: the final eval
@@ -277,7 +280,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     rank_memory: list[dict] = [None] * d.world_size  # type: ignore[list-item]
     # Observed: count and payload of the collectives of step 2; wire bytes only as the ring model.
     measured = {**memory.to_dict(), "pp_stage": d.mesh["pp"].get_local_rank(),
-                "core_wait_share": core_wait_share,
+                "core_wait_share": core_wait_share, **sequence_share(cfg.data.seq_len, d.cp),
                 **{f"comm_{k}": comm_seen[k] if comm_seen else None
                    for k in ("count", "payload_bytes", "modelled_wire_bytes", "by_kind")}}
     dist.all_gather_object(rank_memory, measured)
@@ -337,7 +340,8 @@ def layout_text(p, replicate: int, shard: int) -> str:
     dp = f"dp={replicate * shard} [replicate {replicate} × shard {shard}]"
     pp = [f"pp={p.pp}"] if p.pp > 1 else []
     tp = [f"tp={p.tp}" + (" (sequence parallel)" if p.sequence_parallel else "")] if p.tp > 1 else []
-    return " × ".join([*pp, dp, *tp])
+    cp = [f"cp={p.cp} ({p.cp_mode})"] if p.cp > 1 else []
+    return " × ".join([*pp, dp, *cp, *tp])
 
 
 def _print_layout(cfg: Config, d: Dist, task: Task, b: Built, micro_batch: int) -> None:
@@ -347,7 +351,9 @@ def _print_layout(cfg: Config, d: Dist, task: Task, b: Built, micro_batch: int) 
           f"{layout_text(p, d.mesh['dp_replicate'].size(), d.mesh['dp_shard'].size())}, "
           f"{task.description} = {b.num_params / 1e6:.2f}M params, "
           f"global batch {t.batch_size} = micro-batch {micro_batch} × grad_accum {t.grad_accum} "
-          f"× dp {dp}, {task.tokens_per_sample} tokens each, precision {t.precision}", flush=True)
+          f"× dp {dp}, {task.tokens_per_sample} tokens each"
+          f"{f' split over cp {d.cp_size} ranks' if d.cp is not None else ''}, precision {t.precision}",
+          flush=True)
     if b.pipe is not None:
         m = pipeline_microbatches(p)
         print(f"pipeline: {p.pp} stages × {p.pp_virtual_stages} virtual, {p.pp_schedule}, {m} micro-batches "
@@ -410,15 +416,16 @@ class StepLog:
         self.skipped_steps: list[int] = []
         self.evals: dict[int, float] = {}  # step -> held-out loss, every train.eval_every steps
 
-    def queued(self, step: int, out, phases: dict, step_start: float) -> None:
+    def queued(self, step: int, out, phases: dict, step_start: float, exchange: dict | None = None) -> None:
         """Step `step` is queued: read back the step before it, keep this one's values pending.
-        The step's time includes that read-back (on a GPU, the wait for the step before)."""
+        The step's time includes that read-back (on a GPU, the wait for the step before).
+        `exchange`: context parallelism's bytes sent and host wait this step (context_parallel.take_tally)."""
         values = torch.stack([out.loss, out.grad_norm.float().reshape(()), out.skipped])
         self.flush()
         step_time = time.perf_counter() - step_start
         self.step_times.append(step_time)
         self.pending = {"step": step, "lr": out.lr, "step_time_s": step_time, "data_wait_s": out.data_wait_s,
-                        "values": values, "phases": phases}
+                        "values": values, "phases": phases, **(exchange or {})}
 
     def eval(self, step: int, held_out: float | None) -> None:
         if held_out is None:
@@ -477,7 +484,9 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
     """Rank 0: memory.json and summary.json, and the report printed at the end."""
     p = cfg.parallel
     dp = d.dp_mesh.size()
-    shard = strategies.lookup(p.strategy).shard_size(d.mesh["dp_replicate"].size(), d.mesh["dp_shard"].size())
+    # cp ranks shard (and reduce) with the dp ranks: N spans dp_shard × cp
+    shard = strategies.lookup(p.strategy).shard_size(d.mesh["dp_replicate"].size(),
+                                                     d.mesh["dp_shard"].size() * d.cp_size)
     local_params = sum(q.numel() for q in b.params)  # this rank's stage(s), before TP/FSDP splits
     # TP splits every matrix; only the norms' gains stay whole on each TP rank.
     tp_replicated = sum(q.numel() for q in b.params if q.ndim == 1) if p.tp > 1 else 0

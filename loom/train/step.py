@@ -21,6 +21,7 @@ from loom.config import Config, pipeline_microbatches
 from loom.models.gpt.model import GPT
 from loom.parallel import precision
 from loom.parallel.apply import gradient_sync, uses_fsdp
+from loom.parallel.context_parallel import SequenceSplit
 from loom.parallel.mesh import Dist, local_view
 from loom.parallel.pipeline import build_schedule, pipeline_step, rank_stages
 from loom.parallel.tensor_parallel import loss_context
@@ -41,7 +42,8 @@ class Pipeline:
     token_scale: dict = field(default_factory=dict)
 
 
-def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
+def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist,
+                   split: SequenceSplit | None = None) -> Pipeline:
     p = cfg.parallel
     num_stages = p.pp * p.pp_virtual_stages
     stage_ids = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages)
@@ -51,6 +53,8 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist) -> Pipeline:
 
     def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         sft = cfg.data.format == "sft"  # the sum over its loss tokens, in units of the global mean
+        if split is not None:  # the last stage's output holds this cp rank's tokens only
+            targets = split.shard(targets)
         reduction = "sum" if sft else "mean"
         if head is not None:  # the last stage's norm output, through the head chunk by chunk
             loss = head(output, targets=targets, loss_chunk=cfg.train.loss_chunk, masked=sft,
@@ -82,15 +86,17 @@ def token_scale(batches: list[torch.Tensor], cfg: Config,
     Micro-batches hold different numbers of them, so each micro-batch's loss unit (one of the
     accum × dp (× pipeline micro-batches) units the step averages) is rescaled: this returns
     units / loss tokens of the global batch, counted on the device (one small all-reduce; tp and pp
-    ranks hold copies of their dp rank's batch), and each micro-batch's weight (its loss tokens ×
-    that). None for text, where every unit holds the same number of tokens."""
+    ranks hold copies of their dp rank's batch, cp ranks each count their own tokens of it), and each
+    micro-batch's weight (its loss tokens × that). None for text, where every unit holds the same
+    number of tokens."""
     if cfg.data.format != "sft":
         return None, None
     p = cfg.parallel
-    counts = torch.stack([_loss_tokens(b) for b in batches]).float()
+    counts = torch.stack([_loss_tokens(b, d) for b in batches]).float()
     tokens = counts.sum()
     dist.all_reduce(tokens)
-    units = cfg.train.grad_accum * d.dp_mesh.size() * (pipeline_microbatches(p) if p.pp > 1 else 1)
+    # dp × cp ranks each average their own tokens' loss into the gradient
+    units = cfg.train.grad_accum * d.grad_mesh.size() * (pipeline_microbatches(p) if p.pp > 1 else 1)
     scale = units * p.tp * p.pp / tokens.clamp(min=1)
     return scale, counts * scale
 
@@ -201,8 +207,9 @@ def _next_batches(batches, count: int, timer: PhaseTimer,
     return fetched, time.perf_counter() - wait_start
 
 
-def _loss_tokens(batch: torch.Tensor) -> torch.Tensor:
-    return (split_batch(batch)[1] != IGNORE).sum()
+def _loss_tokens(batch: torch.Tensor, d: Dist) -> torch.Tensor:
+    """The loss tokens of `batch` this rank computes the loss of (its cp share of each sequence)."""
+    return (SequenceSplit(d.cp).shard(split_batch(batch)[1]) != IGNORE).sum()
 
 
 def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t, pipe: Pipeline | None,

@@ -54,6 +54,9 @@ class Task:
     # {"hf_config": a Hugging Face config.json}; None: the saved config's preset says it.
     model_record: dict | None = None
     from_config: bool = False  # the config's own model (`loom train` can rebuild it to continue)
+    # data.packing = documents: the id that ends each document (attention stops there); None: windows
+    # are attended whole
+    document_eos: int | None = None
 
 
 
@@ -76,6 +79,9 @@ def next_token_loss(model: nn.Module, batch: torch.Tensor, loss_chunk: int = 0) 
     if loss_chunk > 0:
         return model(inputs, targets, loss_chunk=loss_chunk, masked=masked)
     out = model(inputs)
+    split = getattr(getattr(model, "module", model), "sequence_split", None)  # (DDP wraps the model)
+    if split is not None:  # under context parallelism the logits are this rank's tokens'
+        targets = split.shard(targets)
     return cross_entropy(getattr(out, "logits", out), targets, masked=masked)
 
 
@@ -97,7 +103,8 @@ def config_task(cfg: Config) -> Task:
                 train_data=data.train, eval_data=data.eval,
                 tokens_per_sample=cfg.data.seq_len, description=f"{model.description}; {data.description}",
                 shape=model.shape, weights=model.weights(), init_checkpoint=model.checkpoint,
-                model_record=model.record(), from_config=True)
+                model_record=model.record(), from_config=True,
+                document_eos=data.eos_id if cfg.data.packing == "documents" else None)
 
 
 @dataclass
@@ -145,6 +152,11 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
                            from_gpt_config(gpt, pretrained.path.name),
                            f"GPT {gpt.n_layers}L d{gpt.d_model} from {pretrained.path}", checkpoint)
     hf = pretrained.hf_config  # checked when it was read (loom/hf_config.py)
+    if cfg.parallel.cp > 1 or cfg.data.packing == "documents":
+        what = f"parallel.cp = {cfg.parallel.cp}" if cfg.parallel.cp > 1 else "data.packing = 'documents'"
+        raise ConfigError(f"{what} runs on loom's GPT, and model.init_from {pretrained.path} is a "
+                          f"{hf.model_type} model loom runs through Hugging Face's modules; set "
+                          f"parallel.cp=1 and data.packing=concat, or start from a Llama-layout model")
     _check_vocab(hf.vocab_size, data_vocab, f" (model.init_from {pretrained.path})")
     _check_layout(cfg, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads,
                   hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings or cfg.data.seq_len,
@@ -201,6 +213,10 @@ def _check_layout(cfg: Config, n_layers: int, n_heads: int, n_kv_heads: int, ffn
                           tie_embeddings=tied)
     if p.tp > 1:
         check_tp_shapes(n_heads, n_kv_heads, ffn_hidden, vocab, p.tp)
+    if p.cp > 1 and p.cp_mode == "alltoall" and n_heads % (p.cp * p.tp):
+        raise ConfigError(f"parallel.cp_mode = 'alltoall' gives each cp rank n_heads / (cp × tp) heads, but "
+                          f"{n_heads} heads do not divide by {p.cp} × {p.tp}; set parallel.cp_mode=ring, or "
+                          f"a cp that divides {n_heads // p.tp} (k/v heads cp does not divide are repeated)")
     if cfg.data.seq_len > max_seq_len:
         raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's max_seq_len "
                           f"{max_seq_len}; lower data.seq_len or set model.max_seq_len")

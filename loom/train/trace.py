@@ -21,7 +21,6 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import _sharding_prop
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
@@ -33,7 +32,7 @@ from loom.errors import ConfigError, LoomError
 from loom.models.gpt.config import GPTConfig
 from loom.models.gpt.model import build_model
 from loom.observe.rank_memory import global_peak_tracker, optimizer_states, storage_bytes
-from loom.parallel.mesh import Dist, local_view
+from loom.parallel.mesh import Dist, build_mesh, local_view
 from loom.plan.memory import model_state_bytes
 from loom.train.driver import build_training
 from loom.train.step import train_step
@@ -44,7 +43,6 @@ def _traceable() -> list[str]:
     """FSDP2 runs on fake tensors. DDP (ddp, zero1) does not: its C++ reducer and parameter check
     read tensor data and its comm hook expects a real future from the process group."""
     return [name for name, s in strategies.STRATEGIES.items() if s.uses_fsdp()]
-_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def trace_memory(cfg: Config, world_size: int, micro_batch: int = 1) -> dict:
@@ -80,10 +78,9 @@ def _run(cfg: Config, gpt: GPTConfig, dims: ParallelDims, world_size: int, micro
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = init_device_mesh("cpu", (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
-                                mesh_dim_names=_MESH_DIMS)
+        mesh, dp_mesh, grad_mesh, cp = build_mesh("cpu", dims, cfg.parallel.cp_mode)
         d = Dist(rank=0, local_rank=0, world_size=world_size, device=torch.device("cpu"), mesh=mesh,
-                 dp_mesh=mesh[("dp_replicate", "dp_shard")]._flatten("dp"))
+                 dp_mesh=dp_mesh, grad_mesh=grad_mesh, cp=cp)
         # Every tensor made in here is fake, the model's meta tensors included: no real memory.
         with FakeTensorMode() if fake else contextlib.nullcontext():
             return _traced_step(cfg, gpt, d, micro_batch)

@@ -102,7 +102,11 @@ def _train_from(overrides: list[str], run_dir: str, resume: str | None, steps: i
     ((2, ["parallel.strategy=ddp", "parallel.pp=2"]), (2, ["parallel.strategy=zero3"])),
     ((2, ["parallel.strategy=ddp"]), (4, ["parallel.strategy=zero3", "parallel.tp=2"])),
     ((4, ["parallel.strategy=zero3", "parallel.tp=2"]), (2, ["parallel.strategy=ddp"])),
-], ids=["zero3x4-to-ddpx2", "ddp-to-tp2", "pp2-to-zero3", "ddp-to-zero3xtp2x4", "zero3xtp2x4-to-ddpx2"])
+    ((2, ["parallel.strategy=zero3", "parallel.cp=2"]), (2, ["parallel.strategy=zero3"])),
+    ((2, ["parallel.strategy=ddp"]), (4, ["parallel.strategy=zero3", "parallel.cp=2",
+                                          "parallel.cp_mode=alltoall"])),
+], ids=["zero3x4-to-ddpx2", "ddp-to-tp2", "pp2-to-zero3", "ddp-to-zero3xtp2x4", "zero3xtp2x4-to-ddpx2",
+        "zero3-cp2-to-zero3x2", "ddp-to-zero3-cp2xdp2"])
 def test_resume_under_another_strategy_reshards_exactly(tmp_path, before, after):
     (world_a, a), (world_b, b) = before, after
     full = run_ranks(_train_from, world_a, a, str(tmp_path / "a"), None, 4)[-1]

@@ -298,6 +298,32 @@ def _(c: Ctx) -> str:
     return c.train("--set", "parallel.pp=2", "--set", "parallel.tp=3", nproc=4)
 
 
+@case("parallel-cp-seq-len")
+def _(c: Ctx) -> str:
+    return c.config("parallel.cp=2", "data.seq_len=30", world=2)
+
+
+@case("parallel-cp-world")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.cp=4", nproc=2)
+
+
+@case("parallel-cp-alltoall-heads")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.cp=2", "--set", "parallel.cp_mode=alltoall", "--set", "model.n_heads=1",
+                   "--set", "model.n_kv_heads=1", nproc=2)
+
+
+@case("parallel-cp-mode-unknown")
+def _(c: Ctx) -> str:
+    return c.config("parallel.cp_mode=ulysses")
+
+
+@case("data-packing-stream")
+def _(c: Ctx) -> str:
+    return c.train("--set", "data.packing=documents")
+
+
 @case("parallel-tp-zero")
 def _(c: Ctx) -> str:
     return c.config("parallel.tp=0")
@@ -366,6 +392,11 @@ def _(c: Ctx) -> str:
 @case("engine-deepspeed-tp")
 def _(c: Ctx) -> str:
     return c.config(*DS, "parallel.tp=2", world=2)
+
+
+@case("engine-deepspeed-cp")
+def _(c: Ctx) -> str:
+    return c.config(*DS, "parallel.cp=2", world=2)
 
 
 @case("engine-deepspeed-checkpointing")

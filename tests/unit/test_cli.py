@@ -31,7 +31,7 @@ BAD_INPUT = {
     "unknown key": (["--set", "train.stepz=3"], "did you mean 'train.steps'"),
     "wrong type": (["--set", "train.steps=abc"], "train.steps must be int"),
     "hsdp product": (["--nproc", "4", "--set", "parallel.strategy=hsdp", "--set", "parallel.dp_replicate=3",
-                      "--set", "parallel.dp_shard=2"], "1 × 3 × 2 × 1 = 6 ≠ 4"),
+                      "--set", "parallel.dp_shard=2"], "1 × 3 × 2 × 1 × 1 = 6 ≠ 4"),
     "offload with ddp": (["--set", "parallel.strategy=ddp", "--set", "parallel.offload=cpu"],
                          "parallel.offload"),
     "offload on a CPU-only host": (["--set", "parallel.offload=cpu"], "needs an accelerator"),
@@ -50,7 +50,7 @@ BAD_INPUT = {
                                           "--set", "parallel.pp_schedule=interleaved",
                                           "--set", "parallel.pp_virtual_stages=2"], "not divisible by"),
     "degrees not the world size": (["--nproc", "4", "--set", "parallel.pp=3"],
-                                   "pp × tp = 3 × 1 = 3 does not divide the world size 4"),
+                                   "pp × cp × tp = 3 × 1 × 1 = 3 does not divide the world size 4"),
     "bad --set syntax": (["--set", "train.steps"], "section.key=value"),
 }
 

@@ -58,7 +58,7 @@ def test_hsdp_dims():
     dims = resolve_dims(cfg.parallel, 8)
     assert (dims.dp_replicate, dims.dp_shard) == (2, 4)
     cfg.parallel.dp_shard = 3
-    with pytest.raises(ConfigError, match="1 × 2 × 3 × 1 = 6 ≠ 8"):
+    with pytest.raises(ConfigError, match="1 × 2 × 3 × 1 × 1 = 6 ≠ 8"):
         resolve_dims(cfg.parallel, 8)
 
 

@@ -128,7 +128,9 @@ def assert_adds_up(text: str, record: dict) -> None:
     parts = {name: value for name, value, _ in time[0]}
     for key in ("compute", "recompute", "bubble", "comm_exposed", "optimizer", "offload"):
         assert parts[key.replace("_", " ")] == pytest.approx(t[key], rel=1e-4, abs=1e-9), key
-    assert result(text, "compute", "step time") == pytest.approx(t["compute"], rel=1e-4)
+    # the kernel-launch floor, when it binds (few tokens per micro-step: e.g. a short sequence split by cp)
+    compute = "kernel-launch floor" if "compute = the floor" in text else "compute"
+    assert result(text, compute, "step time") == pytest.approx(t["compute"], rel=1e-4)
     assert result(text, "comm exposed", "step time") == pytest.approx(t["comm_exposed"], rel=1e-4, abs=1e-9)
     for key in ("recompute", "bubble", "offload", "optimizer"):
         if t[key]:

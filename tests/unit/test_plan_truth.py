@@ -95,7 +95,7 @@ def test_sharding_over_one_rank_is_merged(capsys):
     """70B on 8 GPUs with tp8 leaves dp = 1: zero1/2/3 there are ddp, and ZeRO-Offload of the
     optimizer is zero1's, not a distinct zero2 or zero3 candidate."""
     plan = plan_json(capsys, "--model", "70b", "--gpu", "H100-SXM")
-    one = [c for c in plan["candidates"] if c["dp"] == 1]
+    one = [c for c in plan["candidates"] if c["dp"] == 1 and c["cp"] == 1]  # cp > 1: shards over cp
     assert one
     for c in one:
         if c["offload"] == "none":

@@ -33,6 +33,9 @@ class GPTAdapter(ModelAdapter):
     def supports_pipeline(self, model: nn.Module) -> bool:
         return True
 
+    def split_sequences(self, model: nn.Module, split) -> None:
+        model.sequence_split = split
+
     def num_layers(self, model: nn.Module) -> int:
         return model.cfg.n_layers
 

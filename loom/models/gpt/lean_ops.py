@@ -49,8 +49,9 @@ def _rotate(x: torch.Tensor, rope: torch.Tensor, sign: float) -> torch.Tensor:
     # fp32 for the rotation (angles of far positions lose precision in bf16), then back.
     xf = x.float().unflatten(-1, (-1, 2))
     x_even, x_odd = xf[..., 0], xf[..., 1]
-    cos = rope[0].float()[None, :, None, :]
-    sin = rope[1].float()[None, :, None, :] * sign
+    # rope [2, T, D/2] for every sequence alike, or [2, B, T, D/2] (documents: positions per sequence)
+    cos, sin = (r.float()[None, :, None, :] if r.dim() == 2 else r.float()[:, :, None, :] for r in rope)
+    sin = sin * sign
     rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
     return rotated.flatten(-2).to(x.dtype)
 
@@ -68,7 +69,7 @@ class _Rope(torch.autograd.Function):
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate (even, odd) pairs of x [B, T, H, D] by the angles in rope [2, T, D//2]."""
+    """Rotate (even, odd) pairs of x [B, T, H, D] by the angles in rope [2, T, D//2] (or [2, B, T, D//2])."""
     return _Rope.apply(x, rope)
 
 

@@ -24,6 +24,7 @@ from loom.errors import ConfigError
 from loom.models.chunked_loss import Head
 from loom.models.gpt.config import GPTConfig, validate
 from loom.models.gpt.lean_ops import apply_rope, rms_norm, swiglu, swiglu_down
+from loom.parallel.context_parallel import Sequence, SequenceSplit, attention
 from loom.parallel.weights import WeightSource, block, plain_name, write_weights
 
 
@@ -57,17 +58,21 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        bsz, seq, _ = x.shape
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, seq: Sequence | None = None) -> torch.Tensor:
+        bsz, tokens, _ = x.shape
         # -1 heads: under tensor parallel each rank holds only its share of the heads.
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q = self.wq(x).view(bsz, tokens, -1, self.head_dim)
+        k = self.wk(x).view(bsz, tokens, -1, self.head_dim)
+        v = self.wv(x).view(bsz, tokens, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        # Grouped k, v go in as they are: CPU's flash kernel takes GQA, no repeated copies kept.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+        if seq is None or (seq.cp is None and seq.docs is None):
+            # Grouped k, v go in as they are: CPU's flash kernel takes GQA, no repeated copies kept.
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+        else:  # the sequence split over cp ranks, or packed documents (loom/parallel/context_parallel.py)
+            out = attention(*(_local(t) for t in (q, k, v)), seq)
+            out = _like(out, q)
+        return self.wo(out.transpose(1, 2).reshape(bsz, tokens, -1))
 
 
 class FeedForward(nn.Module):
@@ -86,6 +91,18 @@ class FeedForward(nn.Module):
         return swiglu_down(gate, up, self.w2.weight)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """Under TP, q/k/v are DTensors sharded over heads: the exchange runs on each rank's heads."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The attention output in q's layout (a DTensor sharded over heads under TP)."""
+    if isinstance(q, DTensor):
+        return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False)
+    return out
+
+
 def _hooked(module: nn.Module) -> bool:
     """Whether calling `module` does more than its forward (hooks that a direct use of its weight skips)."""
     return bool(module._forward_pre_hooks or module._forward_hooks)
@@ -99,8 +116,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, seq: Sequence | None = None) -> torch.Tensor:
+        # seq by keyword: the TP plan's input hook lays out the positional inputs only
+        h = x + self.attention(self.attention_norm(x), rope, seq=seq)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -108,6 +126,9 @@ class GPT(nn.Module):
     # A last pipeline stage under the chunked loss: forward returns the final norm's output and the
     # schedule's loss calls the head with the targets (loom/train/step.py), so no logits leave it.
     head_in_loss: bool = False
+    # Context parallelism and packed documents (loom/parallel/context_parallel.py): how the input
+    # sequences are split over ranks and documents; None: each sequence whole, one document.
+    sequence_split: SequenceSplit | None = None
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -136,16 +157,28 @@ class GPT(nn.Module):
         A pipeline stage without the embedding takes hidden states [B, T, d_model] instead of
         tokens; one without the norm and head returns hidden states.
         """
-        seq = tokens.shape[1]
-        if seq > self.cfg.max_seq_len:
+        split = self.sequence_split
+        first = self.tok_embeddings is not None
+        # A later pipeline stage's hidden states are already this rank's share of each sequence.
+        seq_len = tokens.shape[1] * (split.cp.size if split and split.cp and not first else 1)
+        if seq_len > self.cfg.max_seq_len:
             raise ConfigError(
-                f"sequence length {seq} exceeds model.max_seq_len {self.cfg.max_seq_len}; "
+                f"sequence length {seq_len} exceeds model.max_seq_len {self.cfg.max_seq_len}; "
                 "shorten the sequences or raise max_seq_len"
             )
-        rope = self.rope[:, :seq]
+        seq = None
+        if split is None:
+            rope = self.rope[:, :seq_len]
+        else:
+            seq = split.sequence(seq_len, tokens if first else None, tokens.device)
+            rope = self.rope[:, split.rope_positions(seq)]
+            if first:
+                tokens = split.shard(tokens)
+            if targets is not None:
+                targets = split.shard(targets)
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.blocks():
-            h = layer(h, rope)
+            h = layer(h, rope) if seq is None else layer(h, rope, seq)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None and not self.head_in_loss:
