@@ -5,8 +5,9 @@ one global batch of one sequence, three ways:
   cp2 ring       two ranks, each a front chunk and its mirror; k/v passed around (isend/irecv)
   cp2 alltoall   two ranks, Ulysses: sequence <-> heads around attention
 
-Each runs `loom profile` then `loom analyze` (gloo, fp32) and reads their records: tokens/s (summary.json), the activation
-peak per rank measured and planned (summary.json), and from the profiler's ledger the exposed and
+Each runs `loom profile` then `loom analyze` (gloo, fp32, zero3 with a unit per block) and reads
+their records: tokens/s (summary.json), the activation peak per rank measured and planned
+(summary.json), and from the profiler's ledger the exposed and
 hidden exchange per step beside the attention's own time (the ring's, or SDPA's under all-to-all:
 its autograd Functions' total, waits included, which is what the block spends in attention).
 
@@ -39,7 +40,7 @@ def _profile(ranks: int, sets: tuple[str, ...], out: Path, seq: int) -> None:
     cmd = [sys.executable, "-m", "loom.cli", "profile", "--nproc", str(ranks), "--out", str(out)]
     for s in ("model.preset=small", f"model.max_seq_len={seq}", f"data.seq_len={seq}", "train.batch_size=1",
               "train.steps=6", "profile.wait=1", "profile.warmup=1", "profile.active=3", "data.num_workers=0",
-              "train.eval_batches=0", "parallel.strategy=zero3", *sets):
+              "train.eval_batches=0", "parallel.strategy=zero3", "parallel.fsdp_unit_mb=0", *sets):
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     for step in (cmd, [sys.executable, "-m", "loom.cli", "analyze", str(out)]):  # analyze: ledger.json

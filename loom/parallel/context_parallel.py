@@ -190,39 +190,54 @@ def _document_mask(docs: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor)
 
 # ---- one piece: queries of one chunk against keys of one chunk, with the logsumexp ----
 
-def _piece_forward(q, k, v, causal: bool, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of one piece; rows that see no key get lse −inf (and out 0), so merging drops them."""
-    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-        ~mask, float("-inf"))
+def _piece_forward(q, k, v, causal: bool, mask: torch.Tensor | None):
+    """(out, lse, aux) of one piece; rows that see no key get lse −inf (and out 0), so merging drops
+    them. `aux`: what the CUDA kernel's backward needs of its forward (its RNG state, its logsumexp's
+    padded length); None on CPU."""
+    bias = _bias(mask, q)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
                                                                               attn_mask=bias)
+        aux = None
     else:
         k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None if bias is None else bias.expand(q.shape[0], q.shape[1], -1, -1), True, 0.0, causal)
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, _expanded(bias, q), True, 0.0, causal)
+        aux = (seed, offset, lse.shape[-1])  # the kernel may pad the logsumexp's rows
         lse = lse[..., : q.shape[2]]
     if mask is not None:
         lse = lse.masked_fill(~mask.any(-1), float("-inf"))
-    return out, lse
+    return out, lse, aux
 
 
-def _piece_backward(grad, q, k, v, out, lse, causal: bool, mask: torch.Tensor | None):
+def _piece_backward(grad, q, k, v, out, lse, causal: bool, mask: torch.Tensor | None, aux):
     """(dq, dk, dv) of one piece, given the merged output and logsumexp of the whole row."""
-    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-        ~mask, float("-inf"))
+    bias = _bias(mask, q)
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias)
+    seed, offset, lse_len = aux
     groups = q.shape[1] // k.shape[1]
     kx, vx = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
-    bias = None if bias is None else bias.expand(q.shape[0], q.shape[1], -1, -1)
+    padded = torch.zeros((*lse.shape[:-1], lse_len), dtype=torch.float32, device=lse.device)
+    padded[..., : lse.shape[-1]] = lse
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad, q, kx, vx, bias, out, lse.contiguous(), torch.empty(()), torch.empty(()), 0.0,
-        [True, True, True, False], causal)
+        grad, q, kx, vx, _expanded(bias, q), out, padded, seed, offset, 0.0, [True, True, True, False],
+        causal)
     if groups > 1:  # the repeated heads' gradients summed back onto their kv head
         dk, dv = (t.unflatten(1, (k.shape[1], groups)).sum(2) for t in (dk, dv))
     return dq, dk, dv
+
+
+def _bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """A boolean mask as the additive bias the fused kernels take (0 or −inf, in q's dtype)."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+
+
+def _expanded(bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    return None if bias is None else bias.expand(q.shape[0], q.shape[1], -1, -1)
 
 
 def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -238,7 +253,7 @@ def _pieces(cp: ContextGroup, source: int):
     return sorted(pieces, key=lambda p: not p[2])
 
 
-def _piece_mask(seq: Sequence, source: int, a: int, b: int, causal: bool) -> torch.Tensor | None:
+def _piece_mask(seq: Sequence, source: int, a: int, b: int) -> torch.Tensor | None:
     if seq.docs is None:
         return None
     c = seq.chunk
@@ -275,20 +290,23 @@ class _RingAttention(torch.autograd.Function):
             out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
             kv = [k.contiguous(), v.contiguous()]
+            aux = []  # per piece, in order: what a CUDA kernel's backward needs of its forward
             for step in range(cp.size):
                 source = (cp.rank - step) % cp.size
                 exchange = _Exchange(cp, kv, tag=0) if step < cp.size - 1 else None
                 for a, b, causal in _pieces(cp, source):
                     rows = slice(a * c, (a + 1) * c)
                     keys = slice(b * c, (b + 1) * c)
-                    o, piece_lse = _piece_forward(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal,
-                                                  _piece_mask(seq, source, a, b, causal))
+                    o, piece_lse, piece_aux = _piece_forward(q[:, :, rows], kv[0][:, :, keys],
+                                                             kv[1][:, :, keys], causal,
+                                                             _piece_mask(seq, source, a, b))
                     _merge(out[:, :, rows], lse[:, :, rows], o, piece_lse)
+                    aux.append(piece_aux)
                 if exchange is not None:
                     kv = exchange.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.seq = seq
+        ctx.seq, ctx.aux = seq, aux
         return out
 
     @staticmethod
@@ -301,6 +319,7 @@ class _RingAttention(torch.autograd.Function):
             dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             kv = [k.contiguous(), v.contiguous()]
             pending: _Exchange | None = None  # the dk/dv accumulators of the k/v now held, on their way
+            aux = iter(ctx.aux)
             for step in range(cp.size):
                 source = (cp.rank - step) % cp.size
                 exchange = _Exchange(cp, kv, tag=0) if step < cp.size - 1 else None
@@ -310,7 +329,7 @@ class _RingAttention(torch.autograd.Function):
                     keys = slice(b * c, (b + 1) * c)
                     dq_p, dk_p, dv_p = _piece_backward(grad[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
                                                        kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows],
-                                                       causal, _piece_mask(seq, source, a, b, causal))
+                                                       causal, _piece_mask(seq, source, a, b), next(aux))
                     dq[:, :, rows] += dq_p
                     dkv[0][:, :, keys] += dk_p
                     dkv[1][:, :, keys] += dv_p

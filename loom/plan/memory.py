@@ -603,8 +603,10 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             terms.item("ring forward", "2·2·B_kv + b·s·(h + a)/tp·4 (k/v blocks in flight, fp32 out + lse)",
                        f"4·{b_kv} + {sb}·({h} + {shape.n_heads})/{tp}·4", gb(forward))
             terms.item("ring backward",
-                       "2·2·B_kv + 2·2·b·s·kv/tp·4 + b·s·h/tp·4 (k/v in flight, fp32 dk/dv, dq)",
-                       f"4·{b_kv} + 4·{sb}·{shape.kv_dim}/{tp}·4 + {sb}·{h}/{tp}·4", gb(backward))
+                       "2·2·B_kv + 6·b·s·kv/tp·4 + b·s·h/tp·(4 + 1.5e) + B_kv (k/v in flight, fp32 dk/dv "
+                       "out, held and in, fp32 dq, the output gradient, one piece's gradients)",
+                       f"4·{b_kv} + 6·{sb}·{shape.kv_dim}/{tp}·4 + {sb}·{h}/{tp}·(4 + 1.5·{e}) + {b_kv}",
+                       gb(backward))
     elif c.cp > 1 and terms:
         terms.note("  alltoall: each all_to_all's output replaces its input (q, k, v and the output "
                    "re-laid out between sequence and heads): no transient beyond a block's tensors modelled")

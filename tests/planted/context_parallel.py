@@ -13,7 +13,8 @@ UNIT = "tests/unit/test_document_packing.py"
 
 BUGS = [
     Bug("cp-unbalanced-split", "each rank takes two neighbouring chunks, not a chunk and its mirror", CP,
-        "    return rank, 2 * size - 1 - rank\n", "    return 2 * rank, 2 * rank + 1\n", (RING4,)),
+        "    return rank, 2 * size - 1 - rank\n", "    return 2 * rank, 2 * rank + 1\n",
+        (f"{UNIT}::test_cp_split_is_balanced",)),
     Bug("cp-future-keys", "a query chunk also attends to key chunks after it", CP,
         "for b in range(2) if theirs[b] <= mine[a]]", "for b in range(2)]", (RING2,)),
     Bug("cp-diagonal-not-causal", "the diagonal pieces are attended whole", CP,
@@ -60,7 +61,7 @@ BUGS = [
         (PACKED,)),
     Bug("docs-positions-not-restarted", "RoPE keeps counting across documents", CP,
         "        return document_positions(seq.docs)[:, seq.positions]", "        return seq.positions",
-        (f"{UNIT}::test_packed_window_equals_its_documents_alone",)),
+        (f"{UNIT}::test_rope_restarts_at_each_document",)),
     Bug("docs-eos-starts-next", "the EOS is counted as the next document's first token", CP,
         "    return torch.cumsum(ends, dim=1) - ends\n", "    return torch.cumsum(ends, dim=1)\n",
         (f"{UNIT}::test_document_ids_and_positions",

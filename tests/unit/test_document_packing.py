@@ -78,3 +78,28 @@ def test_packed_gradients_equal_documents_alone():
     (total / packed.shape[1]).backward()
     for (name, p), q in zip(model.named_parameters(), alone.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_rope_restarts_at_each_document():
+    """RoPE's positions restart at each document (the scores of a masked window would be the same
+    either way, RoPE being relative: so checked on the positions themselves), under cp too."""
+    from loom.parallel.context_parallel import ContextGroup
+
+    tokens = torch.tensor([[5, 1, 7, 8, 1, 9, 9, 9]])
+    whole = SequenceSplit(None, EOS)
+    assert whole.rope_positions(whole.sequence(8, tokens, "cpu")).tolist() == [[0, 1, 0, 1, 2, 0, 1, 2]]
+    # rank 1 of cp 2 holds chunks 1 and 2 of 4 (positions 2-3 and 4-5)
+    split = SequenceSplit(ContextGroup(None, 2, 1), EOS)
+    assert split.rope_positions(split.sequence(8, tokens, "cpu")).tolist() == [[0, 1, 2, 0]]
+    assert SequenceSplit(ContextGroup(None, 2, 1)).sequence(8, None, "cpu").positions.tolist() == [2, 3, 4, 5]
+
+
+def test_cp_split_is_balanced():
+    """Rank r holds chunk r of 2·cp and its mirror 2·cp−1−r, so every rank computes the same number of
+    attention pieces over the ring (none does all of the late positions' work)."""
+    from loom.parallel.context_parallel import ContextGroup, _pieces, chunk_ids
+
+    for size in (2, 4, 8):
+        assert sorted(c for r in range(size) for c in chunk_ids(size, r)) == list(range(2 * size))
+        work = [sum(len(_pieces(ContextGroup(None, size, r), s)) for s in range(size)) for r in range(size)]
+        assert len(set(work)) == 1, (size, work)

@@ -61,7 +61,8 @@ def test_ring_transients_are_a_moment_of_the_step():
     named = {name: act for name, act, _ in moments}
     tokens = 256 // 4
     forward = 4 * tokens * 32 * 2 + tokens * (64 + 4) * 4  # 2·2·B_kv + fp32 out + lse
-    backward = 4 * tokens * 32 * 2 + 4 * tokens * 32 * 4 + tokens * 64 * 4  # 2·2·B_kv + fp32 dk, dv, dq
+    # 2·2·B_kv + six fp32 dk, dv blocks + fp32 dq, the 16-bit output gradient and a piece's dq + its dk, dv
+    backward = 4 * tokens * 32 * 2 + 6 * tokens * 32 * 4 + tokens * 64 * (4 + 3) + tokens * 32 * 2
     assert context.ring_transients(SHAPE, tokens, 1, 2, 1) == (forward, backward)
     assert {"ring forward", "ring backward"} <= named.keys()
     assert named["ring backward"] - named["ring forward"] == pytest.approx(backward - forward)
