@@ -4,7 +4,7 @@ Each sequence of SEQ = 32 tokens is split into 2·cp chunks (two per rank: a fro
 mirror), so every rank's attention spans several k/v blocks and the causal balance matters. Per-step
 losses, gradient norms and final weights must equal the plain loop within 1e-5 relative, under both
 exchanges and with FSDP2 (a unit per block), DDP, ZeRO-1, HSDP, TP (+SP), PP, activation checkpointing
-and a 3-D + cp layout. The exchange's observed payload must equal the planner's, the model states
+and a 3-D + cp layout. The exchange's observed payload must equal the planner's, zero3's model states
 must be sharded over dp × cp, and the activation peak must fall with cp.
 """
 
@@ -22,6 +22,7 @@ from test_strategies import (
 
 from loom.config import load_config
 from loom.plan.comm import comm_per_step
+from loom.plan.memory import model_state_bytes
 from loom.plan.search import config_candidate, config_workload
 from loom.plan.shapes import from_preset
 
@@ -78,15 +79,9 @@ def test_context_parallel_matches_single_process(corpus, strategy, world, extra)
         assert set(m["comm_by_kind"]) & {"cp_ring", "cp_alltoall"} == {kind}, m["comm_by_kind"]
         # the pipeline's own sends stay its own
         assert ("send" in m["comm_by_kind"]) == (pp > 1), m["comm_by_kind"]
-
-
-def test_cp_divides_model_states_and_activations(corpus):
-    """zero3 over dp_shard × cp: cp = 2 on 2 ranks holds what dp = 2 holds, and each rank's
-    activations are those of half the tokens."""
-    base = _run(corpus, "zero3", 2, (UNITS,))
-    cp2 = _run(corpus, "zero3", 2, ("parallel.cp=2", RING, UNITS))
-    for a, b in zip(base[0][2], cp2[0][2]):
-        assert a["model_state_bytes"] == b["model_state_bytes"], (a, b)
+        if strategy == "zero3" and tp == pp == 1:  # sharded over dp_shard × cp: all `world` ranks
+            expected = model_state_bytes("zero3", m["num_params"], world).total
+            assert abs(m["model_state_bytes"] - expected) <= 0.01 * expected, (rank, m, expected)
 
 
 def test_cp_config_refused_before_launch():
