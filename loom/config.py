@@ -27,7 +27,7 @@ from loom import strategies
 from loom.checked import BadFile, Fields, read_json, read_text
 from loom.errors import ConfigError
 from loom.hf_config import MAX_FFN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH
-from loom.models.gpt.config import PRESETS, preset
+from loom.models.gpt.config import MOE_SCORES, MOE_TRAINING_FIELDS, PRESETS, preset
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "op")
@@ -61,6 +61,20 @@ class ModelConfig:
     ffn_hidden: int | None = None
     max_seq_len: int | None = None
     tie_embeddings: bool | None = None
+    # Mixture of experts (loom/models/gpt/config.py says what each means); None keeps the preset's.
+    moe_experts: int | None = None
+    moe_top_k: int | None = None
+    moe_shared_experts: int | None = None
+    moe_every: int | None = None
+    moe_dense_first: int | None = None
+    moe_ffn_hidden: int | None = None
+    moe_score: str | None = None
+    moe_norm_topk: bool | None = None
+    moe_route_scale: float | None = None
+    moe_shared_gate: bool | None = None
+    moe_aux_loss_coef: float | None = None
+    moe_bias_update_rate: float | None = None
+    moe_capacity_factor: float | None = None
     # Start from these weights: a Hugging Face model folder (config.json + safetensors), a loom
     # checkpoint (RUN/checkpoints/step_N) or a loom export (.safetensors). The shape comes from it.
     init_from: str = ""
@@ -125,6 +139,9 @@ class ParallelConfig:
     # the back), attention exchanged between them; FSDP2 shards over dp_shard × cp
     cp: int = 1
     cp_mode: str = "ring"  # ring (k/v blocks passed around, isend/irecv) | alltoall (Ulysses: seq ↔ heads)
+    # expert parallel: each MoE block's routed experts split over ep of the data-parallel ranks, tokens
+    # sent to their experts' ranks and back with all-to-all; FSDP2 shards the experts over dp / ep
+    ep: int = 1
     activation_checkpointing: str = "none"  # none | full | selective | op (keep matmul outputs)
     ac_every: int = 2  # selective: checkpoint every k-th block
 
@@ -202,6 +219,7 @@ MAX_COUNT = 2**31 - 1  # steps, batch sizes, degrees, intervals: beyond this a c
 MAX_SEED = 2**32 - 1  # numpy's generators need seeds ≥ 0, torch's take up to 2**64 - 1
 MAX_MB = 1e6  # bucket and unit sizes: a terabyte
 MAX_TIMEOUT_S = 1e6  # about eleven days
+MAX_EXPERTS = 65536
 SOURCE_KINDS = 'a text file, a directory, a glob, a .bin token file or "stdlib"'
 
 
@@ -243,6 +261,16 @@ RULES: dict[str, Rule] = {
     "model.n_layers": _count(1, MAX_LAYERS), "model.n_heads": _count(1, MAX_WIDTH),
     "model.n_kv_heads": _count(1, MAX_WIDTH), "model.ffn_hidden": _count(1, MAX_FFN),
     "model.max_seq_len": _count(1, MAX_POSITIONS),
+    "model.moe_experts": _count(0, MAX_EXPERTS, "(0: dense blocks)"),
+    "model.moe_top_k": _count(1, MAX_EXPERTS),
+    "model.moe_shared_experts": _count(0, MAX_EXPERTS), "model.moe_every": _count(1, MAX_LAYERS),
+    "model.moe_dense_first": _count(0, MAX_LAYERS),
+    "model.moe_ffn_hidden": _count(0, MAX_FFN, "(0: ffn_hidden)"),
+    "model.moe_score": _one_of(MOE_SCORES),
+    "model.moe_route_scale": Rule(0, 1e6, above=True),
+    "model.moe_aux_loss_coef": Rule(0, 1e6, why="(0 turns the auxiliary loss off)", eg="0.01"),
+    "model.moe_bias_update_rate": Rule(0, 1e6, why="(0 turns aux-loss-free balancing off)", eg="0.001"),
+    "model.moe_capacity_factor": Rule(0, 1e6, why="(0: dropless)", eg="1.25"),
     "model.init_from": _name("give a Hugging Face model folder, a loom checkpoint or a loom export, or leave "
                              "it unset", optional=True),
     # data
@@ -278,7 +306,7 @@ RULES: dict[str, Rule] = {
     "parallel.pp_virtual_stages": _count(1, MAX_LAYERS),
     "parallel.microbatches": _count(0, why="(0: one per stage)"),
     "parallel.tp": _count(),
-    "parallel.cp": _count(), "parallel.cp_mode": _one_of(CP_MODES),
+    "parallel.cp": _count(), "parallel.cp_mode": _one_of(CP_MODES), "parallel.ep": _count(),
     "parallel.activation_checkpointing": _one_of(ACTIVATION_CHECKPOINTING),
     "parallel.ac_every": _count(1, MAX_LAYERS),
     # train
@@ -553,6 +581,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallel: the innermost ep of the dp_shard ranks split each MoE block's experts
 
     @property
     def dp(self) -> int:
@@ -577,7 +606,7 @@ def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
     s = strategies.lookup(p.strategy)
     if s.dp_mesh != "hybrid":
         replicate, shard = s.dp_dims(dp)
-        return ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp)
+        return _with_ep(p, ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp))
     if p.dp_replicate == 1:  # one replica group: zero3's sharding plus an all-reduce over itself
         raise ConfigError("parallel.strategy = hsdp with parallel.dp_replicate = 1 is zero3 with a useless "
                           "all-reduce; use parallel.strategy=zero3, or set parallel.dp_replicate ≥ 2 "
@@ -589,7 +618,29 @@ def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
             f"hsdp needs pp × dp_replicate × dp_shard × cp × tp = world size, but {pp} × {p.dp_replicate} × "
             f"{p.dp_shard} × {cp} × {tp} = {pp * p.dp_replicate * p.dp_shard * cp * tp} ≠ {world_size}; "
             f"set parallel.dp_replicate × parallel.dp_shard = {dp}")
-    return ParallelDims(dp_replicate=p.dp_replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp)
+    return _with_ep(p, ParallelDims(dp_replicate=p.dp_replicate, dp_shard=shard, tp=tp, pp=pp, cp=cp))
+
+
+def _with_ep(p: ParallelConfig, dims: ParallelDims) -> ParallelDims:
+    """The layout with parallel.ep, which splits the experts over ep of the ranks that shard the model
+    (FSDP2: zero2, zero3, hsdp's shard groups)."""
+    _check_rule("parallel.ep", p.ep)
+    if p.ep == 1:
+        return dims
+    s = strategies.lookup(p.strategy)
+    if not s.uses_fsdp(1) or p.engine != "torch":
+        engine = "the deepspeed engine" if p.engine != "torch" else f"parallel.strategy = '{p.strategy}'"
+        raise ConfigError(f"parallel.ep = {p.ep} splits the experts over ranks that FSDP2 shards the model "
+                          f"on, which {engine} does not; set parallel.strategy=zero3 (or zero2, hsdp) with "
+                          f"parallel.engine=torch, or parallel.ep=1")
+    if dims.cp > 1:
+        raise ConfigError(f"parallel.ep = {p.ep} with parallel.cp = {dims.cp} is not supported yet; set "
+                          f"parallel.cp=1 or parallel.ep=1")
+    if dims.dp_shard % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep} must divide the ranks that shard the model, dp_shard = "
+                          f"{dims.dp_shard} (world {dims.world_size} / (pp × dp_replicate × cp × tp)); "
+                          f"pick an ep dividing {dims.dp_shard}")
+    return dataclasses.replace(dims, ep=p.ep)
 
 
 def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
@@ -614,10 +665,11 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
                           f"{prof.wait + prof.warmup + prof.active} steps but train.steps = {t.steps}; "
                           f"raise train.steps or lower profile.active")
     _check_engine(p, this_machine)
-    fixed = sorted(set(shape_overrides(cfg.model)) - {"max_seq_len"})
+    fixed = sorted(set(shape_overrides(cfg.model)) - {"max_seq_len", *MOE_TRAINING_FIELDS})
     if cfg.model.init_from and fixed:
         raise ConfigError(f"model.{fixed[0]} is set, but model.init_from = '{cfg.model.init_from}' gives the "
-                          f"model's shape; remove model.{fixed[0]} (only model.max_seq_len may change)")
+                          f"model's shape; remove model.{fixed[0]} (only model.max_seq_len and the MoE "
+                          f"balancing keys may change)")
     if p.offload != "none":
         if not strategies.lookup(p.strategy).shards_params:
             raise ConfigError(

@@ -59,6 +59,11 @@ class ModelAdapter:
         raise ConfigError(f"{type(model).__name__} does not split its sequences; set parallel.cp=1 and "
                           f"data.packing=concat (context parallelism and packed documents run on loom's GPT)")
 
+    def expert_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules holding each MoE block's routed experts (parameters stacked on dim 0, split over
+        the ep ranks under expert parallelism); none for a dense model."""
+        return []
+
     def num_layers(self, model: nn.Module) -> int:
         return len(self.layers(model))
 

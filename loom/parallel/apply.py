@@ -1,6 +1,7 @@
 """Turn a model into this rank's parallel, initialized model parts, and what the loop needs of them.
 
-The order is fixed: pipeline split -> TP -> activation checkpointing -> compile -> FSDP/DDP, then
+The order is fixed: pipeline split -> TP -> EP (experts split) -> activation checkpointing -> compile
+-> FSDP/DDP, then
 the weights are materialized and initialized. Initialization is per parameter from (seed, name),
 so every strategy and world size starts from the same weights. The model is known only through
 its adapter (loom/parallel/adapter.py); the engines are loom/parallel/ddp.py and fsdp.py (zero1's
@@ -22,6 +23,7 @@ from loom.parallel.activation_checkpointing import apply_activation_checkpointin
 from loom.parallel.adapter import ModelAdapter
 from loom.parallel.context_parallel import SequenceSplit
 from loom.parallel.ddp import apply_ddp
+from loom.parallel.expert_parallel import shard_experts
 from loom.parallel.fsdp import apply_fsdp
 from loom.parallel.known_warnings import silence_dtensor_sequential_redistribute
 from loom.parallel.mesh import Dist
@@ -67,6 +69,11 @@ def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdap
     if p.tp > 1:
         silence_dtensor_sequential_redistribute()
         adapter.apply_tensor_parallel(model, d.mesh["tp"], p.sequence_parallel)
+    experts = adapter.expert_modules(model)
+    if d.ep is not None:
+        for module in experts:
+            shard_experts(module, d.mesh["ep"])
+            module.ep = d.ep
     layers = adapter.layers(model)
     apply_activation_checkpointing(layers, p.activation_checkpointing, p.ac_every)
     blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
@@ -74,7 +81,7 @@ def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdap
         for block in blocks:
             block.compile()  # in place: parameter names stay the same
     if uses_fsdp(p):
-        apply_fsdp(model, blocks, p, cfg.train.precision, d)
+        apply_fsdp(model, blocks, p, cfg.train.precision, d, experts if d.ep is not None else [])
         if adapter.meta_init:
             model.to_empty(device="cpu" if p.offload == "cpu" else d.device)
             adapter.init_weights(model, cfg.train.seed, weights)

@@ -26,6 +26,7 @@ memory-efficient kernel (which takes a mask; not yet run on a GPU here).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from torch.profiler import record_function
 
 CP_MODES = ("ring", "alltoall")
 RING, ALLTOALL = "cp_ring", "cp_alltoall"  # the exchanges' kinds: profiler ranges, observed collectives
+EP_ALLTOALL = "ep_alltoall"  # expert parallelism's dispatch and combine (loom/parallel/expert_parallel.py)
 _active = threading.local()
 
 
@@ -102,6 +104,15 @@ class Sequence:
     @property
     def chunk(self) -> int:
         return self.positions.numel() // 2 if self.cp is not None else self.positions.numel()
+
+    @functools.cached_property
+    def gathered_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-to-all's gathered tokens (each rank's two chunks in rank order): their positions, and
+        the permutation that sorts them. Once per sequence, not once per layer."""
+        cp, seq_len = self.cp, self.positions.numel() * self.cp.size
+        device = self.positions.device
+        rank_order = torch.cat([local_positions(seq_len, cp.size, r, device) for r in range(cp.size)])
+        return rank_order, torch.argsort(rank_order)
 
 
 @dataclass(frozen=True)
@@ -398,9 +409,7 @@ def _ulysses(q, k, v, seq: Sequence) -> torch.Tensor:
     cp = seq.cp
     if k.shape[1] % cp.size:  # grouped k/v heads cp cannot split: repeated to the query heads
         k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
-    rank_order = torch.cat([local_positions(q.shape[2] * cp.size, cp.size, r, q.device)
-                            for r in range(cp.size)])  # position of each gathered token
-    natural = torch.argsort(rank_order)
+    rank_order, natural = seq.gathered_order  # position of each gathered token, and their sort
     q_all, k_all, v_all = (_heads_to_sequence(t, cp)[:, :, natural] for t in (q, k, v))
     gqa = k_all.shape[1] != q_all.shape[1]
     if seq.docs is None:

@@ -25,13 +25,15 @@ def reshard_after_forward(p: ParallelConfig) -> bool:
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], p: ParallelConfig, precision: str,
-               d: Dist) -> nn.Module:
+               d: Dist, experts: list[nn.Module] = ()) -> nn.Module:
     """Shard the model in units of parallel.fsdp_unit_mb: consecutive modules in forward order (the
     embedding, the blocks, norm + head) share a unit, then the root takes what no unit holds (tied
     embeddings: a weight cannot live in two units). When one unit would hold every module, the
-    root is that unit."""
+    root is that unit. `experts` (expert parallelism: already split over the ep ranks) are units of
+    their own, sharded over the ranks that hold the same experts."""
     # hsdp, and ddp/zero1 under TP: replicate over dp_replicate, shard over dp_shard (1 for ddp)
-    mesh = d.fsdp_mesh(replicated=strategies.lookup(p.strategy).dp_mesh in ("hybrid", "replicate"))
+    replicated = strategies.lookup(p.strategy).dp_mesh in ("hybrid", "replicate")
+    mesh = d.fsdp_mesh(replicated=replicated)
     kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward(p)}
     if precision != "fp32":
         # Compute in low precision, reduce gradients in fp32, keep fp32 master params.
@@ -45,6 +47,8 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], p: ParallelConfig, pre
     head_unit = not tied and norm is not None and head is not None
     entries = ([[emb]] if emb is not None and not tied else []) + [[b] for b in blocks] \
         + ([[norm, head]] if head_unit else [])
+    for module in experts:
+        fully_shard(module, **{**kwargs, "mesh": d.expert_fsdp_mesh(replicated)})
     sizes = [sum(q.numel() for m in entry for q in m.parameters()) for entry in entries]
     groups = strategies.fsdp_units(entries, sizes, p.fsdp_unit_mb)
     units = []

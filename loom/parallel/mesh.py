@@ -21,8 +21,12 @@ from torch.distributed.tensor import DTensor
 from loom.config import ParallelDims
 from loom.launch import free_port
 from loom.parallel.context_parallel import ContextGroup
+from loom.parallel.expert_parallel import ExpertGroup
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Under expert parallelism dp_shard is split into the ranks that shard the same experts (edp_shard) and,
+# innermost, the ranks that split the experts (ep); "dp_shard" is their flattening, as before.
+EP_MESH_DIMS = ("pp", "dp_replicate", "edp_shard", "ep", "cp", "tp")
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Dist:
     # The ranks whose gradients are summed: dp × cp as one 1-D mesh (DDP, ZeRO-1), dp_mesh when cp = 1
     grad_mesh: DeviceMesh | None = None
     cp: ContextGroup | None = None  # the ranks sharing each sequence (None: cp = 1)
+    ep: ExpertGroup | None = None  # the ranks splitting each MoE block's experts (None: ep = 1)
 
     def __post_init__(self) -> None:
         if self.grad_mesh is None:
@@ -56,6 +61,15 @@ class Dist:
         if cp and self.mesh["dp_shard"].size() == 1 and self.mesh["dp_replicate"].size() > 1:
             return self.mesh[("dp_replicate_cp", "dp_shard")]  # replication: no sharding over cp either
         return self.mesh[("dp_replicate", "dp_shard_cp" if cp else "dp_shard")]
+
+    def expert_fsdp_mesh(self, replicated: bool) -> DeviceMesh:
+        """FSDP2's mesh for the routed experts under expert parallelism: the ranks holding the same
+        experts (edp_shard), replicated over dp_replicate under hsdp."""
+        return self.mesh[("dp_replicate", "edp_shard")] if replicated else self.mesh["edp_shard"]
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep.size if self.ep is not None else 1
 
     @property
     def is_main(self) -> bool:
@@ -95,13 +109,26 @@ def init_distributed(dims_for_world, device_request: str = "auto", timeout_s: fl
     dims: ParallelDims = dims_for_world(world)
     mesh, dp_mesh, grad_mesh, cp = build_mesh(device.type, dims, cp_mode)
     return Dist(rank=dist.get_rank(), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                world_size=world, device=device, mesh=mesh, dp_mesh=dp_mesh, grad_mesh=grad_mesh, cp=cp)
+                world_size=world, device=device, mesh=mesh, dp_mesh=dp_mesh, grad_mesh=grad_mesh, cp=cp,
+                ep=expert_group(mesh, dims))
+
+
+def expert_group(mesh: DeviceMesh, dims: ParallelDims) -> ExpertGroup | None:
+    if dims.ep == 1:
+        return None
+    return ExpertGroup(mesh["ep"].get_group(), dims.ep, mesh["ep"].get_local_rank())
 
 
 def build_mesh(device_type: str, dims: ParallelDims, mode: str = "ring"):
-    """(mesh, dp_mesh, grad_mesh, cp group or None) for `dims`; the dims cp needs flattened only under cp."""
-    mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
-                            mesh_dim_names=MESH_DIMS)
+    """(mesh, dp_mesh, grad_mesh, cp group or None) for `dims`; the dims cp needs flattened only under cp,
+    dp_shard split in two (EP_MESH_DIMS) only under ep."""
+    if dims.ep > 1:
+        mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep,
+                                              dims.cp, dims.tp), mesh_dim_names=EP_MESH_DIMS)
+        mesh[("edp_shard", "ep")]._flatten("dp_shard")
+    else:
+        mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
+                                mesh_dim_names=MESH_DIMS)
     dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
     if dims.cp == 1:
         return mesh, dp_mesh, dp_mesh, None

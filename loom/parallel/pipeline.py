@@ -12,6 +12,7 @@ The bubble, (p−1)/(m+p−1) or (p−1)/(v·m+p−1), is the planner's loom.pla
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -110,6 +111,27 @@ def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, micro
         )
 
 
+_inferring = threading.local()
+
+
+def inferring_shapes() -> bool:
+    """Whether this thread runs a pipeline stage's metadata pass (torch runs a real forward and backward
+    once before the first step to learn the shapes): not training, so a module that tallies what its
+    training forward did (an MoE block's routing) skips it."""
+    return getattr(_inferring, "on", False)
+
+
+class _Stage(PipelineStage):
+    """torch's PipelineStage, its metadata pass marked (inferring_shapes)."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        _inferring.on = True
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            _inferring.on = False
+
+
 def _scaled(loss_fn: LossFn, microbatches: int) -> LossFn:
     # The schedule sums the micro-batch gradients; dividing each loss by m makes that sum the
     # gradient of the mean over the whole batch (micro-batches of equal size).
@@ -133,7 +155,7 @@ def build_schedule(stages: list[nn.Module], stage_indices: list[int], num_stages
     if len(stages) != len(stage_indices):
         raise ValueError(f"{len(stages)} stage modules but {len(stage_indices)} stage indices")
     device = torch.device(device)
-    pipeline_stages = [PipelineStage(module, index, num_stages, device, group=pp_group)
+    pipeline_stages = [_Stage(module, index, num_stages, device, group=pp_group)
                        for module, index in zip(stages, stage_indices)]
     # scale_grads=False: torch's own scaling divides the whole .grad after the step, which would
     # also shrink gradients accumulated by earlier steps (gradient accumulation); the loss is

@@ -43,11 +43,12 @@ from loom.observe.rank_memory import (
 from loom.parallel import deepspeed_engine, precision
 from loom.parallel.apply import parallelize, sequence_split, uses_fsdp
 from loom.parallel.context_parallel import sequence_share, take_tally
+from loom.parallel.expert_parallel import take_tally as take_ep_tally
 from loom.parallel.mesh import Dist, init_distributed
 from loom.parallel.weights import TensorsSource
 from loom.plan.memory import deepspeed_states, model_state_bytes
 from loom.plan.step import bubble_fraction
-from loom.train import checkpoint, faults, record
+from loom.train import checkpoint, faults, moe_step, record
 from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
 from loom.train.optim import build_optimizer, build_scheduler
 from loom.train.step import Pipeline, build_pipeline, deepspeed_train_step, evaluate, train_step
@@ -111,6 +112,7 @@ def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = Non
     if task.init_checkpoint is not None:  # model.init_from a loom checkpoint: DCP reads our chunks
         checkpoint.load_weights(task.init_checkpoint, model, d)
     pipe = build_pipeline(parts, cfg, d, split) if p.pp > 1 else None
+    moe_step.configure(parts, cfg)
     optimizer = build_optimizer(model, t, p.strategy, d)
     scheduler = build_scheduler(optimizer, t)
     params = [q for q in model.parameters() if q.requires_grad]
@@ -141,6 +143,7 @@ def _build_deepspeed(cfg: Config, d: Dist, task: Task, swap_dir: Path | None) ->
     deepspeed_engine.initialize_weights(model, adapter_for(model), t.seed, partitioned=stage == 3,
                                         source=source)
     _release(task)
+    moe_step.configure([model], cfg)
     optimizer = build_optimizer(model, t, p.strategy, d, engine="deepspeed",
                                 offloaded=ds["zero_optimization"].get("offload_optimizer") is not None)
     scheduler = build_scheduler(optimizer, t)  # DeepSpeed's optimizer steps these param groups' lr
@@ -243,7 +246,9 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
         if steady:  # what the process holds in the steady state: in memory, and swapped to NVMe
             memory.resident_bytes = resident_bytes()
             memory.nvme_bytes = deepspeed_engine.rank_swap_bytes(swap, d.rank) if swap is not None else None
-        log.queued(step, out, phases, step_start, take_tally() if d.cp is not None else None)
+        exchange = {**(take_tally() if d.cp is not None else {}),
+                    **(take_ep_tally() if d.ep is not None else {})}
+        log.queued(step, out, phases, step_start, exchange)
         if profiler is not None:
             profiler.step()
         if t.eval_every and step % t.eval_every == 0 and step < t.steps:  # the last step: the final eval
@@ -421,6 +426,8 @@ class StepLog:
         The step's time includes that read-back (on a GPU, the wait for the step before).
         `exchange`: context parallelism's bytes sent and host wait this step (context_parallel.take_tally)."""
         values = torch.stack([out.loss, out.grad_norm.float().reshape(()), out.skipped])
+        if out.moe is not None:  # read back with them: [loss, grad norm, skipped, the routing's tally...]
+            values = torch.cat([values, out.moe.float()])
         self.flush()
         step_time = time.perf_counter() - step_start
         self.step_times.append(step_time)
@@ -438,7 +445,9 @@ class StepLog:
         if self.pending is None:
             return
         entry, self.pending = self.pending, None
-        loss, gnorm, skipped = entry.pop("values").tolist()
+        values = entry.pop("values")
+        loss, gnorm, skipped = values[:3].tolist()
+        entry.update(moe_step.metrics(values[3:] if values.numel() > 3 else None))
         self.losses.append(loss)
         self.grad_norms.append(gnorm)
         phases = PhaseTimer.resolve(entry.pop("phases"))

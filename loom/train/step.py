@@ -26,7 +26,7 @@ from loom.parallel.mesh import Dist, local_view
 from loom.parallel.pipeline import build_schedule, pipeline_step, rank_stages
 from loom.parallel.tensor_parallel import loss_context
 from loom.parallel.zero1 import local_optimizer
-from loom.train import faults
+from loom.train import faults, moe_step
 from loom.train.meters import PhaseTimer
 from loom.train.optim import clip_grad_norm
 from loom.train.task import IGNORE, cross_entropy, split_batch
@@ -118,6 +118,7 @@ class StepValues:
     skipped: torch.Tensor  # 1.0 when the update was skipped as non-finite (device)
     lr: float
     data_wait_s: float
+    moe: torch.Tensor | None = None  # a mixture of experts' routing this step (loom/train/moe_step.py)
 
 
 def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: list[torch.Tensor],
@@ -162,7 +163,9 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
     global_loss = global_mean(loss_sum / t.grad_accum, d.world_size // cfg.parallel.pp)
     with timer.phase("optimizer"):
         grad_norm, skipped, lr = _optimizer_step(optimizer, scheduler, scaler, params, t, pipe, global_loss)
-    return StepValues(global_loss, grad_norm, skipped, lr, data_wait)
+        moe = moe_step.after_step(model, d, moe_step.experts_of(model),
+                                  pipe.group if pipe is not None else None)
+    return StepValues(global_loss, grad_norm, skipped, lr, data_wait, moe)
 
 
 def deepspeed_train_step(engine, scheduler, batches, cfg: Config, d: Dist, loss_fn,
@@ -191,10 +194,11 @@ def deepspeed_train_step(engine, scheduler, batches, cfg: Config, d: Dist, loss_
     with timer.phase("optimizer"):
         engine.step()
         scheduler.step()
+        moe = moe_step.after_step(engine.module, d, moe_step.experts_of(engine.module))
     norm = engine.get_global_grad_norm()
     grad_norm = torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32, device=d.device)
     skipped = torch.tensor(0.0 if engine.was_step_applied() else 1.0, device=d.device)
-    return StepValues(global_loss, grad_norm, skipped, lr, data_wait)
+    return StepValues(global_loss, grad_norm, skipped, lr, data_wait, moe)
 
 
 def _next_batches(batches, count: int, timer: PhaseTimer,

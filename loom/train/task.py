@@ -158,6 +158,7 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
                           f"{hf.model_type} model loom runs through Hugging Face's modules; set "
                           f"parallel.cp=1 and data.packing=concat, or start from a Llama-layout model")
     _check_vocab(hf.vocab_size, data_vocab, f" (model.init_from {pretrained.path})")
+    _check_experts(cfg, 0, f"the {hf.model_type} model of model.init_from")
     _check_layout(cfg, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads,
                   hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings or cfg.data.seq_len,
                   hf.tie_word_embeddings)
@@ -191,7 +192,19 @@ def model_config(cfg: Config, data_vocab: int, base: GPTConfig | None = None) ->
     _check_vocab(gpt.vocab_size, data_vocab, "" if base is None else f" (model.init_from {m.init_from})")
     _check_layout(cfg, gpt.n_layers, gpt.n_heads, gpt.n_kv_heads, gpt.ffn_hidden, gpt.vocab_size,
                   gpt.max_seq_len, gpt.tie_embeddings)
+    _check_experts(cfg, gpt.moe_experts)
     return gpt
+
+
+def _check_experts(cfg: Config, experts: int, what: str = "the model") -> None:
+    """Expert parallelism needs experts it can split evenly."""
+    ep = cfg.parallel.ep
+    if ep > 1 and experts == 0:
+        raise ConfigError(f"parallel.ep = {ep} splits a mixture of experts, but {what} has none "
+                          f"(model.moe_experts = 0); set parallel.ep=1, or model.moe_experts (e.g. 8)")
+    if experts % ep:
+        raise ConfigError(f"model.moe_experts = {experts} cannot be split evenly over parallel.ep = {ep} "
+                          f"ranks; pick an ep that divides {experts}")
 
 
 def _check_vocab(model_vocab: int, data_vocab: int, pretrained: str) -> None:

@@ -314,6 +314,47 @@ def _(c: Ctx) -> str:
                    "--set", "model.n_kv_heads=1", nproc=2)
 
 
+@case("moe-top-k-over-experts")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.preset=tiny-moe", "--set", "model.moe_top_k=9")
+
+
+@case("moe-experts-ep")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.preset=tiny-moe", "--set", "model.moe_experts=6", "--set",
+                   "parallel.strategy=zero3", "--set", "parallel.ep=4", nproc=4)
+
+
+@case("moe-ep-dense-model")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.strategy=zero3", "--set", "parallel.ep=2", nproc=2)
+
+
+@case("moe-ep-world")
+def _(c: Ctx) -> str:
+    return c.config("parallel.strategy=zero3", "parallel.ep=4", "parallel.tp=2", world=4)
+
+
+@case("moe-ep-ddp")
+def _(c: Ctx) -> str:
+    return c.config("parallel.strategy=ddp", "parallel.ep=2", world=2)
+
+
+@case("moe-ep-deepspeed")
+def _(c: Ctx) -> str:
+    return c.config("parallel.strategy=zero3", "parallel.engine=deepspeed", "parallel.ep=2", world=2)
+
+
+@case("moe-ep-cp")
+def _(c: Ctx) -> str:
+    return c.config("parallel.strategy=zero3", "parallel.ep=2", "parallel.cp=2", world=4)
+
+
+@case("moe-dense-first-all")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.preset=tiny-moe", "--set", "model.moe_dense_first=2")
+
+
 @case("parallel-cp-mode-unknown")
 def _(c: Ctx) -> str:
     return c.config("parallel.cp_mode=ulysses")

@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from loom.models.gpt.model import RandomInit
+from loom.models.gpt.moe import moe_modules
 from loom.models.gpt.pipeline import build_stage
 from loom.models.gpt.tensor_parallel import apply_tensor_parallel
 from loom.parallel.adapter import ModelAdapter
@@ -35,6 +36,9 @@ class GPTAdapter(ModelAdapter):
 
     def split_sequences(self, model: nn.Module, split) -> None:
         model.sequence_split = split
+
+    def expert_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [moe.experts for moe in moe_modules(model)]
 
     def num_layers(self, model: nn.Module) -> int:
         return model.cfg.n_layers

@@ -24,7 +24,9 @@ from loom.errors import ConfigError
 from loom.models.chunked_loss import Head
 from loom.models.gpt.config import GPTConfig, validate
 from loom.models.gpt.lean_ops import apply_rope, rms_norm, swiglu, swiglu_down
+from loom.models.gpt.moe import EXPERT_WEIGHTS, MoE
 from loom.parallel.context_parallel import Sequence, SequenceSplit, attention
+from loom.parallel.mesh import local_view
 from loom.parallel.weights import WeightSource, block, plain_name, write_weights
 
 
@@ -70,7 +72,8 @@ class Attention(nn.Module):
             # Grouped k, v go in as they are: CPU's flash kernel takes GQA, no repeated copies kept.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
         else:  # the sequence split over cp ranks, or packed documents (loom/parallel/context_parallel.py)
-            out = attention(*(_local(t) for t in (q, k, v)), seq)
+            # under TP, q/k/v are DTensors sharded over heads: the exchange runs on each rank's heads
+            out = attention(*(local_view(t) for t in (q, k, v)), seq)
             out = _like(out, q)
         return self.wo(out.transpose(1, 2).reshape(bsz, tokens, -1))
 
@@ -82,6 +85,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)  # up
         self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)  # down
 
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x), self.w3(x)
         if _hooked(self.w2) or isinstance(self.w2.weight, DTensor):
@@ -89,11 +93,6 @@ class FeedForward(nn.Module):
             # the module, keeping the product (planned so: loom/plan/shapes.py).
             return self.w2(swiglu(gate, up))
         return swiglu_down(gate, up, self.w2.weight)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """Under TP, q/k/v are DTensors sharded over heads: the exchange runs on each rank's heads."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _like(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -109,12 +108,13 @@ def _hooked(module: nn.Module) -> bool:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        # A mixture of experts where the config says (loom/models/gpt/moe.py), else a dense SwiGLU
+        self.feed_forward = MoE(cfg) if cfg.is_moe(layer) else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, seq: Sequence | None = None) -> torch.Tensor:
         # seq by keyword: the TP plan's input hook lays out the positional inputs only
@@ -136,7 +136,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         # Pipeline stages set the parts they don't hold to None and `layers` to a ModuleDict.
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers: nn.ModuleList | nn.ModuleDict = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers: nn.ModuleList | nn.ModuleDict = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         # Head: an nn.Linear that, given targets, returns the loss (chunked: no full logits)
         self.output: nn.Linear | None = Head(cfg.d_model, cfg.vocab_size, bias=False)
@@ -203,17 +203,31 @@ class GPT(nn.Module):
             self.output.weight = self.tok_embeddings.weight  # `to_empty` gives each module its own copy
         write_weights(self, source if source is not None else RandomInit(self, seed))
         self.rope = self._rope_tables(self.rope.device)
+        for name, buffer in self.named_buffers():
+            if name.endswith("expert_bias"):  # aux-loss-free balancing starts unbiased
+                buffer.zero_()
 
     def initial_value(self, seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The whole initial value of parameter `name`, from (seed, name) alone: norms' gains 1,
         every matrix N(0, 0.02), residual-branch outputs scaled down so the residual stream's
         variance stays O(1)."""
         name = plain_name(name)
+        if is_expert_weight(name):
+            return torch.stack([self.expert_value(seed, name, e, shape[1:]) for e in range(shape[0])])
         full = torch.empty(shape, dtype=torch.float32)
         if name.endswith("norm.weight"):
             return full.fill_(1.0)
-        std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
-        return full.normal_(0.0, std, generator=_generator(seed, name))
+        return full.normal_(0.0, self._std(name), generator=_generator(seed, name))
+
+    def expert_value(self, seed: int, name: str, expert: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Expert `expert`'s initial matrix of the stacked weight `name`, from (seed, name, expert)
+        alone: a rank holding some experts makes only theirs."""
+        full = torch.empty(shape, dtype=torch.float32)
+        return full.normal_(0.0, self._std(name), generator=_generator(seed, f"{name}.{expert}"))
+
+    def _std(self, name: str) -> float:
+        return 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight", "w2")) \
+            else 0.02
 
 
 def build_model(cfg: GPTConfig, device: torch.device | str = "meta") -> GPT:
@@ -239,4 +253,14 @@ class RandomInit:
 
     def read(self, name: str, shape: tuple[int, ...], offset: tuple[int, ...],
              size: tuple[int, ...]) -> torch.Tensor:
+        if is_expert_weight(name):  # only the experts asked for (each rank's under expert parallelism)
+            experts = [self.model.expert_value(self.seed, name, e, shape[1:])
+                       for e in range(offset[0], offset[0] + size[0])]
+            return block(torch.stack(experts), (0, *offset[1:]), size) if experts \
+                else torch.empty(size)
         return block(self.model.initial_value(self.seed, name, shape), offset, size)
+
+
+def is_expert_weight(name: str) -> bool:
+    """Whether `name` is an MoE block's stacked expert weight ([E, ...], one matrix per expert)."""
+    return name.rsplit(".", 2)[-2:-1] == ["experts"] and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
