@@ -64,8 +64,10 @@ class HFConfig:
     def gpt(self) -> tuple[GPTConfig | None, str]:
         """loom's GPT when it expresses this model exactly, else (None, why not)."""
         d, heads = self.hidden_size, self.num_attention_heads
+        moe = self._mixtral() if self.model_type == "mixtral" else {}
         reasons = {
-            "architecture": self.model_type not in ("llama", "mistral"),
+            "architecture": self.model_type not in ("llama", "mistral", "mixtral"),
+            "router jitter": moe.get("jitter", 0) > 0,
             "biases": self.attention_bias or self.mlp_bias,
             f"rope_type {self.rope_type}": self.rope_type != "default",
             "a sliding window": self.sliding_window is not None,
@@ -80,7 +82,21 @@ class HFConfig:
                          n_heads=heads, n_kv_heads=self.num_key_value_heads,
                          ffn_hidden=self.intermediate_size, max_seq_len=self.max_position_embeddings or 2048,
                          rope_theta=self.rope_theta,
-                         norm_eps=self.rms_norm_eps, tie_embeddings=self.tie_word_embeddings), ""
+                         norm_eps=self.rms_norm_eps, tie_embeddings=self.tie_word_embeddings,
+                         **moe.get("gpt", {})), ""
+
+    def _mixtral(self) -> dict:
+        """Mixtral's experts as loom's GPT fields (every block MoE, softmax top-k renormalized, experts
+        as wide as intermediate_size), and its router jitter (loom's GPT has none)."""
+        doc = Fields(self.raw, self.source)
+        experts = doc.int("num_local_experts", min=1, max=MAX_WIDTH, fix=_FIX)
+        top_k = doc.int("num_experts_per_tok", min=1, max=experts, fix=_FIX)
+        gpt = {"moe_experts": experts, "moe_top_k": top_k, "moe_norm_topk": True}
+        if doc.raw.get("router_aux_loss_coef") is not None:
+            gpt["moe_aux_loss_coef"] = doc.float("router_aux_loss_coef", min=0, max=1e6, fix=_FIX)
+        jitter = doc.float("router_jitter_noise", default=0.0, min=0, max=1, fix=_FIX) \
+            if doc.raw.get("router_jitter_noise") is not None else 0.0
+        return {"gpt": gpt, "jitter": jitter}
 
 
 def read_hf_config(path: Path, source: str | Path | None = None) -> HFConfig:

@@ -38,7 +38,7 @@ from loom.hf_config import (
 )
 from loom.models.gpt.config import GPTConfig
 from loom.models.gpt.config import validate as validate_gpt
-from loom.models.gpt.llama_layout import halves_row, hf_name, rope_heads
+from loom.models.gpt.llama_layout import halves_row, hf_name, is_stacked, rope_heads
 from loom.models.hf.adapter import HF_DECODERS
 from loom.models.hf.weight_files import FLOAT_DTYPES, Stored, folder_tensors, read_header
 
@@ -113,12 +113,13 @@ class Pretrained:
             return
         wanted = {}
         for name, param in model.named_parameters():  # tied weights once
-            wanted[source.file_name(name)] = (name, tuple(param.shape))
+            for stored, shape in source.stored_parts(name, tuple(param.shape)):
+                wanted[stored] = (name, shape)
         for stored, (name, shape) in wanted.items():
             if stored not in self.tensors:
                 raise LoomError(f"model.init_from {self.path} has no tensor {stored} (the model's {name}); "
                                 f"it holds a different model: check its config.json and weight files")
-            have = source.stored_shape(name)
+            have = self.tensors[stored].shape
             if have != shape:
                 raise LoomError(f"model.init_from {self.path}: tensor {stored} has shape {list(have)}, the "
                                 f"model's {name} needs {list(shape)}; the weights do not match config.json")
@@ -154,7 +155,10 @@ def _open_hf(path: Path) -> Pretrained:
     tensors = folder_tensors(path, root)
     _check_files(path, tensors, config.num_hidden_layers, _HF_LAYER,
                  {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)})
-    gpt, _ = config.gpt()
+    gpt, why = config.gpt()
+    if gpt is None and config.model_type == "mixtral":  # runs as loom's GPT only (its experts, EP)
+        raise ConfigError(f"model.init_from {path}: this Mixtral has {why}, which loom's GPT does not "
+                          f"express; remove it from config.json (e.g. router_jitter_noise = 0)")
     if gpt is not None:
         validate_gpt(gpt)
     return Pretrained(path, HF, gpt=gpt, hf_config=config, tensors=tensors)
@@ -174,6 +178,9 @@ def _open_export(path: Path) -> Pretrained:
     return Pretrained(path, EXPORT, gpt=gpt, tensors=tensors)
 
 
+MOE_NUMBERS = ("moe_route_scale", "moe_aux_loss_coef", "moe_bias_update_rate", "moe_capacity_factor")
+
+
 def _loom_model(text: str, source: str) -> GPTConfig:
     """The GPTConfig a loom export records, every field typed and in range (one an older loom did
     not write takes its default)."""
@@ -184,10 +191,16 @@ def _loom_model(text: str, source: str) -> GPTConfig:
         raise BadFile(f"{source}: {unknown[0]!r} is not a field of loom's GPT; export the checkpoint again")
     sizes = {"vocab_size": MAX_VOCAB, "d_model": MAX_WIDTH, "n_layers": MAX_LAYERS, "n_heads": MAX_WIDTH,
              "n_kv_heads": MAX_WIDTH, "ffn_hidden": MAX_FFN, "max_seq_len": MAX_POSITIONS}
+    counts = {"moe_experts": MAX_WIDTH, "moe_top_k": MAX_WIDTH, "moe_shared_experts": MAX_WIDTH,
+              "moe_every": MAX_LAYERS, "moe_dense_first": MAX_LAYERS, "moe_ffn_hidden": MAX_FFN}
     gpt = GPTConfig(**{k: doc.int(k, getattr(default, k), min=1, max=most) for k, most in sizes.items()},
                     rope_theta=doc.float("rope_theta", default.rope_theta, min=0, min_open=True),
                     norm_eps=doc.float("norm_eps", default.norm_eps, min=0, min_open=True, max=1),
-                    tie_embeddings=doc.bool("tie_embeddings", default.tie_embeddings))
+                    tie_embeddings=doc.bool("tie_embeddings", default.tie_embeddings),
+                    **{k: doc.int(k, getattr(default, k), min=0, max=most) for k, most in counts.items()},
+                    **{k: doc.float(k, getattr(default, k), min=0, max=1e6) for k in MOE_NUMBERS},
+                    **{k: doc.bool(k, getattr(default, k)) for k in ("moe_norm_topk", "moe_shared_gate")},
+                    moe_score=doc.str("moe_score", default.moe_score))
     validate_gpt(gpt)
     return gpt
 
@@ -238,6 +251,10 @@ class SafetensorsSource:
     def stored_shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[self.file_name(name)].shape
 
+    def stored_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        """The stored tensors that make up parameter `name`, with the shape each must have."""
+        return [(self.file_name(name), shape)]
+
     def read(self, name: str, shape: tuple[int, ...], offset: tuple[int, ...],
              size: tuple[int, ...]) -> torch.Tensor:
         return self._read(self.file_name(name), shape, offset, size)
@@ -269,7 +286,17 @@ class LlamaAsGPT(SafetensorsSource):
     def file_name(self, name: str) -> str:
         return hf_name(name, tied=self.tied)
 
+    def stored_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        if is_stacked(name):  # Mixtral: one tensor per expert
+            return [(self.file_name(name).format(expert=j), shape[1:]) for j in range(shape[0])]
+        return super().stored_parts(name, shape)
+
     def read(self, name, shape, offset, size) -> torch.Tensor:
+        if is_stacked(name):  # only the experts asked for: each rank's under expert parallelism
+            if not size[0]:
+                return torch.empty(size)
+            return torch.stack([self._read(self.file_name(name).format(expert=j), shape[1:], offset[1:],
+                                           size[1:]) for j in range(offset[0], offset[0] + size[0])])
         if not rope_heads(name, self.gpt):
             return super().read(name, shape, offset, size)
         hd = self.gpt.head_dim

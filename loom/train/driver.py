@@ -286,6 +286,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     # Observed: count and payload of the collectives of step 2; wire bytes only as the ring model.
     measured = {**memory.to_dict(), "pp_stage": d.mesh["pp"].get_local_rank(),
                 "core_wait_share": core_wait_share, **sequence_share(cfg.data.seq_len, d.cp),
+                **({"ep": d.ep.size, "ep_rank": d.ep.rank} if d.ep is not None else {}),
                 **{f"comm_{k}": comm_seen[k] if comm_seen else None
                    for k in ("count", "payload_bytes", "modelled_wire_bytes", "by_kind")}}
     dist.all_gather_object(rank_memory, measured)
@@ -346,7 +347,8 @@ def layout_text(p, replicate: int, shard: int) -> str:
     pp = [f"pp={p.pp}"] if p.pp > 1 else []
     tp = [f"tp={p.tp}" + (" (sequence parallel)" if p.sequence_parallel else "")] if p.tp > 1 else []
     cp = [f"cp={p.cp} ({p.cp_mode})"] if p.cp > 1 else []
-    return " × ".join([*pp, dp, *cp, *tp])
+    ep = f", experts split over ep={p.ep} of the dp ranks" if p.ep > 1 else ""
+    return " × ".join([*pp, dp, *cp, *tp]) + ep
 
 
 def _print_layout(cfg: Config, d: Dist, task: Task, b: Built, micro_batch: int) -> None:

@@ -178,3 +178,43 @@ def test_checkpoints_reshard_across_ep_degrees(tmp_path):
         assert set(held) == set(saved) and any(k.startswith("optim.") for k in saved)
         for name, tensor in saved.items():
             assert torch.equal(held[name], tensor), (held_dir.name, name)
+
+
+def _train_mixtral(folder: str, corpus: str, run_dir: str) -> list[float]:
+    from loom.config import load_config
+    from loom.train.driver import train
+
+    cfg = load_config(None, [f'model.init_from="{folder}"', f'data.source="{corpus}"', "data.seq_len=32",
+                             "data.num_workers=0", "train.batch_size=4", "train.steps=2", "train.lr=1e-9",
+                             "train.warmup_steps=0", "parallel.strategy=zero3", "parallel.ep=2"])
+    return train(cfg, Path(run_dir), quiet=True).losses
+
+
+def test_mixtral_folder_trains_at_ep2_and_exports_back_unchanged(tmp_path, corpus):
+    """model.init_from a Mixtral folder (each ep rank reading its experts), 2 steps at lr 1e-9, then
+    `loom export --layout hf`: Mixtral's tensors and config, as they were."""
+    from optional import TEST_EXTRA, require_module
+
+    require_module("transformers", TEST_EXTRA)
+    from safetensors.torch import load_file
+    from test_moe_mixtral import make_mixtral
+
+    from loom.train.export import export
+
+    folder = tmp_path / "mixtral"
+    hf = make_mixtral(folder)
+    losses = run_ranks(_train_mixtral, 2, str(folder), str(corpus), str(tmp_path / "run"))[0]
+    assert len(losses) == 2
+    out = tmp_path / "exported"
+    out.mkdir()
+    export(tmp_path / "run", out / "model.safetensors", layout="hf")
+    stored, exported = load_file(str(folder / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert exported.keys() == stored.keys()
+    for name, tensor in stored.items():
+        assert torch.allclose(exported[name], tensor, rtol=0, atol=1e-6), name
+    import transformers
+
+    again = transformers.MixtralForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        assert torch.allclose(again(tokens).logits, hf(tokens).logits, atol=1e-4)

@@ -1,13 +1,17 @@
 """loom's GPT under Hugging Face Llama names: the parameter names, and the q/k projection rows,
 which differ because loom rotates interleaved RoPE pairs (2i, 2i+1) and Llama rotates halves
 (i, i + head_dim/2). `loom export --layout hf` writes this layout and `model.init_from` of a Llama
-folder reads it.
+folder reads it. A mixture of experts is Mixtral's layout: the router `block_sparse_moe.gate` and
+each expert's matrices apart (`block_sparse_moe.experts.J.w1`), where loom stacks them on dim 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from loom.errors import LoomError
 from loom.models.gpt.config import GPTConfig
 
 # loom name -> Hugging Face Llama name, per decoder layer.
@@ -22,6 +26,13 @@ HF_LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# loom name -> Mixtral's, per MoE layer; {expert} is each expert's index (loom stacks them on dim 0).
+HF_MOE_LAYER = {
+    "feed_forward.router.weight": "block_sparse_moe.gate.weight",
+    "feed_forward.experts.w1": "block_sparse_moe.experts.{expert}.w1.weight",
+    "feed_forward.experts.w3": "block_sparse_moe.experts.{expert}.w3.weight",
+    "feed_forward.experts.w2": "block_sparse_moe.experts.{expert}.w2.weight",
+}
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 
@@ -33,7 +44,12 @@ def hf_name(name: str, tied: bool = False) -> str:
     if name in _TOP:
         return _TOP[name]
     _, layer, rest = name.split(".", 2)
-    return f"model.layers.{layer}.{HF_LAYER[rest]}"
+    return f"model.layers.{layer}.{HF_LAYER.get(rest) or HF_MOE_LAYER[rest]}"
+
+
+def is_stacked(name: str) -> bool:
+    """Whether loom's `name` stacks one Hugging Face tensor per expert ({expert} in its HF name)."""
+    return "{expert}" in hf_name(name)
 
 
 def rope_heads(name: str, gpt: GPTConfig) -> int:
@@ -65,13 +81,41 @@ def hf_state_dict(tensors: dict[str, torch.Tensor], gpt: GPTConfig) -> dict[str,
     for name, t in tensors.items():
         if name == "output.weight" and gpt.tie_embeddings:
             continue
+        if name.endswith("expert_bias"):
+            if t.any():  # routing depends on it, and Mixtral's layout has no place for it
+                raise LoomError(f"{name} is not zero (aux-loss-free balancing trained it); Mixtral's layout "
+                                f"has no routing bias: export with --layout loom")
+            continue
+        if is_stacked(name):
+            out.update({hf_name(name).format(expert=j): t[j] for j in range(t.shape[0])})
+            continue
         heads = rope_heads(name, gpt)
         out[hf_name(name)] = to_halves(t, heads, gpt.head_dim) if heads else t
     return out
 
 
+def mixtral_refusal(gpt: GPTConfig) -> str:
+    """Why Mixtral's layout cannot hold this mixture of experts ("" when it can)."""
+    differs = {"shared experts": gpt.moe_shared_experts > 0, "dense blocks": gpt.moe_layers != gpt.n_layers,
+               f"{gpt.moe_score} scores": gpt.moe_score != "softmax",
+               "top-k weights not renormalized": not gpt.moe_norm_topk,
+               "a routed scale": gpt.moe_route_scale != 1,
+               "experts wider or narrower than ffn_hidden": gpt.expert_hidden != gpt.ffn_hidden}
+    return ", ".join(what for what, present in differs.items() if present)
+
+
 def hf_config(gpt: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A `LlamaConfig` (config.json) for the same model: loom.hf_config reads it back as this GPT."""
+    """A `LlamaConfig` (config.json) for the same model, a `MixtralConfig` for a mixture of experts:
+    loom.hf_config reads it back as this GPT."""
+    if gpt.moe_experts:
+        if why := mixtral_refusal(gpt):
+            raise LoomError(f"this mixture of experts has {why}, which Mixtral's layout cannot hold; export "
+                            f"with --layout loom")
+        llama = hf_config(dataclasses.replace(gpt, moe_experts=0), dtype)
+        return {**llama, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": gpt.moe_experts, "num_experts_per_tok": gpt.moe_top_k,
+                "router_aux_loss_coef": gpt.moe_aux_loss_coef, "router_jitter_noise": 0.0,
+                "sliding_window": None, "output_router_logits": False}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

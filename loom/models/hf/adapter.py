@@ -17,7 +17,7 @@ from loom.parallel.pipeline import refuse_tied_embeddings
 from loom.parallel.tensor_parallel import check_tp_shapes
 from loom.parallel.weights import WeightSource, write_weights
 
-HF_DECODERS = ("llama", "mistral", "qwen2")
+HF_DECODERS = ("llama", "mistral", "qwen2", "mixtral")  # mixtral: as loom's GPT (loom/hf_config.py)
 
 
 class HFDecoderAdapter(ModelAdapter):
