@@ -158,8 +158,18 @@ def hf_config_from(raw: object, source: str | Path) -> HFConfig:
         attention_bias=doc.bool("attention_bias", default=False, fix=_BOOL),
         mlp_bias=doc.bool("mlp_bias", default=False, fix=_BOOL),
         attention_dropout=doc.float("attention_dropout", default=0.0, min=0, max=1, fix=_FIX),
-        sliding_window=size("sliding_window", MAX_POSITIONS),
+        sliding_window=_sliding_window(doc),
         hidden_act=doc.str("hidden_act", default="silu", nonempty=True), dtype=dtype)
+
+
+def _sliding_window(doc: Fields) -> int | None:
+    """The attention window in effect: none where use_sliding_window is false (Qwen2-MoE writes 0 there)."""
+    if doc.raw.get("sliding_window") is None:
+        return None
+    if doc.raw.get("use_sliding_window") is False:
+        doc.int("sliding_window", min=0, max=MAX_POSITIONS, fix=_FIX)
+        return None
+    return doc.int("sliding_window", min=1, max=MAX_POSITIONS, fix=_FIX)
 
 
 def _rope(doc: Fields) -> tuple[float, str]:

@@ -40,6 +40,7 @@ from loom.models.gpt.config import GPTConfig
 from loom.models.gpt.config import validate as validate_gpt
 from loom.models.gpt.llama_layout import halves_row, hf_name, is_stacked, rope_heads
 from loom.models.hf.adapter import HF_DECODERS
+from loom.models.hf.experts import MOE_DECODERS, expert_name, fused_parts
 from loom.models.hf.weight_files import FLOAT_DTYPES, Stored, folder_tensors, read_header
 
 HF, EXPORT, CHECKPOINT = "hf", "export", "checkpoint"
@@ -89,6 +90,8 @@ class Pretrained:
             return None
         if self.kind == HF and self.gpt is not None:
             return LlamaAsGPT(self.tensors, self.gpt, self.path)
+        if self.kind == HF and self.hf_config.model_type in MOE_DECODERS:
+            return FusedExpertsSource(self.tensors, self.path)
         return SafetensorsSource(self.tensors, self.path)
 
     def hf_model(self, device: str = "meta") -> nn.Module:
@@ -271,6 +274,36 @@ class SafetensorsSource:
         part = self._open[file].get_slice(stored)[tuple(slice(o, o + s) for o, s in zip(offset, size))]
         self.bytes_read += part.numel() * part.element_size()
         return part
+
+
+class FusedExpertsSource(SafetensorsSource):
+    """A Qwen-MoE folder's per-expert tensors read as transformers 5 fuses them in memory
+    (loom/models/hf/experts.py): a block of a fused parameter reads its experts' rows only."""
+
+    def stored_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        fused = fused_parts(name)
+        if fused is None:
+            return super().stored_parts(name, shape)
+        prefix, parts = fused
+        rows = shape[1] // len(parts)
+        return [(expert_name(prefix, j, part), (rows, shape[2])) for j in range(shape[0]) for part in parts]
+
+    def read(self, name, shape, offset, size) -> torch.Tensor:
+        fused = fused_parts(name)
+        if fused is None:
+            return super().read(name, shape, offset, size)
+        prefix, parts = fused
+        rows = shape[1] // len(parts)
+        experts = []
+        for j in range(offset[0], offset[0] + size[0]):
+            pieces = []
+            for i, part in enumerate(parts):  # the rows of the block each per-expert tensor holds
+                first, last = max(offset[1], i * rows), min(offset[1] + size[1], (i + 1) * rows)
+                if first < last:
+                    pieces.append(self._read(expert_name(prefix, j, part), (rows, shape[2]),
+                                             (first - i * rows, offset[2]), (last - first, size[2])))
+            experts.append(torch.cat(pieces))
+        return torch.stack(experts) if experts else torch.empty(size)
 
 
 class LlamaAsGPT(SafetensorsSource):

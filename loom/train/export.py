@@ -40,6 +40,7 @@ from loom.models.gpt.config import GPTConfig, preset
 from loom.models.gpt.config import validate as validate_gpt
 from loom.models.gpt.llama_layout import hf_config, hf_state_dict
 from loom.models.gpt.model import build_model
+from loom.models.hf.experts import split_experts
 from loom.models.pretrained import SPECIAL_IDS, SPECIAL_TOKENS
 from loom.train import checkpoint as ckpt
 from loom.train import safe_load, tokenizer_copy
@@ -82,7 +83,8 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom",
                                          for k, v in build_model(gpt, "meta").state_dict().items()}
     tensors = ckpt.read_tensors(path, "model.", expected)
     if layout == "hf" and hf_model is not None:
-        config = hf_model  # already under its own names
+        config = hf_model  # under its own names; a Qwen-MoE's experts apart again, as its folder held them
+        tensors = split_experts(tensors)
     elif layout == "hf":
         gpt = untie_if_trained_apart(gpt, tensors)
         tensors = hf_state_dict(tensors, gpt)

@@ -23,6 +23,7 @@ from loom.errors import ConfigError
 from loom.models.chunked_loss import IGNORE, cross_entropy  # noqa: F401 (IGNORE: a supervised prompt)
 from loom.models.gpt.config import GPTConfig, preset
 from loom.models.gpt.model import build_model
+from loom.models.hf.experts import MOE_DECODERS
 from loom.models.pretrained import CHECKPOINT, SPECIAL_TOKENS, Pretrained, open_pretrained
 from loom.parallel.pipeline import validate_pipeline
 from loom.parallel.tensor_parallel import check_tp_shapes
@@ -158,7 +159,15 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
                           f"{hf.model_type} model loom runs through Hugging Face's modules; set "
                           f"parallel.cp=1 and data.packing=concat, or start from a Llama-layout model")
     _check_vocab(hf.vocab_size, data_vocab, f" (model.init_from {pretrained.path})")
-    _check_experts(cfg, 0, f"the {hf.model_type} model of model.init_from")
+    if hf.model_type in MOE_DECODERS:  # transformers' own MoE blocks: no TP, EP or pipeline plan for them
+        p = cfg.parallel
+        split = [f"parallel.{k} = {v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep)) if v > 1]
+        if split:
+            raise ConfigError(f"{split[0]} needs a plan for {hf.model_type}'s experts, which runs through "
+                              f"transformers' modules (data parallel only); set it to 1 (zero3 shards the "
+                              f"experts with the rest)")
+    else:
+        _check_experts(cfg, 0, f"the {hf.model_type} model of model.init_from")
     _check_layout(cfg, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads,
                   hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings or cfg.data.seq_len,
                   hf.tie_word_embeddings)

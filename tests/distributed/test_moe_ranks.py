@@ -197,7 +197,7 @@ def test_mixtral_folder_trains_at_ep2_and_exports_back_unchanged(tmp_path, corpu
 
     require_module("transformers", TEST_EXTRA)
     from safetensors.torch import load_file
-    from test_moe_mixtral import make_mixtral
+    from test_moe_hf import make_mixtral
 
     from loom.train.export import export
 

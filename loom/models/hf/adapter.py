@@ -17,7 +17,9 @@ from loom.parallel.pipeline import refuse_tied_embeddings
 from loom.parallel.tensor_parallel import check_tp_shapes
 from loom.parallel.weights import WeightSource, write_weights
 
-HF_DECODERS = ("llama", "mistral", "qwen2", "mixtral")  # mixtral: as loom's GPT (loom/hf_config.py)
+# mixtral runs as loom's GPT (loom/hf_config.py); the MoE ones (loom/models/hf/experts.py) through
+# transformers' modules, data parallel only
+HF_DECODERS = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 class HFDecoderAdapter(ModelAdapter):

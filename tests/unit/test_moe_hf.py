@@ -1,5 +1,7 @@
-"""A Hugging Face Mixtral folder as loom's GPT: its logits, each rank reading only its experts, the
-export back to Mixtral's layout unchanged, and what Mixtral's layout cannot hold refused in one line."""
+"""Hugging Face MoE folders. Mixtral as loom's GPT: its logits, each rank reading only its experts, the
+export back to Mixtral's layout unchanged, and what Mixtral's layout cannot hold refused in one line.
+Qwen2-MoE / Qwen3-MoE through transformers' modules: their fused experts read from the per-expert
+tensors, and split apart again for the export."""
 
 from __future__ import annotations
 
@@ -100,3 +102,48 @@ def test_router_jitter_is_refused_in_one_line(tmp_path):
     make_mixtral(tmp_path, router_jitter_noise=0.1)
     with pytest.raises(ConfigError, match="router jitter"):
         open_pretrained(str(tmp_path))
+
+
+def make_qwen_moe(folder, kind: str):
+    """A tiny random Qwen2-MoE (shared expert and its gate) or Qwen3-MoE saved as transformers saves it."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    if kind == "qwen2_moe":
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            shared_expert_intermediate_size=32, **common))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**common))
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe_folders_read_fused_and_export_apart(tmp_path, kind):
+    """transformers' fused experts read block by block from the per-expert tensors (as from_pretrained
+    fuses them), and split back apart exactly for `loom export --layout hf`."""
+    import transformers
+
+    from loom.models.hf.experts import split_experts
+
+    make_qwen_moe(tmp_path, kind)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    pretrained = open_pretrained(str(tmp_path))
+    pretrained.check(pretrained.hf_model("meta"))
+    source = pretrained.weights()
+    fused = {n: p.detach() for n, p in loaded.named_parameters()}
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    shape = tuple(fused[name].shape)  # [4, 2 × 16, 64]
+    block = source.read(name, shape, (1, 8, 0), (2, 16, 64))  # experts 1-2, gate rows 8.. and up rows ..7
+    assert torch.equal(block, fused[name][1:3, 8:24])
+    down = "model.layers.0.mlp.experts.down_proj"
+    whole = tuple(fused[down].shape)
+    assert torch.equal(source.read(down, whole, (0, 0, 0), whole), fused[down])
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    apart = split_experts(dict(loaded.state_dict()))
+    assert set(apart) - {"lm_head.weight"} == set(stored) - {"lm_head.weight"}
+    for key, tensor in stored.items():
+        assert torch.equal(apart[key], tensor), key
