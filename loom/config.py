@@ -622,24 +622,27 @@ def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
 
 
 def _with_ep(p: ParallelConfig, dims: ParallelDims) -> ParallelDims:
-    """The layout with parallel.ep, which splits the experts over ep of the ranks that shard the model
-    (FSDP2: zero2, zero3, hsdp's shard groups)."""
+    """The layout with parallel.ep, which splits the experts over ep of the data-parallel ranks: the
+    innermost of those that shard the model (zero2, zero3, hsdp's shard groups), or of the replicas
+    (ddp, which then replicates through FSDP2 as under TP)."""
     _check_rule("parallel.ep", p.ep)
     if p.ep == 1:
         return dims
     s = strategies.lookup(p.strategy)
-    if not s.uses_fsdp(1) or p.engine != "torch":
+    if s.shards_optimizer_only or p.engine != "torch":
         engine = "the deepspeed engine" if p.engine != "torch" else f"parallel.strategy = '{p.strategy}'"
-        raise ConfigError(f"parallel.ep = {p.ep} splits the experts over ranks that FSDP2 shards the model "
-                          f"on, which {engine} does not; set parallel.strategy=zero3 (or zero2, hsdp) with "
+        raise ConfigError(f"parallel.ep = {p.ep} splits the experts over data-parallel ranks, which {engine} "
+                          f"cannot; set parallel.strategy=zero3 (or ddp, zero2, hsdp) with "
                           f"parallel.engine=torch, or parallel.ep=1")
     if dims.cp > 1:
         raise ConfigError(f"parallel.ep = {p.ep} with parallel.cp = {dims.cp} is not supported yet; set "
                           f"parallel.cp=1 or parallel.ep=1")
-    if dims.dp_shard % p.ep:
-        raise ConfigError(f"parallel.ep = {p.ep} must divide the ranks that shard the model, dp_shard = "
-                          f"{dims.dp_shard} (world {dims.world_size} / (pp × dp_replicate × cp × tp)); "
-                          f"pick an ep dividing {dims.dp_shard}")
+    ranks = dims.dp_shard if dims.dp_shard > 1 else dims.dp_replicate
+    if ranks % p.ep:
+        what = "dp_shard, the ranks that shard the model" if dims.dp_shard > 1 else "dp, the replicas"
+        raise ConfigError(f"parallel.ep = {p.ep} must divide {what} = {ranks} (world {dims.world_size} / "
+                          f"(pp × cp × tp{' × dp_replicate' if dims.dp_shard > 1 else ''})); pick an ep "
+                          f"dividing {ranks}")
     return dataclasses.replace(dims, ep=p.ep)
 
 

@@ -93,8 +93,8 @@ def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdap
 
 
 def uses_fsdp(p) -> bool:
-    """Whether FSDP2 wraps the model: zero2/zero3/hsdp, and ddp/zero1 under TP (see fsdp.py)."""
-    return strategies.lookup(p.strategy).uses_fsdp(p.tp)
+    """Whether FSDP2 wraps the model: zero2/zero3/hsdp, and ddp/zero1 under TP or EP (see fsdp.py)."""
+    return strategies.lookup(p.strategy).uses_fsdp(p.tp, p.ep)
 
 
 @contextlib.contextmanager

@@ -25,8 +25,10 @@ from loom.parallel.expert_parallel import ExpertGroup
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Under expert parallelism dp_shard is split into the ranks that shard the same experts (edp_shard) and,
-# innermost, the ranks that split the experts (ep); "dp_shard" is their flattening, as before.
+# innermost, the ranks that split the experts (ep); "dp_shard" is their flattening, as before. Without
+# sharding (ddp: dp_shard 1) dp_replicate is split so instead.
 EP_MESH_DIMS = ("pp", "dp_replicate", "edp_shard", "ep", "cp", "tp")
+EP_REPLICA_MESH_DIMS = ("pp", "edp_replicate", "ep", "dp_shard", "cp", "tp")
 
 
 @dataclass
@@ -64,7 +66,9 @@ class Dist:
 
     def expert_fsdp_mesh(self, replicated: bool) -> DeviceMesh:
         """FSDP2's mesh for the routed experts under expert parallelism: the ranks holding the same
-        experts (edp_shard), replicated over dp_replicate under hsdp."""
+        experts (edp_shard), replicated over dp_replicate under hsdp; ddp's replicas of them."""
+        if "edp_replicate" in self.mesh.mesh_dim_names:
+            return self.mesh[("edp_replicate", "dp_shard")]
         return self.mesh[("dp_replicate", "edp_shard")] if replicated else self.mesh["edp_shard"]
 
     @property
@@ -122,10 +126,14 @@ def expert_group(mesh: DeviceMesh, dims: ParallelDims) -> ExpertGroup | None:
 def build_mesh(device_type: str, dims: ParallelDims, mode: str = "ring"):
     """(mesh, dp_mesh, grad_mesh, cp group or None) for `dims`; the dims cp needs flattened only under cp,
     dp_shard split in two (EP_MESH_DIMS) only under ep."""
-    if dims.ep > 1:
+    if dims.ep > 1 and dims.dp_shard > 1:
         mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep,
                                               dims.cp, dims.tp), mesh_dim_names=EP_MESH_DIMS)
         mesh[("edp_shard", "ep")]._flatten("dp_shard")
+    elif dims.ep > 1:
+        mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate // dims.ep, dims.ep, dims.dp_shard,
+                                              dims.cp, dims.tp), mesh_dim_names=EP_REPLICA_MESH_DIMS)
+        mesh[("edp_replicate", "ep")]._flatten("dp_replicate")
     else:
         mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
                                 mesh_dim_names=MESH_DIMS)

@@ -105,10 +105,11 @@ EP_CASES = [
     ("zero3", 4, ("parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true")),
     ("zero3", 4, ("parallel.ep=2", "parallel.pp=2")),
     ("hsdp", 4, ("parallel.ep=2", "parallel.dp_replicate=2", "parallel.dp_shard=2", UNITS)),
-    ("ddp", 2, ("parallel.activation_checkpointing=op",)),
+    ("ddp", 2, ("parallel.ep=2", "parallel.activation_checkpointing=op")),
+    ("zero3", 2, ("parallel.engine=deepspeed",)),
 ]
 EP_IDS = ["ep1-zero3-units", "ep2-zero3-units", "ep4-zero3", "ep2-zero2-dp4-ac", "ep2xtp2-sp", "ep2xpp2",
-          "ep2-hsdp-units", "ep1-ddp-op"]
+          "ep2-hsdp-units", "ep2-ddp-op", "ep1-deepspeed-zero3"]
 
 
 def _value(extra: tuple[str, ...], key: str, default: int = 1) -> int:
@@ -117,6 +118,10 @@ def _value(extra: tuple[str, ...], key: str, default: int = 1) -> int:
 
 @pytest.mark.parametrize("strategy,world,extra", EP_CASES, ids=EP_IDS)
 def test_moe_matches_single_process(corpus, strategy, world, extra):
+    if "parallel.engine=deepspeed" in extra:
+        from optional import DEEPSPEED, require_module
+
+        require_module("deepspeed", DEEPSPEED)
     ref_losses, ref_norms, ref_state = moe_reference(corpus)
     results = _run(corpus, strategy, world, (*MOE, *extra))
     if _value(extra, "pp") > 1:  # each rank holds its stage: the stages' weights together are the model
@@ -145,6 +150,15 @@ def test_moe_matches_single_process(corpus, strategy, world, extra):
         per_call = rows * (4 + 2 * again) + 8 * 8 * (1 + again)
         group = [m["comm_by_kind"]["ep_alltoall"]["payload_bytes"] for m in results[0][2]]
         assert sum(group) / len(group) == pytest.approx(blocks * calls * per_call), group
+
+
+def test_bf16_moe_tracks_the_fp32_reference(corpus):
+    """zero3 ep 2 under bf16 (FSDP2's 16-bit compute, fp32 master weights and reductions): the same
+    training, within bf16's rounding."""
+    ref_losses, _, _ = moe_reference(corpus)
+    results = _run(corpus, "zero3", 2, (*MOE, "parallel.ep=2", "train.precision=bf16"))
+    for losses, *_ in results:
+        assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 2e-2, (losses, ref_losses)
 
 
 CKPT_MOE = ["model.preset=tiny-moe", "model.moe_bias_update_rate=0.001"]

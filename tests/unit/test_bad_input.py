@@ -335,9 +335,9 @@ def _(c: Ctx) -> str:
     return c.config("parallel.strategy=zero3", "parallel.ep=4", "parallel.tp=2", world=4)
 
 
-@case("moe-ep-ddp")
+@case("moe-ep-zero1")
 def _(c: Ctx) -> str:
-    return c.config("parallel.strategy=ddp", "parallel.ep=2", world=2)
+    return c.config("parallel.strategy=zero1", "parallel.ep=2", world=2)
 
 
 @case("moe-ep-deepspeed")
@@ -348,6 +348,16 @@ def _(c: Ctx) -> str:
 @case("moe-ep-cp")
 def _(c: Ctx) -> str:
     return c.config("parallel.strategy=zero3", "parallel.ep=2", "parallel.cp=2", world=4)
+
+
+@case("moe-hf-ep")
+def _(c: Ctx) -> str:
+    from test_moe_hf import make_qwen_moe
+
+    folder = c.tmp / "qwen3_moe"
+    make_qwen_moe(folder, "qwen3_moe")
+    return c.train("--set", f'model.init_from="{folder}"', "--set", "parallel.strategy=zero3", "--set",
+                   "parallel.ep=2", nproc=2)
 
 
 @case("moe-dense-first-all")
