@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom.checked import Fields, read_json
+from loom.errors import ConfigError
 from loom.models.gpt.config import GPTConfig
 
 MAX_BYTES = 1 << 20  # a config.json is a few KB
@@ -24,6 +25,8 @@ MAX_WIDTH = 1 << 17  # hidden_size, head_dim
 MAX_FFN = 1 << 20
 MAX_LAYERS = 1024
 MAX_POSITIONS = 1 << 22  # loom's GPT keeps a RoPE table of this many rows
+MAX_EXPERTS = 1 << 16  # routed experts of a block (loom/config.py's bound on model.moe_experts)
+MOE_SCORES = ("softmax", "sigmoid")  # DeepSeek-V3's scoring_func (loom/models/gpt/config.py MOE_SCORES)
 DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # rope_scaling / rope_parameters fields (transformers' rope_config_validation): finite and > 0.
@@ -31,6 +34,23 @@ _ROPE_POSITIVE = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                   "attention_factor")
 _FIX = "it is damaged or not a decoder's config.json"
 _BOOL = "write true or false (JSON booleans, without quotes)"
+
+
+@dataclass(frozen=True)
+class HFMoE:
+    """A mixture-of-experts decoder's experts, as config.json gives them (Mixtral, Qwen2-MoE, Qwen3-MoE,
+    DeepSeek-V3): what the planner's shape and loom's GPT fields need."""
+
+    experts: int  # routed experts of an MoE block
+    top_k: int  # routed experts per token
+    hidden: int  # each routed expert's SwiGLU width
+    shared_hidden: int  # the always-on shared experts' SwiGLU width, all of them (0: none)
+    shared_gate: bool  # a sigmoid gate on the shared experts' output (Qwen2-MoE)
+    every: int  # from dense_first on, every `every`-th block is an MoE block (GPTConfig.is_moe)
+    dense_first: int
+    score: str  # softmax | sigmoid
+    norm_topk: bool  # the top-k weights renormalized to sum 1
+    route_scale: float  # the routed output's scale (DeepSeek-V3's routed_scaling_factor)
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,23 @@ class HFConfig:
     sliding_window: int | None
     hidden_act: str
     dtype: str | None
+    moe: HFMoE | None = None  # a mixture of experts' (None: every block dense)
+
+    def gpt_moe_fields(self) -> dict:
+        """loom's GPTConfig MoE fields of this model's experts ({} for a dense model); the shared
+        experts become moe_shared_experts of the routed experts' width, so their width must be a
+        multiple of it."""
+        m = self.moe
+        if m is None:
+            return {}
+        if m.shared_hidden % m.hidden:
+            raise ConfigError(f"{self.source}: the shared experts' width {m.shared_hidden} is not a multiple "
+                              f"of the routed experts' {m.hidden}, which loom's GPT (moe_shared_experts × "
+                              f"moe_ffn_hidden) cannot express")
+        return {"moe_experts": m.experts, "moe_top_k": m.top_k, "moe_ffn_hidden": m.hidden,
+                "moe_shared_experts": m.shared_hidden // m.hidden, "moe_shared_gate": m.shared_gate,
+                "moe_every": m.every, "moe_dense_first": m.dense_first, "moe_score": m.score,
+                "moe_norm_topk": m.norm_topk, "moe_route_scale": m.route_scale}
 
     def gpt(self) -> tuple[GPTConfig | None, str]:
         """loom's GPT when it expresses this model exactly, else (None, why not)."""
@@ -145,8 +182,9 @@ def hf_config_from(raw: object, source: str | Path) -> HFConfig:
         if given(key):
             dtype = doc.str(key, choices=DTYPES)
     rope_theta, rope_type = _rope(doc)
+    model_type = doc.str("model_type", default="")
     return HFConfig(
-        source=str(source), raw=doc.raw, model_type=doc.str("model_type", default=""),
+        source=str(source), raw=doc.raw, model_type=model_type,
         architectures=tuple(doc.list("architectures", of=str, max_len=64)) if given("architectures") else (),
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv, intermediate_size=need("intermediate_size", MAX_FFN),
@@ -159,7 +197,54 @@ def hf_config_from(raw: object, source: str | Path) -> HFConfig:
         mlp_bias=doc.bool("mlp_bias", default=False, fix=_BOOL),
         attention_dropout=doc.float("attention_dropout", default=0.0, min=0, max=1, fix=_FIX),
         sliding_window=_sliding_window(doc),
-        hidden_act=doc.str("hidden_act", default="silu", nonempty=True), dtype=dtype)
+        hidden_act=doc.str("hidden_act", default="silu", nonempty=True), dtype=dtype,
+        moe=_moe(doc, model_type, layers, need("intermediate_size", MAX_FFN)))
+
+
+def _moe(doc: Fields, model_type: str, layers: int, intermediate: int) -> HFMoE | None:
+    """The experts of a Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3 config.json, each field typed and
+    bounded (absent optional ones take transformers' defaults for that model), else None."""
+
+    def count(key: str, default: int | None = None, least: int = 1, most: int = MAX_EXPERTS) -> int:
+        if doc.raw.get(key) is None and default is not None:
+            return default
+        return doc.int(key, min=least, max=most, fix=_FIX)
+
+    def flag(key: str, default: bool) -> bool:
+        return doc.bool(key, default=default, fix=_BOOL) if doc.raw.get(key) is not None else default
+
+    if model_type == "mixtral":  # every block MoE, experts as wide as intermediate_size, softmax top-k renormalized
+        experts = count("num_local_experts")
+        return HFMoE(experts, count("num_experts_per_tok", most=experts), intermediate, 0, False, 1, 0,
+                     "softmax", True, 1.0)
+    if model_type in ("qwen2_moe", "qwen3_moe"):  # block i sparse when (i + 1) % decoder_sparse_step == 0
+        qwen2 = model_type == "qwen2_moe"
+        experts = count("num_experts", 60 if qwen2 else 128)
+        top_k = count("num_experts_per_tok", 4 if qwen2 else 8, most=experts)
+        hidden = count("moe_intermediate_size", 1408 if qwen2 else 768, most=MAX_FFN)
+        shared = count("shared_expert_intermediate_size", 5632, least=0, most=MAX_FFN) if qwen2 else 0
+        step = count("decoder_sparse_step", 1, most=layers)
+        if doc.raw.get("mlp_only_layers") is not None:
+            dense = doc.list("mlp_only_layers", of=int, max_len=MAX_LAYERS)
+            if dense:
+                raise doc.error("mlp_only_layers", "empty (loom plans and runs every decoder_sparse_step-th "
+                                "block as sparse, none kept dense by index)", dense, "remove its entries")
+        return HFMoE(experts, top_k, hidden, shared, qwen2 and shared > 0, step, step - 1, "softmax",
+                     flag("norm_topk_prob", False), 1.0)
+    if model_type == "deepseek_v3":  # block i sparse when i ≥ first_k_dense_replace and i % moe_layer_freq == 0
+        experts = count("n_routed_experts", 256)
+        top_k = count("num_experts_per_tok", 8, most=experts)
+        hidden = count("moe_intermediate_size", 2048, most=MAX_FFN)
+        shared = count("n_shared_experts", 1, least=0)
+        first = count("first_k_dense_replace", 3, least=0, most=layers - 1)
+        every = count("moe_layer_freq", 1, most=layers)
+        score = doc.str("scoring_func", choices=MOE_SCORES) if doc.raw.get("scoring_func") is not None \
+            else "sigmoid"
+        scale = doc.float("routed_scaling_factor", min=0, min_open=True, max=1e6, fix=_FIX) \
+            if doc.raw.get("routed_scaling_factor") is not None else 2.5
+        return HFMoE(experts, top_k, hidden, shared * hidden, False, every, -(-first // every) * every,
+                     score, flag("norm_topk_prob", True), scale)
+    return None
 
 
 def _sliding_window(doc: Fields) -> int | None:

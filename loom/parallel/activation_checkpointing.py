@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
 # What "op" keeps: the matmuls and every fused attention kernel (the CPU one included), whose second
@@ -30,6 +30,13 @@ OP_SAVED = frozenset({
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_fused_attention_overrideable.default,
 })
+
+
+# Profiler ranges are no computation, and an FSDP2 unit inside a block (an MoE block's experts under
+# expert parallelism) opens a different number of them in the recompute than in forward when it holds
+# its parameters whole; counted, they would make the selective checkpoint refuse its own replay.
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def _op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

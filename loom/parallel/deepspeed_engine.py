@@ -188,10 +188,23 @@ def _aliases(module: nn.Module) -> dict[str, list[str]]:
     return names
 
 
-def checkpoint_entries(engine) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """What `full_states` writes, as (dtype, shape): fp32 weights and AdamW's states."""
-    params = dict(engine.module.named_parameters())
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint keeps (an MoE block's expert_bias): ZeRO partitions parameters only,
+    so each rank holds them whole."""
     out = {}
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            if name not in sub._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buffer
+    return out
+
+
+def checkpoint_entries(engine) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """What `full_states` writes, as (dtype, shape): fp32 weights and AdamW's states, and the
+    persistent buffers as they are."""
+    params = dict(engine.module.named_parameters())
+    buffers = persistent_buffers(engine.module)
+    out = {f"model.{name}": (b.dtype, tuple(b.shape)) for name, b in buffers.items()}
     for name, all_names in _aliases(engine.module).items():
         shape = tuple(getattr(params[name], "ds_shape", params[name].shape))
         out.update({f"model.{alias}": (torch.float32, shape) for alias in all_names})
@@ -206,7 +219,8 @@ def full_states(engine, optimizer: torch.optim.Optimizer, rank: int, world: int)
     _link_optimizer_states(engine, optimizer)
     step = _adam_step(optimizer)
     params = dict(engine.module.named_parameters())
-    out = {}
+    out = {f"model.{name}": b.detach().cpu().clone() for name, b in persistent_buffers(engine.module).items()
+           if rank == 0}
     for i, (name, all_names) in enumerate(_aliases(engine.module).items()):
         p = params[name]
         weight = _get_full(engine, optimizer, p, None)
@@ -244,9 +258,10 @@ def _set_full(engine, optimizer, param, value: torch.Tensor, key: str | None) ->
 
 
 def full_weights(engine) -> dict[str, torch.Tensor]:
-    """The whole fp32 weights on every rank, by the model's parameter names (tied ones under both)."""
+    """The whole fp32 weights on every rank, by the model's parameter names (tied ones under both), and
+    the persistent buffers."""
     params = dict(engine.module.named_parameters())
-    out = {}
+    out = {name: b.detach().cpu().clone() for name, b in persistent_buffers(engine.module).items()}
     for name, all_names in _aliases(engine.module).items():
         weight = _get_full(engine, None, params[name], None).detach().float().cpu().clone()
         out.update(dict.fromkeys(all_names, weight))
@@ -261,6 +276,8 @@ def load_full_states(engine, optimizer: torch.optim.Optimizer, tensors: dict[str
     _link_optimizer_states(engine, optimizer)
     params = dict(engine.module.named_parameters())
     with torch.no_grad():
+        for name, buffer in persistent_buffers(engine.module).items():
+            buffer.copy_(tensors[f"model.{name}"])
         for name in _aliases(engine.module):
             p, weight = params[name], tensors[f"model.{name}"]
             _set_full(engine, optimizer, p, weight, None)

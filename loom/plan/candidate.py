@@ -27,6 +27,10 @@ class Workload:
     loss_chunk: int = 0  # train.loss_chunk: the head + loss chunk by chunk (0: the full logits)
     # parallel.reduce_every_micro_step: FSDP2 reduce-scatters each micro-step (gradients sharded)
     reduce_every_micro_step: bool = True
+    # An MoE model's load imbalance: the busiest expert's tokens over the mean (1: ideal routing). Under
+    # expert parallelism the busiest rank's experts take this many times the mean rows: their compute
+    # and what they keep for backward scale by it (the slowest rank sets the step).
+    moe_imbalance: float = 1.0
 
     @property
     def act_bytes(self) -> int:
@@ -58,6 +62,9 @@ class Candidate:
     # [pp, dp_replicate, dp_shard, cp, tp]; the batch divides over dp only
     cp: int = 1
     cp_mode: str = "ring"  # parallel.cp_mode: ring (k/v passed around) | alltoall (Ulysses)
+    # parallel.ep: each MoE block's routed experts split over ep of the dp ranks (the innermost; E/ep
+    # each), tokens sent to them and back by all-to-all (plan/experts.py); everything else as at ep = 1
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -76,6 +83,13 @@ class Candidate:
         return n * self.cp if s.sharded else n
 
     @property
+    def expert_shard_size(self) -> int:
+        """N_e: ranks one shard of the routed experts' states is split over. The ep ranks split the
+        experts; the strategy shards each rank's E/ep over the edp = dp/ep ranks holding the same ones
+        (FSDP2 over dp_shard/ep, hsdp's shard group; ddp replicates them: 1)."""
+        return self.shard_size // self.ep if self.strategy_info.sharded else 1
+
+    @property
     def grad_sync_size(self) -> int:
         """Ranks whose gradients are averaged: every data-parallel rank of every context-parallel one."""
         return self.dp * self.cp
@@ -86,18 +100,31 @@ class Candidate:
         return self.dp // self.dp_shard if self.strategy_info.dp_mesh == "hybrid" else 1
 
     def fsdp_unit_params(self, shape: ModelShape, layers: int, first: bool = True,
-                         last: bool = True) -> list[int]:
-        """Parameters of each FSDP2 unit of a stage holding `layers` blocks (the embedding when
-        first, norm + head when last), in forward order, as loom/parallel/fsdp.py groups them: the
-        last unit is the one kept gathered after forward (the head's, or the root's)."""
+                         last: bool = True, start: int = 0) -> list[int]:
+        """Parameters of each FSDP2 unit of a stage holding `layers` blocks from block `start` (the
+        embedding when first, norm + head when last), in forward order, as loom/parallel/fsdp.py groups
+        them: the last unit is the one kept gathered after forward (the head's, or the root's). Under
+        expert parallelism each MoE block's routed experts are a unit of their own, over other ranks
+        (fsdp_expert_units): not among these."""
         tied = shape.tie_embeddings
-        entries = ([shape.embedding_params] if first and not tied else []) + [shape.layer_params] * layers \
-            + ([shape.head_params] if last and not tied else [])
-        units = [sum(unit) for unit in strategies.fsdp_units(entries, entries, self.fsdp_unit_mb)]
+        blocks = sizes = [shape.layer_params] * layers
+        if shape.moe:  # grouped by their whole size (fsdp.py counts the experts' parameters too)
+            sizes = [shape.block_params(i) for i in range(start, start + layers)]
+            routed = shape.routed_params_per_block if self.ep > 1 else 0
+            blocks = [n - (routed if shape.is_moe(i) else 0) for i, n in enumerate(sizes, start)]
+        head = ([shape.embedding_params] if first and not tied else [])
+        tail = ([shape.head_params] if last and not tied else [])
+        entries, sizes = head + blocks + tail, head + sizes + tail
+        units = [sum(unit) for unit in strategies.fsdp_units(entries, sizes, self.fsdp_unit_mb)]
         root = shape.embedding_params + shape.head_params if tied else 0  # tied: the root holds both
         if len(units) == 1:
             return [units[0] + root]  # the root is the one unit
         return units + ([root] if root else [])
+
+    def fsdp_expert_units(self, shape: ModelShape, layers: int, start: int = 0) -> int:
+        """Under expert parallelism (FSDP2), how many units hold routed experts on their own: one per
+        MoE block of the stage (0 at ep = 1, where the experts belong to their block's unit)."""
+        return shape.moe_layers_in(start, layers) if self.ep > 1 else 0
 
     @property
     def engine(self) -> str:
@@ -112,12 +139,14 @@ class Candidate:
         and without loom's activation checkpointing (the torch engine's)."""
         if self.engine != "deepspeed":
             return True
-        return self.tp == 1 and self.pp == 1 and self.cp == 1 \
+        return self.tp == 1 and self.pp == 1 and self.cp == 1 and self.ep == 1 \
             and self.strategy_info.deepspeed_stage is not None and self.activation_checkpointing == "none"
 
     def label(self) -> str:
         hybrid = self.strategy_info.dp_mesh == "hybrid"
         parts = [f"{self.strategy}({self.replicate_size}×{self.dp_shard})" if hybrid else self.strategy]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
         if self.cp > 1:
@@ -137,7 +166,7 @@ class Candidate:
     @property
     def dimensions(self) -> int:
         """Parallel dimensions beyond data parallelism: what a person counts as complexity."""
-        return (self.tp > 1) + (self.pp > 1) + (self.cp > 1)
+        return (self.tp > 1) + (self.pp > 1) + (self.cp > 1) + (self.ep > 1)
 
     def local_seq(self, seq_len: int) -> int:
         """The tokens of each sequence a rank holds: every per-token term is priced for these."""

@@ -29,10 +29,42 @@ class ModelShape:
     ffn_hidden: int = 0
     tie_embeddings: bool = False
     params_only: int = 0  # > 0: only the parameter count is known
+    # Mixture of experts (loom/models/gpt/moe.py); moe_experts = 0: every block is dense. An MoE
+    # block's feed-forward is a router [E, h], E routed SwiGLU experts of width moe_hidden (each token
+    # takes moe_top_k of them) and the shared experts as one always-on SwiGLU of moe_shared_hidden
+    # (S·moe_hidden; 0: none), optionally gated by an h-vector. Blocks moe_dense_first,
+    # moe_dense_first + moe_every, ... are MoE blocks (GPTConfig.is_moe).
+    moe_experts: int = 0
+    moe_top_k: int = 0
+    moe_hidden: int = 0
+    moe_shared_hidden: int = 0
+    moe_shared_gate: bool = False
+    moe_every: int = 1
+    moe_dense_first: int = 0
 
     @property
     def known(self) -> bool:
         return self.params_only == 0
+
+    @property
+    def moe(self) -> bool:
+        """Whether some blocks route their tokens to experts."""
+        return self.moe_experts > 0 and self.known
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer` is an MoE block (GPTConfig.is_moe)."""
+        return self.moe and layer >= self.moe_dense_first \
+            and (layer - self.moe_dense_first) % self.moe_every == 0
+
+    def moe_layers_in(self, start: int, count: int) -> int:
+        """How many of the blocks start .. start + count − 1 are MoE blocks."""
+        if not self.moe:
+            return 0
+        return sum(self.is_moe(i) for i in range(start, start + count))
+
+    @property
+    def moe_layers(self) -> int:
+        return self.moe_layers_in(0, self.n_layers)
 
     @property
     def head_dim(self) -> int:
@@ -44,8 +76,30 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
+        """A dense block's parameters (an MoE block's: moe_layer_params)."""
         d = self.d_model
         return 2 * d * d + 2 * d * self.kv_dim + 3 * d * self.ffn_hidden + 2 * d
+
+    @property
+    def routed_params_per_block(self) -> int:
+        """An MoE block's routed experts: E SwiGLUs of 3·h·h_e (what expert parallelism splits)."""
+        return 3 * self.d_model * self.moe_hidden * self.moe_experts
+
+    def moe_ffn_params(self, active: bool = False) -> int:
+        """An MoE block's feed-forward: router h·E, routed experts (k of them when `active`), the
+        shared SwiGLU and its gate (GPTConfig.moe_block_params)."""
+        d, experts = self.d_model, self.moe_top_k if active else self.moe_experts
+        shared = 3 * d * self.moe_shared_hidden + (d if self.moe_shared_gate else 0)
+        return d * self.moe_experts + 3 * d * self.moe_hidden * experts + shared
+
+    @property
+    def moe_layer_params(self) -> int:
+        """An MoE block's parameters: attention, the two norms, the MoE feed-forward."""
+        d = self.d_model
+        return 2 * d * d + 2 * d * self.kv_dim + 2 * d + self.moe_ffn_params()
+
+    def block_params(self, layer: int) -> int:
+        return self.moe_layer_params if self.is_moe(layer) else self.layer_params
 
     @property
     def layer_norm_params(self) -> int:
@@ -68,35 +122,86 @@ class ModelShape:
         """Output head + final norm (the head is the embedding itself when tied)."""
         return (0 if self.tie_embeddings else self.vocab_size * self.d_model) + self.d_model
 
+    def _blocks_params(self, start: int, count: int) -> int:
+        """Parameters of the blocks start .. start + count − 1."""
+        moe = self.moe_layers_in(start, count)
+        return (count - moe) * self.layer_params + moe * self.moe_layer_params if moe \
+            else count * self.layer_params
+
     @property
     def num_params(self) -> int:
+        """Every parameter (all the routed experts of an MoE model)."""
         if not self.known:
             return self.params_only
-        return self.n_layers * self.layer_params + self.embedding_params + self.head_params
+        return self._blocks_params(0, self.n_layers) + self.embedding_params + self.head_params
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token passes through: of an MoE block's routed experts only its
+        top k (GPTConfig.num_params(active=True)); num_params for a dense model."""
+        unused = self.moe_layers * (self.moe_experts - self.moe_top_k) * 3 * self.d_model * self.moe_hidden
+        return self.num_params - unused
+
+    def stage_layers(self, stage: int, stages: int) -> tuple[int, int]:
+        """(first block, blocks) of a pipeline stage (layers_of_stage's balanced split)."""
+        start = sum(layers_of_stage(self.n_layers, s, stages) for s in range(stage))
+        return start, layers_of_stage(self.n_layers, stage, stages)
 
     def stage_params(self, stage: int, stages: int) -> int:
-        """Parameters of one pipeline stage: its layers, plus the embedding on the first and
-        norm + head on the last (tied: the last stage holds its own copy of the embedding)."""
+        """Parameters of one pipeline stage: its layers (dense or MoE blocks, as the stage holds
+        them), plus the embedding on the first and norm + head on the last (tied: the last stage
+        holds its own copy of the embedding)."""
         if not self.known or stages == 1:
             return self.num_params // stages
-        layers = layers_of_stage(self.n_layers, stage, stages)
-        total = layers * self.layer_params
+        start, layers = self.stage_layers(stage, stages)
+        total = self._blocks_params(start, layers)
         if stage == 0:
             total += self.embedding_params
         if stage == stages - 1:
             total += self.head_params + (self.embedding_params if self.tie_embeddings else 0)
         return total
 
-    def tp_replicated_params(self, layers: int, last: bool) -> int:
-        """Parameters every TP rank holds whole: the norms' gains."""
-        return layers * self.layer_norm_params + (self.d_model if last else 0)
+    def stage_moe_layers(self, stage: int, stages: int) -> int:
+        """The MoE blocks of a pipeline stage."""
+        if not self.moe:
+            return 0
+        return self.moe_layers_in(*self.stage_layers(stage, stages))
+
+    def stage_routed_params(self, stage: int, stages: int) -> int:
+        """The routed experts' parameters of a pipeline stage (0 for a dense model)."""
+        return self.stage_moe_layers(stage, stages) * self.routed_params_per_block
+
+    def priced_stages(self, stages: int) -> list[int]:
+        """The pipeline stages whose memory and traffic the planner prices: the first (the
+        embedding) and the last (the head); of an MoE model also the stage holding the most
+        parameters (its MoE blocks may lie in the middle: DeepSeek-V3's first three are dense)."""
+        priced = {0, stages - 1}
+        if self.moe and stages > 2:
+            priced.add(max(range(stages), key=lambda s: (self.stage_params(s, stages), -s)))
+        return sorted(priced)
+
+    def tp_replicated_params(self, layers: int, last: bool, moe_layers: int = 0) -> int:
+        """Parameters every TP rank holds whole: the norms' gains, and an MoE block's whole
+        feed-forward (router, experts, shared: TP splits the dense parts only, each TP rank runs
+        the MoE on the whole sequence)."""
+        replicated = layers * self.layer_norm_params + (self.d_model if last else 0)
+        return replicated + moe_layers * self.moe_ffn_params() if moe_layers else replicated
+
+    def routed_flops_per_token(self) -> float:
+        """Training FLOPs of one token through its k routed experts, all MoE blocks: 6·k·3·h·h_e each."""
+        return 6.0 * self.moe_layers * self.moe_top_k * 3 * self.d_model * self.moe_hidden
+
+    def moe_ffn_flops_per_token(self) -> float:
+        """Training FLOPs of one token through the MoE feed-forwards (router, k routed experts, shared)."""
+        return 6.0 * self.moe_layers * self.moe_ffn_params(active=True)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B); N counts the weights
-        that take part in matmuls (the input embedding is a lookup, the head is a matmul)."""
+        that take part in matmuls (the input embedding is a lookup, the head is a matmul), of an
+        MoE model the active ones (each token's k routed experts, not all E)."""
         if not self.known:
             return 6.0 * self.params_only
-        matmul = self.num_params - (0 if self.tie_embeddings else self.embedding_params)
+        matmul = self.active_params - (0 if self.tie_embeddings else self.embedding_params)
         return 6.0 * matmul + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
@@ -166,6 +271,44 @@ def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, el
                    + (" (sequence parallel)" if sp else ""),
                    f"{gb(split)}/{tp} + {gb(norms)}{by} + {gb(linear_inputs)}{rope_num}", gb(per_layer))
     return per_layer
+
+
+def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, imbalance: float = 1.0,
+                        terms: Terms = NO_TERMS) -> float:
+    """Bytes an MoE block's feed-forward keeps for backward, for one micro-batch of T = s·b tokens
+    on a rank (loom/models/gpt/moe.py; not split by TP: each TP rank runs it on the whole gathered
+    sequence), e = the compute dtype's bytes, k = top_k, h_e = the experts' width:
+      router        its scores (softmax or sigmoid output, fp32)                 T·E·4
+      dispatched    the rows the rank's experts take (their first linears' input;
+                    under ep the all-to-all's received buffer)                  imb·T·k·h·e
+      experts       each expert's SwiGLU as the dense one keeps it (swiglu_down:
+                    gate and up; w2's input recomputed)                          imb·2·T·k·h_e·e
+      combined      the rows back from the experts, kept by the routing weights'
+                    product                                                      T·k·h·e
+      shared        the shared experts: a dense SwiGLU of width S·h_e (gate, up)  2·T·S·h_e·e
+    The router's input is the block's ffn_norm output, already among the linear inputs
+    (activation_bytes_per_layer). `imbalance` (the busiest expert's tokens over the mean) scales
+    what the experts hold: the busiest rank's. Not counted: the routing's small int64 indices and
+    fp32 weights (T·k each)."""
+    t, k, d, he = seq * micro_batch, shape.moe_top_k, shape.d_model, shape.moe_hidden
+    router = 4 * t * shape.moe_experts
+    routed = imbalance * t * k * (d + 2 * he) * elem
+    combined = t * k * d * elem
+    shared = 2 * t * shape.moe_shared_hidden * elem
+    total = router + routed + combined + shared
+    if terms:
+        imb = f"{imbalance:g}·" if imbalance != 1 else ""
+        terms.item("MoE feed-forward", f"T·(4E + {imb}k·(h + 2h_e)·e + k·h·e + 2·S·h_e·e) (scores; "
+                   "dispatched rows, expert gate and up; combined rows; shared gate and up)",
+                   f"{t}·(4·{shape.moe_experts} + {imb}{k}·({d} + 2·{he})·{elem} + {k}·{d}·{elem} + "
+                   f"2·{shape.moe_shared_hidden}·{elem})", gb(total))
+    return total
+
+
+def dense_mlp_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1) -> float:
+    """The dense SwiGLU's part of activation_bytes_per_layer (gate and up, under TP also their
+    product): what an MoE block keeps in its place moe_ffn_saved_bytes."""
+    return seq * micro_batch * mlp_saved_widths(tp) * shape.ffn_hidden * elem / tp
 
 
 def mlp_saved_widths(tp: int) -> int:
@@ -313,9 +456,15 @@ def from_preset(name: str, **overrides: object) -> ModelShape:
 
 
 def from_gpt_config(cfg: GPTConfig, name: str) -> ModelShape:
+    moe = {}
+    if cfg.moe_experts:
+        moe = dict(moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, moe_hidden=cfg.expert_hidden,
+                   moe_shared_hidden=cfg.moe_shared_experts * cfg.expert_hidden,
+                   moe_shared_gate=cfg.moe_shared_gate, moe_every=cfg.moe_every,
+                   moe_dense_first=cfg.moe_dense_first)
     return ModelShape(name=name, vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
                       n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_hidden=cfg.ffn_hidden,
-                      tie_embeddings=cfg.tie_embeddings)
+                      tie_embeddings=cfg.tie_embeddings, **moe)
 
 
 def from_hf_config(path: str | Path) -> ModelShape:
@@ -332,11 +481,18 @@ def from_hf_config(path: str | Path) -> ModelShape:
 
 
 def from_hf(hf: HFConfig, name: str) -> ModelShape:
-    """The planner's shape of a checked config.json."""
+    """The planner's shape of a checked config.json (Mixtral's, Qwen2/3-MoE's and DeepSeek-V3's experts
+    included: hf.moe)."""
+    moe = {}
+    if hf.moe is not None:
+        m = hf.moe
+        moe = dict(moe_experts=m.experts, moe_top_k=m.top_k, moe_hidden=m.hidden,
+                   moe_shared_hidden=m.shared_hidden, moe_shared_gate=m.shared_gate, moe_every=m.every,
+                   moe_dense_first=m.dense_first)
     return ModelShape(name=name, vocab_size=hf.vocab_size, d_model=hf.hidden_size,
                       n_layers=hf.num_hidden_layers, n_heads=hf.num_attention_heads,
                       n_kv_heads=hf.num_key_value_heads, ffn_hidden=hf.intermediate_size,
-                      tie_embeddings=hf.tie_word_embeddings)
+                      tie_embeddings=hf.tie_word_embeddings, **moe)
 
 
 MAX_PARAMS = 1e15  # a thousand times the largest models trained: beyond it is a typo
