@@ -32,7 +32,10 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 # metrics.jsonl's per-step keys -> their tags
 STEP_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
              "tokens_per_s": "train/tokens_per_s", "step_time_s": "train/step_time_s",
-             "data_wait_s": "train/data_wait_s", "eval_loss": "eval/loss"}
+             "data_wait_s": "train/data_wait_s", "eval_loss": "eval/loss",
+             # a mixture of experts' routing, and expert parallelism's all-to-all (MoE runs only)
+             "moe_aux_loss": "moe/aux_loss", "moe_load_imbalance": "moe/load_imbalance",
+             "moe_dropped": "moe/dropped", "ep_bytes": "comm/ep_bytes", "ep_wait_s": "comm/ep_wait_s"}
 
 
 def require_trackers(log_to: list[str]) -> None:

@@ -170,3 +170,17 @@ def test_experts_initialize_alike_whichever_a_rank_holds():
     part = source.read(name, shape, (2, 0, 16), (4, 32, 16))  # experts 2..5, some columns
     assert torch.equal(part, whole[2:6, :, 16:32])
     assert whole.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_trackers_get_the_routing_scalars():
+    """TensorBoard / wandb get metrics.jsonl's MoE scalars (not the per-expert list)."""
+    from loom.train.tracking import Trackers
+
+    trackers = Trackers.__new__(Trackers)
+    trackers.mfu_scale, logged = None, {}
+    trackers._log = lambda scalars, step: logged.update(scalars)
+    trackers.step({"step": 3, "loss": 2.0, "moe_aux_loss": 1.25, "moe_load_imbalance": 1.5, "moe_dropped": 4,
+                   "moe_expert_tokens": [5, 7], "ep_bytes": 1024, "ep_wait_s": 0.5}, {})
+    assert {k: logged[k] for k in logged if k.startswith(("moe/", "comm/ep"))} == {
+        "moe/aux_loss": 1.25, "moe/load_imbalance": 1.5, "moe/dropped": 4.0, "comm/ep_bytes": 1024.0,
+        "comm/ep_wait_s": 0.5}

@@ -29,6 +29,8 @@ ELSEWHERE = {
     "python -m pytest": "the test command itself (CI runs it)",
     "python -m torch.distributed.run --standalone --nproc-per-node 4 examples/hf_llama.py":
         "tests/distributed/test_init_from.py runs examples/hf_llama.py",
+    "loom train --nproc 2 --set model.preset=tiny-moe --set parallel.ep=2 --set train.steps=20":
+        "tests/distributed/test_moe_ranks.py trains this layout (ep2-zero3-units) against one process",
     "tensorboard --logdir RUN_DIR/tensorboard":
         "TensorBoard's own command (tests/unit/test_tracking.py reads the events)",
 }
