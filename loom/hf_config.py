@@ -213,7 +213,7 @@ def _moe(doc: Fields, model_type: str, layers: int, intermediate: int) -> HFMoE 
     def flag(key: str, default: bool) -> bool:
         return doc.bool(key, default=default, fix=_BOOL) if doc.raw.get(key) is not None else default
 
-    if model_type == "mixtral":  # every block MoE, experts as wide as intermediate_size, softmax top-k renormalized
+    if model_type == "mixtral":  # every block MoE, experts intermediate_size wide, softmax top-k renormalized
         experts = count("num_local_experts")
         return HFMoE(experts, count("num_experts_per_tok", most=experts), intermediate, 0, False, 1, 0,
                      "softmax", True, 1.0)
@@ -231,7 +231,7 @@ def _moe(doc: Fields, model_type: str, layers: int, intermediate: int) -> HFMoE 
                                 "block as sparse, none kept dense by index)", dense, "remove its entries")
         return HFMoE(experts, top_k, hidden, shared, qwen2 and shared > 0, step, step - 1, "softmax",
                      flag("norm_topk_prob", False), 1.0)
-    if model_type == "deepseek_v3":  # block i sparse when i ≥ first_k_dense_replace and i % moe_layer_freq == 0
+    if model_type == "deepseek_v3":  # block i sparse when i ≥ first_k_dense_replace, i % moe_layer_freq = 0
         experts = count("n_routed_experts", 256)
         top_k = count("num_experts_per_tok", 8, most=experts)
         hidden = count("moe_intermediate_size", 2048, most=MAX_FFN)

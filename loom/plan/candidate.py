@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from loom import strategies
@@ -104,27 +105,11 @@ class Candidate:
         """Parameters of each FSDP2 unit of a stage holding `layers` blocks from block `start` (the
         embedding when first, norm + head when last), in forward order, as loom/parallel/fsdp.py groups
         them: the last unit is the one kept gathered after forward (the head's, or the root's). Under
-        expert parallelism each MoE block's routed experts are a unit of their own, over other ranks
-        (fsdp_expert_units): not among these."""
-        tied = shape.tie_embeddings
-        blocks = sizes = [shape.layer_params] * layers
-        if shape.moe:  # grouped by their whole size (fsdp.py counts the experts' parameters too)
-            sizes = [shape.block_params(i) for i in range(start, start + layers)]
-            routed = shape.routed_params_per_block if self.ep > 1 else 0
-            blocks = [n - (routed if shape.is_moe(i) else 0) for i, n in enumerate(sizes, start)]
-        head = ([shape.embedding_params] if first and not tied else [])
-        tail = ([shape.head_params] if last and not tied else [])
-        entries, sizes = head + blocks + tail, head + sizes + tail
-        units = [sum(unit) for unit in strategies.fsdp_units(entries, sizes, self.fsdp_unit_mb)]
-        root = shape.embedding_params + shape.head_params if tied else 0  # tied: the root holds both
-        if len(units) == 1:
-            return [units[0] + root]  # the root is the one unit
-        return units + ([root] if root else [])
-
-    def fsdp_expert_units(self, shape: ModelShape, layers: int, start: int = 0) -> int:
-        """Under expert parallelism (FSDP2), how many units hold routed experts on their own: one per
-        MoE block of the stage (0 at ep = 1, where the experts belong to their block's unit)."""
-        return shape.moe_layers_in(start, layers) if self.ep > 1 else 0
+        expert parallelism each MoE block's routed experts are a unit of their own, over the ranks
+        holding the same experts (one per MoE block, plan/comm.py's _expert_sync): not among these."""
+        if shape.moe:
+            return list(_fsdp_units(shape, self.ep > 1, self.fsdp_unit_mb, layers, first, last, start))
+        return list(_fsdp_units(shape, False, self.fsdp_unit_mb, layers, first, last, 0))
 
     @property
     def engine(self) -> str:
@@ -171,3 +156,23 @@ class Candidate:
     def local_seq(self, seq_len: int) -> int:
         """The tokens of each sequence a rank holds: every per-token term is priced for these."""
         return seq_len // self.cp
+
+
+@functools.lru_cache(maxsize=4096)
+def _fsdp_units(shape: ModelShape, experts_apart: bool, unit_mb: float, layers: int, first: bool, last: bool,
+                start: int) -> tuple[int, ...]:
+    """Candidate.fsdp_unit_params, remembered (the search asks for the same stages again and again)."""
+    tied = shape.tie_embeddings
+    blocks = sizes = [shape.layer_params] * layers
+    if shape.moe:  # grouped by their whole size (fsdp.py counts the experts' parameters too)
+        sizes = [shape.block_params(i) for i in range(start, start + layers)]
+        routed = shape.routed_params_per_block if experts_apart else 0
+        blocks = [n - (routed if shape.is_moe(i) else 0) for i, n in enumerate(sizes, start)]
+    head = ([shape.embedding_params] if first and not tied else [])
+    tail = ([shape.head_params] if last and not tied else [])
+    entries, sizes = head + blocks + tail, head + sizes + tail
+    units = [sum(unit) for unit in strategies.fsdp_units(entries, sizes, unit_mb)]
+    root = shape.embedding_params + shape.head_params if tied else 0  # tied: the root holds both
+    if len(units) == 1:
+        return (units[0] + root,)  # the root is the one unit
+    return tuple(units + ([root] if root else []))

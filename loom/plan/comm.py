@@ -19,6 +19,11 @@ What the engines issue per step (as loom runs them; `loom train` measures the sa
   cp     per block and micro-batch the attention's exchange (plan/context.py: ring sends, or
          Ulysses' all_to_alls), again for a recomputed block's forward; the gradients of the
          data-parallel collectives above are synced over dp·cp ranks (the cp ranks hold one model)
+  ep     per MoE block and micro-batch the dispatch's all_to_alls (plan/experts.py: the split counts,
+         the tokens' rows out and back, forward and backward), again for a recomputed block's
+         forward; the routed experts' gradients are synced apart, over the edp = dp/ep ranks holding
+         the same experts (ddp: all-reduce; FSDP2: their own units' all-gathers and reduce-scatters
+         over N_e = N/ep), the rest of the model's as above
 A group lies within a node when its ranks fit in one (TP innermost, then CP, dp_shard, dp_replicate,
 PP outermost); otherwise its bytes are counted on the inter-node link.
 
@@ -36,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loom.plan import context
+from loom.plan import context, experts
 from loom.plan.memory import GRAD_COMM_BYTES, RECIPES
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num
@@ -55,7 +60,7 @@ class CommAccount:
     # bytes before any ring factor, and the count of collectives (None: not known to the plan).
     payload_by_kind: dict[str, float] = field(default_factory=dict)
     count_by_kind: dict[str, int | None] = field(default_factory=dict)
-    # Collectives per group ("dp", "tp", "pp", "cp"), each paying a latency: DDP's buckets, which the
+    # Collectives per group ("dp", "tp", "pp", "cp", "ep"), each paying a latency: DDP's buckets, which the
     # engine sizes, counted as one per 25 MiB.
     count_by_group: dict[str, int] = field(default_factory=dict)
     group: str = "dp"
@@ -115,12 +120,16 @@ def tp_reductions(w, c) -> tuple[float, float]:
     checkpointed block's recompute stops at its last saved tensor, before the MLP's reduction: one
     more. "op" keeps the matmuls' outputs but not the collectives' (the attention's reduction, and
     under sequence parallel the all-gathers before the column linears, run again): one more as well.
-    The embedding (forward) and the head (backward) add one each."""
+    The embedding (forward) and the head (backward) add one each. An MoE block's feed-forward runs
+    whole on each TP rank (the sequence gathered around it): no reduction of its own, or under
+    sequence parallel the all-gather of its input and, backward, the reduce-scatter of its gradient
+    (one in all)."""
     shape = w.shape
     activation = c.local_seq(w.seq_len) * c.micro_batch * shape.d_model * w.act_bytes
     layers = shape.n_layers / c.pp
     ckpt = checkpointed_layers(round(layers), c.activation_checkpointing, c.ac_every)
-    return activation, 4 * layers + ckpt + (2 if c.pp == 1 else 1)
+    moe = shape.moe_layers / c.pp * (1 if c.sequence_parallel else 2) if shape.moe else 0
+    return activation, 4 * layers - moe + ckpt + (2 if c.pp == 1 else 1)
 
 
 def pp_sends(w, c) -> tuple[float, int]:
@@ -206,21 +215,154 @@ def _context_exchange(w, c, gpus_per_node: int, acc: CommAccount, terms: Terms) 
     return sent
 
 
+def ep_exchange(w, c) -> tuple[experts.Dispatch, int, int]:
+    """(one MoE block's dispatch for one micro-batch, MoE blocks of the stage holding the most, those
+    recomputed)."""
+    shape = w.shape
+    stage = max(range(c.pp), key=lambda s: shape.stage_moe_layers(s, c.pp))
+    start, layers = shape.stage_layers(stage, c.pp)
+    moe = shape.moe_layers_in(start, layers)
+    ckpt = experts.checkpointed_moe_layers(shape, start, layers, c.activation_checkpointing, c.ac_every)
+    return experts.dispatch(shape, c.local_seq(w.seq_len) * c.micro_batch, w.act_bytes), moe, ckpt
+
+
+def ep_payload_per_step(w, c) -> tuple[float, int]:
+    """(payload bytes, all_to_all_single calls) of expert parallelism's dispatch a rank issues per
+    step (kind ep_alltoall, each call's input as the observer records it): per MoE block of its stage
+    and micro-batch 8·E + 4·T·k·h·e in 5 calls, and a recomputed block's forward, 8·E + 2·T·k·h·e in
+    3, again. (0, 0) at ep = 1 or for a dense model."""
+    if c.ep == 1 or not w.shape.moe:
+        return 0.0, 0
+    ex, moe, ckpt = ep_exchange(w, c)
+    m = c.grad_accum
+    payload = m * (moe * (ex.forward + ex.backward) + ckpt * ex.forward)
+    ops = m * (moe * (ex.forward_ops + ex.backward_ops) + ckpt * ex.forward_ops)
+    return payload, ops
+
+
+def _expert_dispatch(w, c, gpus_per_node: int, acc: CommAccount, terms: Terms) -> float:
+    """Expert parallelism's all_to_alls in the account as their own kind (ep_alltoall: their inputs);
+    returns the wire bytes, (ep−1)/ep of the payload."""
+    ex, moe, ckpt = ep_exchange(w, c)
+    payload, ops = ep_payload_per_step(w, c)
+    inter = experts.inter_node(c, gpus_per_node)
+    sent = ring("all_to_all", c.ep, payload)
+    if terms:
+        shape, e = w.shape, w.act_bytes
+        terms.note(f"expert parallel ({_link(inter)}, ep = {c.ep}, ep·tp = {c.ep * c.tp} ranks): per MoE "
+                   f"block and micro-batch the split counts, the tokens' rows to their experts and back, "
+                   f"forward and backward; again for each recomputed block's forward")
+        terms.item("T·k·h·e rows", "b·s·k·h·e (T tokens, each to k experts)",
+                   f"{c.micro_batch}·{c.local_seq(w.seq_len)}·{shape.moe_top_k}·{shape.d_model}·{e}",
+                   gb(ex.rows))
+        terms.item("ep forward", "8·E + 2·rows (counts; dispatch, combine: 3 all_to_alls)",
+                   f"8·{shape.moe_experts} + 2·{gb(ex.rows)}", gb(ex.forward))
+        terms.item("ep backward", "2·rows (their gradients: 2 all_to_alls)", f"2·{gb(ex.rows)}",
+                   gb(ex.backward))
+        terms.item("ep payload", "m·(L_m·(forward + backward) + c_m·forward), c_m recomputed MoE blocks",
+                   f"{c.grad_accum}·({moe}·({gb(ex.forward)} + {gb(ex.backward)}) + {ckpt}·{gb(ex.forward)})",
+                   gb(payload))
+        terms.item("ep bytes", "(ep−1)/ep·payload (each all_to_all keeps its own share)",
+                   f"({c.ep}−1)/{c.ep} × {gb(payload)}", gb(sent))
+    acc.add(experts.KIND, sent, inter)
+    acc.issue(experts.KIND, c.ep, payload, ops)
+    return sent
+
+
+def _expert_sync(w, c, routed: int, micro_steps: int, inter: bool, acc: CommAccount, terms: Terms) -> None:
+    """Under expert parallelism the routed experts' gradient sync, apart from the rest of the model's:
+    a rank's P_e/ep over the ranks holding the same experts (ddp: all-reduced over edp = dp/ep; FSDP2:
+    each MoE block's experts a unit of their own over N_e = N/ep, gathered in forward and (zero3)
+    again in backward, reduce-scattered; hsdp: all-reduced across the replicas too)."""
+    s, shape = c.strategy_info, w.shape
+    psi = routed / c.ep
+    gbytes = GRAD_COMM_BYTES[w.recipe]
+    per_param = w.act_bytes if w.recipe == "torch" else RECIPES[w.recipe][0]
+    grad_bytes, param_bytes = gbytes * psi, per_param * psi
+    blocks = routed // shape.routed_params_per_block  # MoE blocks: one expert unit each
+    if terms:
+        terms.note(f"routed experts apart (ep = {c.ep}): P_e/ep = {num(routed)}/{c.ep} = {num(psi)} "
+                   f"parameters per rank, synced over the ranks holding the same experts ({_link(inter)})")
+    if w.recipe != "torch" and s.zero_stage in (1, 2):
+        n = c.expert_shard_size
+        rs, ag = ring("reduce_scatter", n, grad_bytes), ring("all_gather", n, param_bytes)
+        if terms:
+            terms.item("expert reduce-scatter", "(N_e−1)/N_e·gbytes·P_e/ep",
+                       f"({n}−1)/{n} × {gb(grad_bytes)}", gb(rs))
+            terms.item("expert all-gather", "(N_e−1)/N_e·pbytes·P_e/ep",
+                       f"({n}−1)/{n} × {gb(param_bytes)}", gb(ag))
+        acc.add("reduce_scatter", rs, inter)
+        acc.add("all_gather", ag, inter)
+        acc.issue("reduce_scatter", n, grad_bytes)
+        acc.issue("all_gather", n, param_bytes)
+    elif not s.shards_params:  # ddp: each rank's experts replicated over edp
+        n = c.dp // c.ep
+        ar = ring("all_reduce", n, grad_bytes)
+        if terms:
+            terms.item("expert all-reduce", "2(edp−1)/edp·gbytes·P_e/ep, edp = dp/ep",
+                       f"2({n}−1)/{n} × {gb(grad_bytes)}", gb(ar))
+        acc.add("all_reduce", ar, inter)
+        acc.issue("all_reduce", n, grad_bytes)
+    else:
+        n = c.expert_shard_size
+        passes = 2 if s.reshard_after_forward else 1  # zero3: gathered again in backward
+        gathered = micro_steps * passes * param_bytes
+        reduces = micro_steps if w.reduce_every_micro_step else 1
+        reduced = reduces * grad_bytes
+        ag, rs = ring("all_gather", n, gathered), ring("reduce_scatter", n, reduced)
+        if terms:
+            terms.item("expert all-gather", f"(N_e−1)/N_e·k·{passes}·pbytes·P_e/ep, N_e = N/ep",
+                       f"({n}−1)/{n} × {micro_steps}·{passes}·{gb(param_bytes)}", gb(ag))
+            terms.item("expert reduce-scatter", f"(N_e−1)/N_e·{reduces}·gbytes·P_e/ep",
+                       f"({n}−1)/{n} × {reduces}·{gb(grad_bytes)}", gb(rs))
+        acc.add("all_gather", ag, inter)
+        acc.add("reduce_scatter", rs, inter)
+        counted = c.pp == 1
+        acc.issue("all_gather", n, gathered, micro_steps * passes * blocks if counted else None)
+        acc.issue("reduce_scatter", n, reduced, reduces * blocks if counted else None)
+        if s.dp_mesh == "hybrid":
+            r = c.replicate_size
+            ar = ring("all_reduce", r, reduced / n)
+            if terms:
+                terms.item("expert all-reduce replicas", "2(R−1)/R·reduced/N_e",
+                           f"2({r}−1)/{r} × {gb(reduced)}/{n}", gb(ar))
+            acc.add("all_reduce", ar, inter)
+            acc.issue("all_reduce", r, reduced / n, reduces * blocks if counted else None)
+
+
 def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[CommAccount, dict[str, float]]:
-    """(bytes sent per GPU per step by link and kind, bytes per group: {"dp", "tp", "pp", "cp"}); each
-    quantity recorded in `terms` as it is computed (plan/terms.py)."""
+    """(bytes sent per GPU per step by link and kind, bytes per group: {"dp", "tp", "pp", "cp", "ep"});
+    each quantity recorded in `terms` as it is computed (plan/terms.py)."""
     shape = w.shape
     acc = CommAccount()
-    groups = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "cp": 0.0}
+    groups = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0}
 
     # Data parallel over the stage's local (TP-split) parameters: the heaviest stage.
-    stage_params = max(shape.stage_params(s, c.pp) for s in {0, c.pp - 1})
-    if c.tp > 1 and shape.known:
+    heaviest = max(shape.priced_stages(c.pp), key=lambda s: shape.stage_params(s, c.pp))
+    stage_params = shape.stage_params(heaviest, c.pp)
+    # the routed experts (under ep) synced apart, over the ranks holding the same experts
+    routed = shape.stage_routed_params(heaviest, c.pp) if c.ep > 1 else 0
+    if c.tp > 1 and shape.known and shape.moe:
+        start, layers = shape.stage_layers(heaviest, c.pp)
+        moe_layers = shape.moe_layers_in(start, layers)
+        replicated = shape.tp_replicated_params(layers, heaviest == c.pp - 1, moe_layers)
+        rest = replicated - routed
+        local = (stage_params - routed - rest) / c.tp + rest
+        if terms:
+            terms.item("Ψ_dp synced per rank", "(Ψ_stage − P_e − R)/tp + R (R: norms, the MoE blocks' "
+                       "feed-forward but routed experts under ep, P_e)",
+                       f"({num(stage_params - routed)} − {num(rest)})/{c.tp} + {num(rest)}", num(local))
+    elif c.tp > 1 and shape.known:
         replicated = shape.tp_replicated_params(shape.n_layers // c.pp, True)
         local = (stage_params - replicated) / c.tp + replicated
         if terms:
             terms.item("Ψ_dp synced per rank", "(Ψ_stage − R)/tp + R",
                        f"({num(stage_params)} − {num(replicated)})/{c.tp} + {num(replicated)}", num(local))
+    elif routed:
+        local = stage_params - routed
+        if terms:
+            terms.item("Ψ_dp synced per rank", "Ψ_stage − P_e (the routed experts apart)",
+                       f"{num(stage_params)} − {num(routed)}", num(local))
     else:
         local = stage_params / c.tp
         if terms:
@@ -324,6 +466,9 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
         acc.issue("reduce_scatter", n, reduced, reduces * units if units else None)
         if s.dp_mesh == "hybrid":
             acc.issue("all_reduce", c.replicate_size, reduced / n, reduces * units if units else None)
+    if routed:
+        shard_inter = c.shard_size * c.tp > gpus_per_node
+        _expert_sync(w, c, routed, micro_steps, shard_inter if s.shards_params else dp_inter, acc, terms)
     groups["dp"] = acc.total
 
     acc.group = "tp"
@@ -341,8 +486,15 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
             terms.item("Φ_a activation", f"{_tokens(c)}·b·h·e",
                        f"{_tokens(c, w.seq_len)}·{c.micro_batch}·{shape.d_model}·{w.act_bytes}",
                        gb(activation))
-            terms.item("reductions", f"4·L/p + c + {2 if c.pp == 1 else 1}",
-                       f"4·{num(layers)} + {ckpt} + {2 if c.pp == 1 else 1}", num(reductions))
+            if shape.moe:  # the MoE feed-forwards whole on each TP rank
+                less = 1 if c.sequence_parallel else 2
+                terms.item("reductions", f"4·L/p − {less}·L_m/p + c + {2 if c.pp == 1 else 1} (MoE blocks: "
+                           f"{'the gathered input and its gradient' if less == 1 else 'none'} for the FFN)",
+                           f"4·{num(layers)} − {less}·{num(shape.moe_layers / c.pp)} + {ckpt} + "
+                           f"{2 if c.pp == 1 else 1}", num(reductions))
+            else:
+                terms.item("reductions", f"4·L/p + c + {2 if c.pp == 1 else 1}",
+                           f"4·{num(layers)} + {ckpt} + {2 if c.pp == 1 else 1}", num(reductions))
             terms.item("tp bytes", "m × reductions × 2(tp−1)/tp·Φ_a",
                        f"{c.grad_accum} × {num(reductions)} × 2({c.tp}−1)/{c.tp} × {gb(activation)}",
                        gb(per_micro * c.grad_accum))
@@ -374,6 +526,9 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
     acc.group = "cp"
     if c.cp > 1 and shape.known:
         groups["cp"] = _context_exchange(w, c, gpus_per_node, acc, terms)
+    acc.group = "ep"
+    if c.ep > 1 and shape.moe:
+        groups["ep"] = _expert_dispatch(w, c, gpus_per_node, acc, terms)
     if terms:
         counts = ", ".join(f"{g} {n}" for g, n in acc.count_by_group.items()) or "none"
         terms.note(f"collectives issued per step (each pays a latency α): {counts}")

@@ -242,7 +242,8 @@ def planned_model(cfg, shape: ModelShape, model: str | None, seq_len: int) -> Mo
                               f"PRESET or --model config.json")
         shape = sized
     base = "8b"  # Llama-3's RoPE and norms; every shape field below replaces the preset's
-    return ModelConfig(preset=base, **{k: getattr(shape, k) for k in SHAPE_FIELDS},
+    moe = read_hf_config(Path(model)).gpt_moe_fields() if shape.moe else {}  # a config.json's experts
+    return ModelConfig(preset=base, **{k: getattr(shape, k) for k in SHAPE_FIELDS}, **moe,
                        max_seq_len=max(seq_len, preset(base).max_seq_len))
 
 

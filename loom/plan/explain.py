@@ -30,7 +30,8 @@ def candidate_of(record: dict) -> Candidate:
                      record["dp_shard"] // cp if hybrid else 0, record["offload"], record["pp_schedule"],
                      record["pp_virtual_stages"], record["activation_checkpointing"], record["ac_every"],
                      record["micro_batch"], record["grad_accum"], record["sequence_parallel"],
-                     "deepspeed" if deepspeed else "torch", cp=cp, cp_mode=record.get("cp_mode", "ring"))
+                     "deepspeed" if deepspeed else "torch", cp=cp, cp_mode=record.get("cp_mode", "ring"),
+                     ep=record.get("ep", 1))
 
 
 def explain(plan, index: int) -> str:
@@ -58,14 +59,19 @@ def _header(out: Terms, index: int, record: dict, w, c: Candidate, cluster) -> N
     shape = w.shape
     out.lines.append(f"candidate {index}: {record['label']} — engine {record['engine']}"
                      f"{'' if record['runs_in_loom'] else ' (loom does not run it)'}")
-    out.note(f"{shape.name}: {num(shape.num_params)} parameters; {cluster.describe()}; recipe {w.recipe}; "
-             f"{w.precision} compute (e = {w.act_bytes} bytes per activation element)")
+    active = f" ({num(shape.active_params)} active)" if shape.moe else ""
+    out.note(f"{shape.name}: {num(shape.num_params)} parameters{active}; {cluster.describe()}; "
+             f"recipe {w.recipe}; {w.precision} compute (e = {w.act_bytes} bytes per activation element)")
     s = c.strategy_info
     shard = (f"N = {c.shard_size} (dp_shard; {c.replicate_size} replica groups)" if s.dp_mesh == "hybrid"
              else f"N = {c.shard_size}")
     cp = f" × cp {c.cp}" if c.cp > 1 else ""
     out.note(f"layout: dp {c.dp}{cp} × tp {c.tp} × pp {c.pp} = {c.world} ranks; {shard} ranks share one "
              f"shard of the model states")
+    if c.ep > 1:
+        out.note(f"expert parallel: ep = {c.ep} of the dp ranks split each MoE block's {shape.moe_experts} "
+                 f"routed experts ({shape.moe_experts // c.ep} each); the strategy shards them over N_e = "
+                 f"{c.expert_shard_size} ranks holding the same experts")
     if c.cp > 1:
         out.note(f"context parallel: cp = {c.cp} ({c.cp_mode}); each rank holds s/cp = {w.seq_len}/{c.cp} = "
                  f"{c.local_seq(w.seq_len)} tokens of each sequence (chunk i and its mirror 2cp−1−i); "
@@ -80,6 +86,13 @@ def _header(out: Terms, index: int, record: dict, w, c: Candidate, cluster) -> N
                  f"(Q = {shape.head_dim} per head, {shape.n_kv_heads} kv heads: kv = {shape.kv_dim}), "
                  f"f = {shape.ffn_hidden}, V = {shape.vocab_size}"
                  f"{', tied embeddings' if shape.tie_embeddings else ''}")
+        if shape.moe:
+            shared = f", shared experts h_s = {shape.moe_shared_hidden}" if shape.moe_shared_hidden else ""
+            gate = " (gated)" if shape.moe_shared_gate else ""
+            out.note(f"mixture of experts: L_m = {shape.moe_layers} MoE blocks (from block "
+                     f"{shape.moe_dense_first}, every {shape.moe_every}), E = {shape.moe_experts} routed "
+                     f"experts of h_e = {shape.moe_hidden}, top k = {shape.moe_top_k}{shared}{gate}; load "
+                     f"imbalance {w.moe_imbalance:g}")
     else:
         out.note("shape: parameter count only (activations, TP/PP and attention FLOPs are not modelled)")
     if c.activation_checkpointing != "none":
@@ -137,7 +150,7 @@ def _comm(out: Terms, record: dict, w, c: Candidate, cluster):
                 "reduce-scatter (N−1)/N·Φ each, broadcast (N−1)/N·Φ; Φ = the whole tensor)")
     comm, groups = comm_per_step(w, c, cluster.gpus_per_node, out)
     parts = [("dp", groups["dp"])]
-    parts += [(g, groups[g]) for g, degree in (("tp", c.tp), ("pp", c.pp), ("cp", c.cp))
+    parts += [(g, groups[g]) for g, degree in (("tp", c.tp), ("pp", c.pp), ("cp", c.cp), ("ep", c.ep))
               if degree > 1 and w.shape.known]
     out.check(parts, sum(v for _, v in parts), record["comm_bytes_per_step"], gb)
     return comm, groups

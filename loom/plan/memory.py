@@ -6,19 +6,23 @@ precision: fp32 parameters and gradients, Adam m and v in fp32 -> 4Ψ + 4Ψ + 8�
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from loom import strategies
-from loom.plan import context
+from loom.plan import context, experts
 from loom.plan.shapes import (
     activation_bytes_per_layer,
     checkpointed_layers,
     chunk_logits_bytes,
+    dense_mlp_saved_bytes,
     head_backward_bytes,
     head_saved_bytes,
     head_transient_bytes,
     layers_of_stage,
     llama_like,
+    mlp_saved_widths,
+    moe_ffn_saved_bytes,
     op_saved_bytes_per_layer,
     op_shared_bytes_per_layer,
     residual_bytes,
@@ -96,6 +100,19 @@ def model_state_bytes(strategy: str, num_params: int, shard_size: int, recipe: s
     )
 
 
+def expert_state_bytes(w, c, stage: int = 0) -> ModelStateBytes:
+    """The routed experts' model states one rank of pipeline stage `stage` holds at rest (the rest of
+    the model's states: model_state_bytes as for a dense model, less these). The stage's routed
+    parameters P_e are split over the ep ranks and the strategy shards a rank's P_e/ep over the
+    N_e = N/ep ranks holding the same experts (ddp: none), whatever tp: params, grads, optimizer =
+    (p, g, o)·P_e/ep, each /N_e where the strategy shards it. Under zero3 that is 16·P_e/dp, as at
+    ep = 1; under ddp 16·P_e/ep."""
+    routed = w.shape.stage_routed_params(stage, c.pp)
+    recipe = engine_recipe(w, c)
+    return model_state_bytes(c.strategy, routed / c.ep, c.expert_shard_size, recipe,
+                             paper_stages=recipe == "zero" or c.engine == "deepspeed")
+
+
 # Bytes per parameter of the gradient collectives (FSDP2 reduces in fp32 under the torch recipe;
 # the ZeRO paper reduces fp16 gradients; Megatron/DeepSpeed keep fp32 main gradients).
 GRAD_COMM_BYTES = {"torch": 4, "zero": 2, "megatron": 4}
@@ -133,13 +150,17 @@ def gpu_memory(w, c, fragmentation: float = 0.10, device: str = "cuda",
                terms: Terms = NO_TERMS) -> MemoryAccount:
     """Per-GPU memory of candidate `c` on workload `w` (see plan/candidate.py), worst stage; the
     worst stage's account recorded in `terms`."""
-    stages = {0, c.pp - 1}
-    accounts = [stage_memory(w, c, s, fragmentation, device) for s in sorted(stages)]
+    stages = w.shape.priced_stages(c.pp)
+    accounts = [stage_memory(w, c, s, fragmentation, device) for s in stages]
     worst = max(accounts, key=lambda a: a.total)
     if terms:
         terms.section(f"memory per {'rank' if device == 'cpu' else 'GPU'} (GB = 1e9 bytes)"
                       f"{'' if c.pp == 1 else f', pipeline stage {worst.stage}'}")
-        if c.pp > 1:
+        if c.pp > 1 and len(stages) > 2:
+            terms.note(f"stages 0, p−1 (the embedding, the head) and {stages[1]} (the most parameters: its "
+                       "MoE blocks) priced: " + ", ".join(f"stage {a.stage} {gb(a.total)}" for a in accounts)
+                       + f"; the largest, stage {worst.stage}, is the GPU's")
+        elif c.pp > 1:
             terms.note("stages 0 and p−1 priced (the embedding, the head): "
                        + ", ".join(f"stage {a.stage} {gb(a.total)}" for a in accounts)
                        + f"; the larger, stage {worst.stage}, is the GPU's")
@@ -157,12 +178,19 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
     shape, last = w.shape, stage == c.pp - 1
     stage_params = shape.stage_params(stage, c.pp)
     layers = layers_of_stage(shape.n_layers, stage, c.pp) if shape.known else 0
-    replicated = shape.tp_replicated_params(layers, last) if (c.tp > 1 and shape.known) else 0
+    moe_layers = shape.stage_moe_layers(stage, c.pp)
+    replicated = shape.tp_replicated_params(layers, last, moe_layers) if (c.tp > 1 and shape.known) else 0
     recipe = engine_recipe(w, c)
     deepspeed = c.engine == "deepspeed"
-    states = model_state_bytes(c.strategy, stage_params, c.shard_size, recipe,
-                               paper_stages=recipe == "zero" or deepspeed, tp=c.tp, tp_replicated=replicated)
+    # The routed experts apart (expert_state_bytes): split over ep, sharded over N_e, never over tp
+    routed = shape.stage_routed_params(stage, c.pp)
+    states = model_state_bytes(c.strategy, stage_params - routed, c.shard_size, recipe,
+                               paper_stages=recipe == "zero" or deepspeed, tp=c.tp,
+                               tp_replicated=replicated - routed if replicated else 0)
+    expert = expert_state_bytes(w, c, stage) if routed else None
     params, grads, optimizer = states.params, states.grads, states.optimizer
+    if expert is not None:
+        params, grads, optimizer = params + expert.params, grads + expert.grads, optimizer + expert.optimizer
     buffers = 0.0
     if deepspeed and c.offload == "none":  # DeepSpeed frees its gradient partitions after each step:
         buffers, grads = grads, 0.0  # held during the step, not at rest (as its engine measures)
@@ -178,7 +206,7 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
 
     if terms:
         _record_states(terms, w, c, stage, stage_params, replicated, states, (params, grads, optimizer),
-                       host + nvme, moved=buffers)
+                       host + nvme, moved=buffers, expert=expert)
         if deepspeed:
             terms.note(f"DeepSpeed buckets: its reduce and all-gather buckets, 2 × 25 MiB = "
                        f"{gb(DEEPSPEED_BUCKETS)}, held through the step")
@@ -187,7 +215,7 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
     if shape.known:
         named = [] if moments is None and terms else moments
         activations, inflight = _step_peak(w, c, stage, layers, stage_params, replicated, grads,
-                                           optimizer, device, named, terms)
+                                           optimizer, device, named, terms, routed)
         buffers += inflight
         parts.insert(0, ("the peak's buffers", inflight))
         if terms:
@@ -278,11 +306,21 @@ def _record_params(terms: Terms, shape, stage: int, pp: int, total: int) -> None
             terms.item("Ψ stage parameters", "Ψ/p", f"{num(shape.num_params)} / {pp}", num(total))
         return
     d, kv, f = shape.d_model, shape.kv_dim, shape.ffn_hidden
-    terms.item("P_layer per block", "2h² + 2h·kv + 3h·f + 2h",
+    terms.item("P_layer per block" if not shape.moe else "P_layer per dense block", "2h² + 2h·kv + 3h·f + 2h",
                f"2·{d}² + 2·{d}·{kv} + 3·{d}·{f} + 2·{d}", num(shape.layer_params))
     layers = shape.n_layers if pp == 1 else layers_of_stage(shape.n_layers, stage, pp)
     first, last = stage == 0, stage == pp - 1
     sym, vals = [f"{'L' if pp == 1 else 'L_s'}·P_layer"], [f"{layers}·{num(shape.layer_params)}"]
+    if shape.moe:
+        moe = shape.stage_moe_layers(stage, pp)
+        e, he, sh = shape.moe_experts, shape.moe_hidden, shape.moe_shared_hidden
+        gate = " + h" if shape.moe_shared_gate else ""
+        terms.item("P_moe per MoE block", f"2h² + 2h·kv + 2h + h·E + 3h·h_e·E + 3h·h_s{gate} (router, E "
+                   "routed experts, the shared ones h_s wide)",
+                   f"2·{d}² + 2·{d}·{kv} + 2·{d} + {d}·{e} + 3·{d}·{he}·{e} + 3·{d}·{sh}{gate and f' + {d}'}",
+                   num(shape.moe_layer_params))
+        sym, vals = ["L_d·P_layer + L_m·P_moe"], [f"{layers - moe}·{num(shape.layer_params)} + "
+                                                  f"{moe}·{num(shape.moe_layer_params)}"]
     if first:
         sym.append("V·h")
         vals.append(f"{shape.vocab_size}·{d}")
@@ -313,12 +351,27 @@ def _state_formula(p: int, g: int, o: int, sp: bool, sg: bool, so: bool) -> tupl
 
 def _record_states(terms: Terms, w, c, stage: int, stage_params: int, replicated: int,
                    states: ModelStateBytes,
-                   on_gpu: tuple[float, float, float], offloaded: float, moved: float) -> None:
+                   on_gpu: tuple[float, float, float], offloaded: float, moved: float,
+                   expert: ModelStateBytes | None = None) -> None:
     """The stage's parameters, the recipe's and strategy's model states, and where the account
-    keeps them (GPU, host, NVMe; DeepSpeed's gradient partitions, `moved`, as a buffer)."""
+    keeps them (GPU, host, NVMe; DeepSpeed's gradient partitions, `moved`, as a buffer); an MoE
+    model's routed experts (`expert`, expert_state_bytes) apart."""
     _record_params(terms, w.shape, stage, c.pp, stage_params)
     psi = stage_params
-    if c.tp > 1:
+    routed = w.shape.stage_routed_params(stage, c.pp) if expert is not None else 0
+    if routed:
+        psi = stage_params - routed
+        terms.item("P_e routed experts", "L_m·3h·h_e·E (the stage's; below apart: split over ep, never "
+                   "over tp)", f"{w.shape.stage_moe_layers(stage, c.pp)}·3·{w.shape.d_model}·"
+                   f"{w.shape.moe_hidden}·{w.shape.moe_experts}", num(routed))
+        terms.item("Ψ the rest", "Ψ − P_e", f"{num(stage_params)} − {num(routed)}", num(psi))
+    if c.tp > 1 and routed:
+        rest = replicated - routed
+        psi = (stage_params - routed - rest) / c.tp + rest
+        terms.item("Ψ_tp on a TP rank", "(Ψ − P_e − R)/tp + R, R = norm gains (2h per block + h) and the MoE "
+                   "blocks' router and shared experts",
+                   f"({num(stage_params - routed)} − {num(rest)})/{c.tp} + {num(rest)}", num(psi))
+    elif c.tp > 1:
         psi = (stage_params - replicated) / c.tp + replicated
         terms.item("Ψ_tp on a TP rank", "(Ψ − R)/tp + R, R = norm gains (2h per block + h)",
                    f"({num(stage_params)} − {num(replicated)})/{c.tp} + {num(replicated)}", num(psi))
@@ -349,6 +402,16 @@ def _record_states(terms: Terms, w, c, stage: int, stage_params: int, replicated
         terms.item(name, f"{b}·{psi_sym}{'/N' if sharded else ''}",
                    f"{b} × {num(psi)}{f' / {n}' if sharded else ''}",
                    gb(value))
+    if routed:
+        ep, ne = c.ep, c.expert_shard_size
+        edp = f"N_e = N/ep = {n}/{ep}" if s.sharded else "ddp: replicated over the edp = dp/ep ranks, N_e = 1"
+        terms.note(f"routed experts: E/ep = {w.shape.moe_experts}/{ep} per rank (ep = {ep}), sharded over "
+                   f"the ranks holding the same ones, {edp} = {ne}")
+        for name, b, sharded, value in (("expert params", p, sp, expert.params),
+                                        ("expert grads", g, sg, expert.grads),
+                                        ("expert optimizer", o, so, expert.optimizer)):
+            terms.item(name, f"{b}·P_e/ep{'/N_e' if sharded else ''}",
+                       f"{b} × {num(routed)}/{ep}{f' / {ne}' if sharded else ''}", gb(value))
     if moved:
         terms.note(f"  DeepSpeed frees its gradient partitions after each step: grads {gb(moved)} counted "
                    f"as a buffer (held during the step), 0 at rest")
@@ -363,13 +426,14 @@ def ddp_accumulates_apart(w, c) -> bool:
     """Whether the step holds a second copy of the gradients: DDP's micro-steps under no_sync
     accumulate into gradients of their own, beside its buckets (the states' gradients), until the
     last micro-step's backward copies them in (measured: +4Ψ)."""
-    return (w.recipe == "torch" and c.engine != "deepspeed" and not c.strategy_info.uses_fsdp(c.tp)
+    return (w.recipe == "torch" and c.engine != "deepspeed"
+            and not c.strategy_info.uses_fsdp(c.tp, c.ep)
             and c.grad_accum > 1)
 
 
 def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int, grads: float,
                optimizer: float, device: str, named: list | None = None,
-               terms: Terms = NO_TERMS) -> tuple[float, float]:
+               terms: Terms = NO_TERMS, routed: int = 0) -> tuple[float, float]:
     """(activations, buffers) of a stage at the step's peak: the largest, over the moments of the
     step below, of what the rank holds beyond its model states at rest (what `loom train` measures:
     the step's live-tensor peak minus the states). Activations: saved tensors and the loss's and
@@ -401,15 +465,21 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
       at rest             between steps the states alone: the peak is never below them
     `device` "cpu": loom train on gloo ranks, whose reduce-scatter is an all-reduce of a copy of
     its input, and whose AdamW is foreach.
+
+    An MoE model's stage (`routed`: its routed experts' parameters) mixes dense and MoE blocks: an MoE
+    block keeps moe_ffn_saved_bytes in place of the dense SwiGLU's (under "op" likewise, an
+    approximation), its FSDP2 unit gathers the routed experts a rank holds (P_e/ep per block, beside
+    the rest whole over tp), and under torch.autocast the experts' 16-bit copies (w1, w3: stacked
+    weights' views, which autocast does not cache) are kept by their matmuls until backward.
     """
     shape, tp, e = w.shape, c.tp, w.act_bytes
     last, pipelined = stage == c.pp - 1, c.pp > 1
     chunk = w.loss_chunk  # every layout chunks (TP: each rank's vocabulary shard; PP: the last stage)
     deepspeed = c.engine == "deepspeed"
     strategy = c.strategy_info
-    fsdp = not deepspeed and strategy.uses_fsdp(tp) and w.recipe == "torch"
+    fsdp = not deepspeed and strategy.uses_fsdp(tp, c.ep) and w.recipe == "torch"
     # ddp and zero1 (without TP) reach 16-bit through torch.autocast; FSDP2 and DeepSpeed cast weights
-    autocast = not deepspeed and not strategy.uses_fsdp(tp) and e < 4
+    autocast = not deepspeed and not strategy.uses_fsdp(tp, c.ep) and e < 4
     sp = c.sequence_parallel and tp > 1
     seq, mb = c.local_seq(w.seq_len), c.micro_batch  # context parallel: each rank's s/cp tokens
     local = lambda n: (n - shape.layer_norm_params) / tp + shape.layer_norm_params  # noqa: E731
@@ -426,6 +496,16 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     per_layer = activation_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast, terms)
     residual = residual_bytes(shape, seq, mb, e, autocast)
     ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
+    start = shape.stage_layers(stage, c.pp)[0] if shape.moe else 0
+    moe = shape.moe_layers_in(start, layers)  # MoE blocks of the stage
+    imbalance = experts.imbalance(w, c)
+    if moe:
+        moe_ffn = moe_ffn_saved_bytes(shape, seq, mb, e, imbalance, terms)
+        dense_ffn = dense_mlp_saved_bytes(shape, seq, mb, e, tp)
+        per_moe = per_layer - dense_ffn + moe_ffn
+        if terms:
+            terms.item("per MoE block", "block − dense SwiGLU + MoE feed-forward",
+                       f"{gb(per_layer)} − {gb(dense_ffn)} + {gb(moe_ffn)}", gb(per_moe))
     op = c.activation_checkpointing == "op"  # a checkpointed block also keeps its matmuls' outputs
     per_ckpt = residual / (tp if sp else 1)
     (over, by), ne = ("/tp", f"/{tp}") if sp else ("", ""), 4 if autocast else e
@@ -437,11 +517,26 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                    gb(per_ckpt))
     if op and ckpt:
         per_ckpt = op_saved_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast, terms)
-    blocks = (layers - ckpt) * per_layer + ckpt * per_ckpt
-    if terms and ckpt:
+    if moe:
+        mode = c.activation_checkpointing
+        ckpt_moe = experts.checkpointed_moe_layers(shape, start, layers, mode, c.ac_every)
+        # "op" keeps an MoE block's matmul outputs in place of the dense ones: taken as what it keeps
+        # unchecked (an approximation)
+        per_ckpt_moe = per_ckpt - dense_ffn * 2 / mlp_saved_widths(tp) + moe_ffn if op else per_ckpt
+        dense, ckpt_dense = layers - moe, ckpt - ckpt_moe
+        blocks = (dense - ckpt_dense) * per_layer + ckpt_dense * per_ckpt + (moe - ckpt_moe) * per_moe \
+            + ckpt_moe * per_ckpt_moe
+        if terms:
+            terms.item("blocks", "(L_d − c_d)·block + c_d·kept + (L_m − c_m)·MoE block + c_m·kept "
+                       "(L_m MoE blocks, c_m of them checkpointed)",
+                       f"({dense} − {ckpt_dense})·{gb(per_layer)} + {ckpt_dense}·{gb(per_ckpt)} + "
+                       f"({moe} − {ckpt_moe})·{gb(per_moe)} + {ckpt_moe}·{gb(per_ckpt_moe)}", gb(blocks))
+    else:
+        blocks = (layers - ckpt) * per_layer + ckpt * per_ckpt
+    if terms and ckpt and not moe:
         terms.item("blocks", "(L_s − c)·block + c·kept input",
                    f"({layers} − {ckpt})·{gb(per_layer)} + {ckpt}·{gb(per_ckpt)}", gb(blocks))
-    elif terms:
+    elif terms and not moe:
         terms.item("blocks", "L_s·block", f"{layers}·{gb(per_layer)}", gb(blocks))
     parts = [("blocks", blocks)]
     if last:
@@ -469,19 +564,34 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         # Micro-steps without gradient sync accumulate the unsharded gradients (FSDP2 no_sync, under
         # parallel.reduce_every_micro_step = false; pipelining does the same between micro-batches):
         # the stage's whole gradient.
-        held += GRAD_COMM_BYTES[w.recipe] * (stage_params - replicated) / tp + replicated * 4
+        rest = replicated - routed if replicated else 0  # the routed experts: P_e/ep whole on a rank
+        held += GRAD_COMM_BYTES[w.recipe] * (stage_params - routed - rest) / tp + rest * 4 + 4 * routed / c.ep
     if ddp_accumulates_apart(w, c):
         held += grads
+    block_local = local(shape.layer_params)  # a block's parameters on a rank, gathered
+    moe_local = _moe_block_local(shape, tp, c.ep) if moe else 0.0
     if c.offload != "none":
-        held += 2 * e * local(shape.layer_params)  # parameters staged in from the host
+        held += 2 * e * max(block_local, moe_local)  # parameters staged in from the host
     if autocast:
         # autocast caches each weight's 16-bit copy until the context exits, after backward: every
         # matmul weight but w2 (swiglu_down casts its own), the tied embedding through the head (an
         # untied one is only looked up).
         cast = layers * shape.autocast_cached_params
+        if moe:  # an MoE block's: attention's, the router's, the shared SwiGLU's w1, w3 and gate
+            d = shape.d_model
+            moe_cast = 2 * d * d + 2 * d * shape.kv_dim + d * shape.moe_experts \
+                + 2 * d * shape.moe_shared_hidden + (d if shape.moe_shared_gate else 0)
+            cast = (layers - moe) * shape.autocast_cached_params + moe * moe_cast
+            # and the routed experts' w1, w3 (views of the stacked weights, cast at each use, not
+            # cached) kept by their matmuls for backward, in each micro-batch in flight
+            held += e * moe * 2 * d * shape.moe_hidden * shape.moe_experts / c.ep \
+                * _micro_batches_in_flight(c, stage)
         cast += shape.vocab_size * shape.d_model if last else 0
         held += e * cast
-    units = [local(u) for u in c.fsdp_unit_params(shape, layers, stage == 0, last)] if fsdp else []
+    if fsdp and moe:
+        units = _moe_units(shape, c, start, layers, stage == 0, last)
+    else:
+        units = [local(u) for u in c.fsdp_unit_params(shape, layers, stage == 0, last)] if fsdp else []
     kept = 0.0
     if fsdp:
         # The unit gathered at backward's start: zero3 keeps the last one gathered since forward (the
@@ -492,7 +602,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             held -= grads  # the sharded gradients, not yet rebuilt (a later micro-step holds them)
 
     if deepspeed:  # DeepSpeed's engine: its buckets, activations and the larger transient
-        rebuilt = per_layer if ckpt else 0.0
+        rebuilt = (max(per_layer, per_moe) if moe else per_layer) if ckpt else 0.0
         activations = saved + max(rebuilt, transient)
         if terms:
             terms.item("activations", "saved + max(recomputed block, loss gradients) (DeepSpeed's engine)",
@@ -550,14 +660,27 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         # tied root stays gathered with the head weight's gradient.
         selective = c.activation_checkpointing == "selective"
         top = (layers - 1) // c.ac_every * c.ac_every if selective else layers - 1
-        rebuilt = one_micro - head - (layers - 1 - top) * per_layer + per_layer
-        if op:  # the rebuilt block's kept outputs are among its activations: counted once
-            rebuilt -= op_shared_bytes_per_layer(shape, seq, mb, e, tp)
-        # its backward then begins with the SwiGLU's two hidden-sized gradients (gate and up) beside
-        # the rebuilt activations (measured on the small preset: the 1.23 of the plan without them)
-        rebuilt += 2 * seq * mb * shape.ffn_hidden / tp * e
+        if moe:  # the blocks above the top one, and the top one, each of its kind
+            kinds = [shape.is_moe(start + j) for j in range(top, layers)]
+            above = sum(per_moe if k else per_layer for k in kinds[1:])
+            rebuilt = one_micro - head - above + (per_moe if kinds[0] else per_layer)
+            if op:
+                shared = op_shared_bytes_per_layer(shape, seq, mb, e, tp)
+                rebuilt -= shared - dense_ffn * 2 / mlp_saved_widths(tp) + moe_ffn if kinds[0] else shared
+            # the MoE's backward begins with its experts' gate and up gradients (the busiest rank's)
+            rebuilt += 2 * seq * mb * (imbalance * shape.moe_top_k * shape.moe_hidden if kinds[0]
+                                       else shape.ffn_hidden / tp) * e
+            top_local = moe_local if kinds[0] else block_local
+        else:
+            rebuilt = one_micro - head - (layers - 1 - top) * per_layer + per_layer
+            if op:  # the rebuilt block's kept outputs are among its activations: counted once
+                rebuilt -= op_shared_bytes_per_layer(shape, seq, mb, e, tp)
+            # its backward then begins with the SwiGLU's two hidden-sized gradients (gate and up) beside
+            # the rebuilt activations (measured on the small preset: the 1.23 of the plan without them)
+            rebuilt += 2 * seq * mb * shape.ffn_hidden / tp * e
+            top_local = block_local
         gathered = e * (units[-1] + vh) if tied_root else 0.0
-        gathered += e * local(shape.layer_params) if len(units) > 1 else 0.0
+        gathered += e * top_local if len(units) > 1 else 0.0
         if not strategy.reshard_after_forward:
             gathered = kept
         moments.append(("recompute", others + rebuilt, gathered + held))
@@ -615,6 +738,41 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     moments.append(("at rest", 0.0, 0.0))  # between steps: the states alone (gradients included)
     _, activations, buffers = max(moments, key=lambda m: m[1] + m[2])
     return activations, buffers
+
+
+def _moe_block_local(shape, tp: int, ep: int) -> float:
+    """An MoE block's parameters a rank holds gathered: attention split over tp, the norms and the MoE
+    feed-forward whole (TP does not split it), of its routed experts the rank's E/ep."""
+    d, routed = shape.d_model, shape.routed_params_per_block
+    return (2 * d * d + 2 * d * shape.kv_dim) / tp + 2 * d + shape.moe_ffn_params() - routed + routed / ep
+
+
+def _moe_units(shape, c, start: int, layers: int, first: bool, last: bool) -> list:
+    """Candidate.fsdp_unit_params of an MoE model's stage as a rank holds each unit gathered: a dense
+    block whole but for TP's split (its norms whole), an MoE block _moe_block_local (its experts' own
+    unit under ep gathered with it), the embedding and head as for a dense model; grouped by their
+    whole sizes as fsdp.py groups them."""
+    return list(_moe_units_of(shape, c.tp, c.ep, c.fsdp_unit_mb, start, layers, first, last))
+
+
+@functools.lru_cache(maxsize=4096)
+def _moe_units_of(shape, tp: int, ep: int, unit_mb: float, start: int, layers: int, first: bool,
+                  last: bool) -> tuple:
+    local = lambda n: (n - shape.layer_norm_params) / tp + shape.layer_norm_params  # noqa: E731
+    moe_local = _moe_block_local(shape, tp, ep)
+    tied = shape.tie_embeddings
+    blocks = range(start, start + layers)
+    entries = [moe_local if shape.is_moe(i) else local(shape.layer_params) for i in blocks]
+    sizes = [shape.block_params(i) for i in blocks]
+    if first and not tied:
+        entries, sizes = [local(shape.embedding_params)] + entries, [shape.embedding_params] + sizes
+    if last and not tied:
+        entries, sizes = entries + [local(shape.head_params)], sizes + [shape.head_params]
+    units = [sum(unit) for unit in strategies.fsdp_units(entries, sizes, unit_mb)]
+    root = local(shape.embedding_params + shape.head_params) if tied else 0.0
+    if len(units) == 1:
+        return (units[0] + root,)
+    return tuple(units + ([root] if root else []))
 
 
 def _reduce_scatter(unit: float, elem: int, gloo: bool, held: float = 0.0) -> float:

@@ -47,7 +47,10 @@ def render_table(plan: Plan, top: int = 5) -> str:
     device = (f"({cluster.gpu.memory_gb:g} GB, {cluster.gpu.bf16_tflops:g} bf16 TFLOPs each)"
               if cluster.profile is None else
               f"({size_text(cluster.gpu.memory_gb * GB)} of memory each; {cluster.profile.describe()})")
-    out = [(f"loom plan: {shape.name} ({params_text(shape.num_params)} params) on {cluster.describe()} "
+    params = params_text(shape.num_params)
+    if shape.moe:
+        params += f", {params_text(shape.active_params)} active"
+    out = [(f"loom plan: {shape.name} ({params} params) on {cluster.describe()} "
             f"{device}, recipe {w.recipe}, {w.precision}, "
             f"global batch {w.global_batch} × {w.seq_len} tokens, {len(records)} candidates")]
     if plan.workload_origin:

@@ -1,8 +1,9 @@
 """Every way to run a workload on a cluster, priced, and the one to recommend.
 
 Candidates: strategy (ddp, zero1, zero2, zero3, hsdp) × offload × tp × pp × cp (ring or alltoall) ×
-pipeline schedule × activation checkpointing × micro-batch, with grad_accum (or the pipeline's
-micro-batches) making up the global batch. Pure Python: thousands of candidates per second.
+ep (a mixture of experts only) × pipeline schedule × activation checkpointing × micro-batch, with
+grad_accum (or the pipeline's micro-batches) making up the global batch. Pure Python: thousands of
+candidates per second.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from pathlib import Path
 
 from loom import strategies
 from loom.errors import ConfigError
-from loom.plan import context
+from loom.plan import context, experts
 from loom.plan.candidate import Candidate, Workload
-from loom.plan.comm import comm_per_step
+from loom.plan.comm import comm_per_step, ep_payload_per_step
 from loom.plan.efficiency import compute_fraction, link_efficiency
 from loom.plan.hardware import Cluster
-from loom.plan.memory import gpu_memory
+from loom.plan.memory import expert_state_bytes, gpu_memory
 from loom.plan.step import bubble_fraction, step_time
 
 GB = 1e9
@@ -50,6 +51,13 @@ def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
         "fits": None, "why_not": None, "step_time_s": None, "step_time_breakdown_s": None,
         "tokens_per_s": None, "mfu": None,
     }
+    if w.shape.moe:  # an MoE model's: ep, the routed experts' states (memory_stage's, at rest, before any
+        # offload) and expert parallelism's all_to_alls (also in comm_bytes_by_kind as ep_alltoall)
+        held = expert_state_bytes(w, c, mem.stage)
+        payload, calls = ep_payload_per_step(w, c)
+        record.update(ep=c.ep, expert_state_bytes={"params": held.params, "grads": held.grads,
+                                                   "optimizer": held.optimizer, "total": held.total},
+                      ep_alltoall_payload_bytes_per_step=payload, ep_alltoall_calls_per_step=calls)
     gpu = cluster.gpu
     if gpu is None:
         return record
@@ -77,26 +85,33 @@ def enumerate_candidates(w: Workload, cluster: Cluster,
     grid = [(tp, pp, cp, mode) for tp in tps for pp in _pipeline_degrees(shape, world // tp)
             for cp, mode in _context_splits(w, world // (tp * pp), tp)]
     layouts = sorted(grid, key=lambda layout: layout[2] > 1)  # cp = 1 first (stable: the candidates' order)
+    # "op" checkpointing of MoE blocks is priced only approximately (memory.py): not searched for them
+    ac_modes = tuple(m for m in AC_MODES if m != "op" or not shape.moe) if shape.known else ("none",)
     for tp, pp, cp, mode in layouts:
         dp = world // (tp * pp * cp)
         if w.global_batch % dp:
             continue
         local_batch = w.global_batch // dp
+        eps = [1] + (experts.splits(shape, dp) if cp == 1 else [])
         for strategy in names:
             for shard in _shards(strategy, dp, tp, per_node, cluster.nodes, cp):
                 for offload, framework in _offloads(strategy, dp, tp, pp, host_tier, cp):
-                    for schedule, virtual in _schedules(shape, pp):
-                        for ac in AC_MODES if shape.known else ("none",):
-                            for mb in MICRO_BATCHES:
-                                if mb > local_batch or local_batch % mb:
-                                    continue
-                                m = local_batch // mb
-                                if pp > 1 and m < pp:
-                                    # 1F1B-style schedules need m ≥ p (GPipe too, to keep p busy)
-                                    continue
-                                yield Candidate(strategy, dp, tp, pp, shard, offload, schedule, virtual,
-                                                ac, 2, mb, m, sequence_parallel=tp > 1,
-                                                framework=framework, cp=cp, cp_mode=mode)
+                    for ep in eps:
+                        if ep > 1 and not experts.valid(shape, Candidate(strategy, dp, tp, pp, shard, offload,
+                                                                         framework=framework, ep=ep)):
+                            continue
+                        for schedule, virtual in _schedules(shape, pp):
+                            for ac in ac_modes:
+                                for mb in MICRO_BATCHES:
+                                    if mb > local_batch or local_batch % mb:
+                                        continue
+                                    m = local_batch // mb
+                                    if pp > 1 and m < pp:
+                                        # 1F1B-style schedules need m ≥ p (GPipe too, to keep p busy)
+                                        continue
+                                    yield Candidate(strategy, dp, tp, pp, shard, offload, schedule, virtual,
+                                                    ac, 2, mb, m, sequence_parallel=tp > 1,
+                                                    framework=framework, cp=cp, cp_mode=mode, ep=ep)
 
 
 def _context_splits(w: Workload, ranks: int, tp: int) -> list[tuple[int, str]]:
@@ -192,24 +207,36 @@ class Plan:
 
     def to_dict(self) -> dict:
         shape = self.workload.shape
+        model = {"name": shape.name, "num_params": shape.num_params, "known_shape": shape.known,
+                 "seq_len": self.workload.seq_len, "global_batch": self.workload.global_batch,
+                 "flops_per_token": shape.flops_per_token(self.workload.seq_len)}
+        if shape.moe:
+            model.update(active_params=shape.active_params, moe_experts=shape.moe_experts,
+                         moe_top_k=shape.moe_top_k, moe_layers=shape.moe_layers,
+                         moe_imbalance=self.workload.moe_imbalance)
         return {
-            "model": {"name": shape.name, "num_params": shape.num_params, "known_shape": shape.known,
-                      "seq_len": self.workload.seq_len, "global_batch": self.workload.global_batch,
-                      "flops_per_token": shape.flops_per_token(self.workload.seq_len)},
+            "model": model,
             "cluster": {**dataclasses.asdict(self.cluster), "world_size": self.cluster.world_size},
-            "assumptions": assumptions(self.cluster, shape, any(r.get("cp", 1) > 1 for r in self.candidates)),
+            "assumptions": assumptions(self.cluster, shape, any(r.get("cp", 1) > 1 for r in self.candidates),
+                                       self.workload.moe_imbalance),
             "candidates": self.candidates, "recommended": self.recommended, "reason": self.reason,
             "recommendable": self.recommendable, "workload_origin": self.workload_origin,
         }
 
 
-def assumptions(cluster: Cluster, shape=None, cp: bool = False) -> list[str]:
+def assumptions(cluster: Cluster, shape=None, cp: bool = False, imbalance: float = 1.0) -> list[str]:
     gpu = cluster.gpu
+    moe = []
+    if shape is not None and shape.moe:
+        moe = [f"mixture of experts: FLOPs of the active parameters (top {shape.moe_top_k} of "
+               f"{shape.moe_experts} experts); the MoE blocks whole on each TP rank; expert parallelism's "
+               f"all_to_alls exposed; the busiest rank's experts take {imbalance:g}× the mean tokens"
+               + (" (ideal routing)" if imbalance == 1 else "")]
     if cluster.profile is not None:
         return [f"compute, elementwise work and collectives at the rates measured on this machine "
                 f"({cluster.profile.describe()}; `loom plan --calibrate` remeasures)",
                 "on a CPU nothing overlaps: the cores that compute also run the collectives",
-                f"fragmentation margin {cluster.fragmentation:.0%} of allocated bytes; GB = 1e9 bytes"]
+                f"fragmentation margin {cluster.fragmentation:.0%} of allocated bytes; GB = 1e9 bytes"] + moe
     fraction = cluster.achievable_fraction or compute_fraction(gpu, shape)
     efficiency = cluster.comm_efficiency or link_efficiency(gpu)
     return [
@@ -225,7 +252,7 @@ def assumptions(cluster: Cluster, shape=None, cp: bool = False) -> list[str]:
                                                         "attention, its all_to_alls are exposed")),
         f"fragmentation margin {cluster.fragmentation:.0%} of allocated bytes; GB = 1e9 bytes",
         "offload traffic and host Adam are not overlapped",
-    ]
+    ] + moe
 
 
 def search(w: Workload, cluster: Cluster) -> Plan:
@@ -248,8 +275,8 @@ def search(w: Workload, cluster: Cluster) -> Plan:
     if not runnable:
         other = records[fitting[0]]
         raise ConfigError(f"only layouts loom does not run fit on {cluster.describe()} (e.g. "
-                          f"{other['label']}: DeepSpeed offload with TP or PP); add GPUs (--nodes) or a "
-                          f"larger GPU")
+                          f"{other['label']}: {_unrunnable(other)}); "
+                          + smallest_fitting_cluster(w, cluster, runnable=True))
     capacity = cluster.gpu.memory_gb * GB
     roomy = [i for i in runnable if records[i]["memory_bytes"]["total"] <= TIGHT * capacity]
     best, fastest, band = choose(records, roomy or runnable, capacity)
@@ -282,7 +309,7 @@ def simplicity(r: dict, capacity: float) -> tuple:
 
 def dimensions(r: dict) -> int:
     """A record's parallel dimensions beyond data parallelism (Candidate.dimensions)."""
-    return (r["tp"] > 1) + (r["pp"] > 1) + (r.get("cp", 1) > 1)
+    return (r["tp"] > 1) + (r["pp"] > 1) + (r.get("cp", 1) > 1) + (r.get("ep", 1) > 1)
 
 
 def _simpler(records: list[dict], best: int, fastest: int, band: list[int]) -> str:
@@ -345,16 +372,28 @@ def _one_per_layout(records: list[dict], band: list[int], best: int) -> list[int
 
 def _layout(r: dict) -> tuple:
     return (r["strategy"], r["tp"], r["pp"], r["pp_schedule"], r["offload"], r["engine"] == "deepspeed",
-            r.get("cp", 1), r.get("cp_mode", "ring"))
+            r.get("cp", 1), r.get("cp_mode", "ring"), r.get("ep", 1))
 
 
-def smallest_fitting_cluster(w: Workload, cluster: Cluster) -> str:
+def _unrunnable(record: dict) -> str:
+    """Why loom does not run a (deepspeed-engine) record, in words."""
+    what = [x for x, on in (("TP", record["tp"] > 1), ("PP", record["pp"] > 1),
+                            ("CP", record.get("cp", 1) > 1), ("EP", record.get("ep", 1) > 1),
+                            ("activation checkpointing", record["activation_checkpointing"] != "none"))
+            if on]
+    return (f"DeepSpeed offload with {' and '.join(what) or 'hybrid sharding'}, which loom's deepspeed "
+            f"engine does not run")
+
+
+def smallest_fitting_cluster(w: Workload, cluster: Cluster, runnable: bool = False) -> str:
+    """Where the workload fits: the fewest nodes (doubling) with a candidate that fits (`runnable`: one
+    loom runs)."""
     nodes = cluster.nodes
     for _ in range(12):
         nodes *= 2
         bigger = dataclasses.replace(cluster, nodes=nodes)
         for c in enumerate_candidates(w, bigger):
-            if estimate(w, c, bigger)["fits"]:
+            if (not runnable or c.runs_in_loom) and estimate(w, c, bigger)["fits"]:
                 return (f"the smallest cluster that fits is {nodes} nodes × {cluster.gpus_per_node} "
                         f"(e.g. {c.label()}); add nodes (--nodes {nodes}) or a larger GPU")
     return "no cluster up to 4096× this size fits it either; check the model size and the batch"
@@ -458,6 +497,7 @@ def emit_config(base, record: dict):
     p.cp = cp
     if cp > 1:
         p.cp_mode = record["cp_mode"]
+    p.ep = record.get("ep", 1)
     if strategies.lookup(record["strategy"]).dp_mesh == "hybrid":  # the record's N is dp_shard × cp
         p.dp_shard = record["dp_shard"] // cp
         p.dp_replicate = record["dp"] // p.dp_shard
@@ -480,17 +520,20 @@ def loss_chunk_of(cfg, model: str | None = None) -> int:
     return cfg.train.loss_chunk
 
 
-def config_workload(cfg, shape, recipe: str = "torch") -> Workload:
+def config_workload(cfg, shape, recipe: str = "torch", moe_imbalance: float = 1.0) -> Workload:
+    """The workload a loom config trains (`moe_imbalance`: an MoE model's busiest expert's tokens over
+    the mean, e.g. measured by a run; 1 is ideal routing)."""
     return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe,
-                    loss_chunk_of(cfg), cfg.parallel.reduce_every_micro_step)
+                    loss_chunk_of(cfg), cfg.parallel.reduce_every_micro_step, moe_imbalance)
 
 
 def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,
-                     cp: int | None = None) -> Candidate:
-    """The candidate a resolved loom config runs (the inverse of emit_config); `cp` the mesh's (by
-    default the config's parallel.cp)."""
+                     cp: int | None = None, ep: int | None = None) -> Candidate:
+    """The candidate a resolved loom config runs (the inverse of emit_config); `cp` and `ep` the mesh's
+    (by default the config's parallel.cp and parallel.ep)."""
     p, t = cfg.parallel, cfg.train
     cp = p.cp if cp is None else cp
+    ep = getattr(p, "ep", 1) if ep is None else ep
     dp = dp_replicate * dp_shard
     pipelined = pp > 1
     micro = (p.microbatches or pp) if pipelined else t.grad_accum
@@ -511,4 +554,4 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,
                      p.pp_schedule if pipelined else "none", p.pp_virtual_stages if pipelined else 1,
                      p.activation_checkpointing, p.ac_every, per_micro, micro,
                      sequence_parallel=p.sequence_parallel and tp > 1, framework=p.engine,
-                     fsdp_unit_mb=p.fsdp_unit_mb, cp=cp, cp_mode=p.cp_mode if cp > 1 else "ring")
+                     fsdp_unit_mb=p.fsdp_unit_mb, cp=cp, cp_mode=p.cp_mode if cp > 1 else "ring", ep=ep)

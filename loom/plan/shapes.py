@@ -7,6 +7,7 @@ the attention FLOPs are then unknown and taken as zero, which the output says).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +59,13 @@ class ModelShape:
 
     def moe_layers_in(self, start: int, count: int) -> int:
         """How many of the blocks start .. start + count − 1 are MoE blocks."""
-        if not self.moe:
+        if not self.moe or count <= 0:
             return 0
-        return sum(self.is_moe(i) for i in range(start, start + count))
+        every, first = self.moe_every, self.moe_dense_first
+        # the first MoE block at or after `start`
+        at = first if start <= first else first + -(-(start - first) // every) * every
+        end = start + count
+        return 0 if at >= end else (end - 1 - at) // every + 1
 
     @property
     def moe_layers(self) -> int:
@@ -144,8 +149,8 @@ class ModelShape:
 
     def stage_layers(self, stage: int, stages: int) -> tuple[int, int]:
         """(first block, blocks) of a pipeline stage (layers_of_stage's balanced split)."""
-        start = sum(layers_of_stage(self.n_layers, s, stages) for s in range(stage))
-        return start, layers_of_stage(self.n_layers, stage, stages)
+        base, extra = divmod(self.n_layers, stages)  # the first `extra` stages take one more
+        return stage * base + min(stage, extra), layers_of_stage(self.n_layers, stage, stages)
 
     def stage_params(self, stage: int, stages: int) -> int:
         """Parameters of one pipeline stage: its layers (dense or MoE blocks, as the stage holds
@@ -153,6 +158,11 @@ class ModelShape:
         holds its own copy of the embedding)."""
         if not self.known or stages == 1:
             return self.num_params // stages
+        if self.moe:
+            return _moe_stage_params(self, stage, stages)
+        return self._stage_params(stage, stages)
+
+    def _stage_params(self, stage: int, stages: int) -> int:
         start, layers = self.stage_layers(stage, stages)
         total = self._blocks_params(start, layers)
         if stage == 0:
@@ -165,7 +175,7 @@ class ModelShape:
         """The MoE blocks of a pipeline stage."""
         if not self.moe:
             return 0
-        return self.moe_layers_in(*self.stage_layers(stage, stages))
+        return _moe_stage_layers(self, stage, stages)
 
     def stage_routed_params(self, stage: int, stages: int) -> int:
         """The routed experts' parameters of a pipeline stage (0 for a dense model)."""
@@ -175,10 +185,9 @@ class ModelShape:
         """The pipeline stages whose memory and traffic the planner prices: the first (the
         embedding) and the last (the head); of an MoE model also the stage holding the most
         parameters (its MoE blocks may lie in the middle: DeepSeek-V3's first three are dense)."""
-        priced = {0, stages - 1}
         if self.moe and stages > 2:
-            priced.add(max(range(stages), key=lambda s: (self.stage_params(s, stages), -s)))
-        return sorted(priced)
+            return list(_moe_priced_stages(self, stages))
+        return sorted({0, stages - 1})
 
     def tp_replicated_params(self, layers: int, last: bool, moe_layers: int = 0) -> int:
         """Parameters every TP rank holds whole: the norms' gains, and an MoE block's whole
@@ -203,6 +212,23 @@ class ModelShape:
             return 6.0 * self.params_only
         matmul = self.active_params - (0 if self.tie_embeddings else self.embedding_params)
         return 6.0 * matmul + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+
+@functools.lru_cache(maxsize=1024)
+def _moe_stage_params(shape: ModelShape, stage: int, stages: int) -> int:
+    """ModelShape.stage_params of an MoE model, remembered (the search asks for every stage's often)."""
+    return shape._stage_params(stage, stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _moe_stage_layers(shape: ModelShape, stage: int, stages: int) -> int:
+    return shape.moe_layers_in(*shape.stage_layers(stage, stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _moe_priced_stages(shape: ModelShape, stages: int) -> tuple[int, ...]:
+    heaviest = max(range(stages), key=lambda s: (shape.stage_params(s, stages), -s))
+    return tuple(sorted({0, stages - 1, heaviest}))
 
 
 def layers_of_stage(n_layers: int, stage: int, stages: int) -> int:

@@ -18,7 +18,13 @@ Then, for both:
   step, and TP and PP transfers sit on the critical path: those are exposed. Context parallelism's
   ring passes the next k/v block while the current one's attention runs: only the excess of each
   hop over that block's attention is exposed, plus a latency per hop; Ulysses' all_to_alls are
-  exposed (plan/context.py). On a CPU the cores that compute also move the bytes: nothing overlaps;
+  exposed (plan/context.py), and so are expert parallelism's (plan/experts.py: the experts wait for
+  their rows). On a CPU the cores that compute also move the bytes: nothing overlaps;
+- a mixture of experts computes its active parameters (each token's k routed experts); its MoE
+  blocks are not split by TP (each TP rank runs them whole: tp times their FLOPs on the TP group),
+  and under expert parallelism the busiest rank's experts take the workload's moe_imbalance times
+  the mean rows: the routed experts' time scales by it. loom runs a rank's experts one after the
+  other: their kernels count toward the launch floor (KERNELS_PER_EXPERT each, per MoE block);
 - the optimizer step streams params, grads and Adam's m and v (28 bytes per fp32 parameter) and
   the gradient clip reads and scales the grads (12 more) at memory bandwidth;
 - offload moves gradients out and parameters in over the host link each step and runs Adam on
@@ -30,8 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loom.plan import context
-from loom.plan.comm import DDP_BUCKET, CommAccount, cp_exchange
+from loom.plan import context, experts
+from loom.plan.comm import DDP_BUCKET, CommAccount, cp_exchange, ep_payload_per_step
 from loom.plan.efficiency import D0_SCALE, DEFAULT, FAMILY, compute_fraction, link_efficiency
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num, sec
@@ -45,6 +51,13 @@ from loom.plan.terms import NO_TERMS, Terms, gb, num, sec
 BLOCK_ELEMENTWISE = (93, 22, 18)
 LOSS_PASSES = 6
 KERNELS_PER_LAYER = 3 * 40  # GPU kernels of a block's forward + backward (a fused-free eager run)
+# An MoE block runs its rank's E/ep experts one by one (loom/models/gpt/moe.py Experts): each its two
+# linears and swiglu_down, forward and backward; routing and dispatch add their own (top-k, sort,
+# gathers, the all-to-alls' bookkeeping)
+KERNELS_PER_EXPERT, KERNELS_PER_ROUTING = 3 * 5, 3 * 30
+# The MoE feed-forward's elementwise traffic per token beyond its SwiGLUs' (fp32 elements, forward +
+# backward): the rows gathered, sorted, sent back, weighted and added (k·h each), the scores (E)
+MOE_ELEMENTWISE = (12, 10)
 ADAM_BYTES, CLIP_BYTES = 28, 12  # per fp32 parameter: read p, g, m, v and write p, m, v; clip
 
 
@@ -79,9 +92,18 @@ def micro_steps(c) -> int:
 
 
 def local_params(w, c) -> float:
-    """Parameters a rank steps the optimizer over: its stage's, split by TP and the shard."""
-    stage = max(w.shape.stage_params(s, c.pp) for s in {0, c.pp - 1})
-    return stage / c.tp / c.shard_size
+    """Parameters a rank steps the optimizer over: its stage's, split by TP and the shard; of an MoE
+    model's MoE blocks the feed-forward whole over TP and the routed experts split over ep, sharded
+    over N_e (the heaviest stage's)."""
+    shape = w.shape
+    if not shape.moe:
+        stage = max(shape.stage_params(s, c.pp) for s in {0, c.pp - 1})
+        return stage / c.tp / c.shard_size
+    heaviest = max(shape.priced_stages(c.pp), key=lambda s: shape.stage_params(s, c.pp))
+    moe = shape.stage_moe_layers(heaviest, c.pp)
+    ffn, routed = moe * shape.moe_ffn_params(), moe * shape.routed_params_per_block
+    rest = shape.stage_params(heaviest, c.pp) - ffn
+    return rest / c.tp / c.shard_size + (ffn - routed) / c.shard_size + routed / c.ep / c.expert_shard_size
 
 
 def step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float],
@@ -96,8 +118,15 @@ def flops_per_token(w, terms: Terms = NO_TERMS) -> float:
     shape, t = w.shape, w.seq_len
     per_token = shape.flops_per_token(t)
     if shape.known:
-        matmul = shape.num_params - (0 if shape.tie_embeddings else shape.embedding_params)
+        matmul = shape.active_params - (0 if shape.tie_embeddings else shape.embedding_params)
         what = "N = Ψ" + ("" if shape.tie_embeddings else " − V·h (the input embedding is a lookup)")
+        if shape.moe:
+            what = "N = Ψ_active" + ("" if shape.tie_embeddings else " − V·h")
+            if terms:
+                terms.item("Ψ_active", "Ψ − L_m·(E − k)·3h·h_e (each token's k routed experts of E)",
+                           f"{num(shape.num_params)} − {shape.moe_layers}·({shape.moe_experts} − "
+                           f"{shape.moe_top_k})·3·{shape.d_model}·{shape.moe_hidden}",
+                           num(shape.active_params))
         if terms:
             terms.item("N matmul weights", what, None, num(matmul))
             terms.item("FLOPs per token", "6N + 12·L·H·Q·T",
@@ -117,6 +146,7 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
     if terms:
         terms.item("FLOPs per GPU", "tokens per step × FLOPs per token / GPUs",
                    f"{num(w.tokens_per_step)} × {num(per_token)} / {c.world}", num(flops))
+    flops += moe_extra_flops(w, c, terms)
     if cluster.achievable_fraction:
         fraction = cluster.achievable_fraction
         if terms:
@@ -137,7 +167,21 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
     if terms:
         terms.item("compute", "FLOPs / (peak × fraction)",
                    f"{num(flops)} / ({num(gpu.bf16_tflops)}e12 × {num(fraction)})", sec(compute))
-    if w.shape.known:  # no layer runs faster than its kernels launch
+    if w.shape.known and w.shape.moe:  # and a rank's experts run one after the other
+        layers = math.ceil(w.shape.n_layers / c.pp)
+        moe = max(w.shape.stage_moe_layers(s, c.pp) for s in range(c.pp))
+        local = w.shape.moe_experts // c.ep
+        kernels = layers * KERNELS_PER_LAYER + moe * (KERNELS_PER_ROUTING + local * KERNELS_PER_EXPERT)
+        floor = micro_steps(c) * kernels * gpu.kernel_launch_s
+        if terms:
+            terms.item("kernel-launch floor", "micro-steps × (⌈L/p⌉ × kernels per block + L_m × (routing + "
+                       "E/ep × kernels per expert)) × launch",
+                       f"{micro_steps(c)} × ({layers} × {KERNELS_PER_LAYER} + {moe} × ({KERNELS_PER_ROUTING} "
+                       f"+ {local} × {KERNELS_PER_EXPERT})) × {num(gpu.kernel_launch_s)} s", sec(floor))
+        if floor > compute and terms:
+            terms.note(f"  compute = the floor, {sec(floor)} (the launches take longer than the FLOPs)")
+        compute = max(compute, floor)
+    elif w.shape.known:  # no layer runs faster than its kernels launch
         layers = math.ceil(w.shape.n_layers / c.pp)
         floor = micro_steps(c) * layers * KERNELS_PER_LAYER * gpu.kernel_launch_s
         if terms:
@@ -196,6 +240,9 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
                        "4·(a/tp)·Q·(s/cp)·b·(s/cp) / (peak × fraction) (one hop's forward)",
                        f"{num(block)} / ({num(gpu.bf16_tflops)}e12 × {num(fraction)})", sec(block_s))
         parts.append(("cp", _cp_seconds(w, c, link, alpha, block_s, True, terms, wire=True)))
+    if c.ep > 1 and w.shape.moe:  # the experts wait for their rows: exposed
+        inter = experts.inter_node(c, cluster.gpus_per_node)
+        parts.append(("ep", seconds("expert parallel", groups["ep"], inter, "ep")))
     exposed = sum(v for _, v in parts)
     if terms:
         terms.item("comm exposed", " + ".join(n for n, _ in parts), " + ".join(sec(v) for _, v in parts),
@@ -209,6 +256,24 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
             terms.item("optimizer", "(28 Adam + 12 clip bytes)·Ψ/HBM",
                        f"40 × {num(local)} / {num(gpu.hbm_tbps)} TB/s", sec(optimizer))
     return StepTime(compute, recompute, bubble, exposed, optimizer, _offload(w, c, cluster, terms))
+
+
+def moe_extra_flops(w, c, terms: Terms = NO_TERMS) -> float:
+    """FLOPs a GPU runs beyond its share of the model's (tokens × FLOPs per token / GPUs): the MoE
+    feed-forwards run whole on each of the tp ranks, and the busiest rank's experts take the
+    imbalance times the mean rows: tokens/GPUs × ((tp − 1)·F_moe + tp·(imbalance − 1)·F_routed)."""
+    shape = w.shape
+    if not shape.moe:
+        return 0.0
+    imbalance = experts.imbalance(w, c)
+    moe, routed = shape.moe_ffn_flops_per_token(), shape.routed_flops_per_token()
+    extra = w.tokens_per_step / c.world * ((c.tp - 1) * moe + c.tp * (imbalance - 1) * routed)
+    if extra and terms:
+        terms.item("MoE beyond the share", "tokens/GPUs × ((tp − 1)·F_moe + tp·(imbalance − 1)·F_routed) "
+                   "(the MoE whole on each TP rank; the busiest rank's experts)",
+                   f"{num(w.tokens_per_step)}/{c.world} × (({c.tp} − 1)·{num(moe)} + "
+                   f"{c.tp}·({imbalance:g} − 1)·{num(routed)})", num(extra))
+    return extra
 
 
 def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS) -> StepTime:
@@ -234,6 +299,16 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
             terms.item("block as run",
                        "block × in-situ factor (two blocks run whole ÷ their parts, measured)",
                        f"{sec(layer)} × {num(in_situ)}", sec(layer * in_situ))
+        moe_layer = 0.0
+        if shape.moe:  # an MoE block: its feed-forward in place of the dense SwiGLU
+            imbalance = experts.imbalance(w, c)
+            dense_ffn = ffn_seconds(profile, ranks, shape, tokens, tp, terms)
+            moe_ffn = moe_ffn_seconds(profile, ranks, shape, tokens, c.ep, imbalance, terms)
+            moe_layer = (layer - dense_ffn + moe_ffn) * in_situ
+            if terms:
+                terms.item("MoE block as run", "(block − dense SwiGLU + MoE feed-forward) × in-situ factor",
+                           f"({sec(layer)} − {sec(dense_ffn)} + {sec(moe_ffn)}) × {num(in_situ)}",
+                           sec(moe_layer))
         layer *= in_situ
         layers = layers_of_stage(shape.n_layers, 0, c.pp)
         last_layers = layers_of_stage(shape.n_layers, c.pp - 1, c.pp)
@@ -252,7 +327,24 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
         first = layers * layer + (embedding if c.pp > 1 else 0.0)
         last = last_layers * layer + head + (embedding if c.pp == 1 else 0.0)
         heaviest = max(first, last)
-        if c.pp > 1 and terms:
+        ckpt_layers, ckpt_moe = layers, 0  # the blocks and MoE blocks recomputed: the heaviest stage's
+        if shape.moe:
+            def stage_seconds(stage: int) -> float:
+                count, moe = layers_of_stage(shape.n_layers, stage, c.pp), shape.stage_moe_layers(stage, c.pp)
+                ends = (embedding if stage == 0 else 0.0) + (head if stage == c.pp - 1 else 0.0)
+                return (count - moe) * layer + moe * moe_layer + ends
+
+            top = max(range(c.pp), key=stage_seconds)
+            heaviest = stage_seconds(top)
+            start, ckpt_layers = shape.stage_layers(top, c.pp)
+            ckpt_moe = experts.checkpointed_moe_layers(shape, start, ckpt_layers, c.activation_checkpointing,
+                                                       c.ac_every)
+            if terms:
+                count, moe = ckpt_layers, shape.stage_moe_layers(top, c.pp)
+                terms.item("heaviest stage" if c.pp > 1 else "one micro-step",
+                           "(L_s − L_m)·block + L_m·MoE block + embedding, head where held",
+                           f"({count} − {moe})·{sec(layer)} + {moe}·{sec(moe_layer)} + …", sec(heaviest))
+        elif c.pp > 1 and terms:
             terms.item("heaviest stage", "max(L_0·block + embedding, L_last·block + head)",
                        f"max({layers}·{sec(layer)} + {sec(embedding)}, "
                        f"{last_layers}·{sec(layer)} + {sec(head)})",
@@ -263,8 +355,14 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
         compute = micro_steps(c) * heaviest
         if terms:
             terms.item("compute", "micro-steps × that", f"{micro_steps(c)} × {sec(heaviest)}", sec(compute))
-        ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
+        ckpt = checkpointed_layers(ckpt_layers, c.activation_checkpointing, c.ac_every)
         recompute = micro_steps(c) * ckpt * layer / 3
+        if ckpt_moe and c.activation_checkpointing != "op":
+            recompute = micro_steps(c) * ((ckpt - ckpt_moe) * layer + ckpt_moe * moe_layer) / 3
+            if terms:
+                terms.item("recompute", "micro-steps × (checkpointed dense blocks × block + MoE ones × MoE "
+                           "block)/3", f"{micro_steps(c)} × ({ckpt - ckpt_moe} × {sec(layer)} + {ckpt_moe} × "
+                           f"{sec(moe_layer)})/3", sec(recompute))
         if recompute and c.activation_checkpointing == "op":  # the matmuls and attention are kept, not rerun
             elementwise = block_elementwise_seconds(profile, ranks, shape, tokens, tp)
             recompute = micro_steps(c) * ckpt * elementwise * in_situ / 3
@@ -272,7 +370,7 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
                 terms.item("recompute", "micro-steps × checkpointed blocks × elementwise × in-situ/3",
                            f"{micro_steps(c)} × {ckpt} × {sec(elementwise)} × "
                            f"{num(in_situ)}/3", sec(recompute))
-        elif recompute and terms:
+        elif recompute and terms and not ckpt_moe:
             terms.item("recompute", "micro-steps × checkpointed blocks × block/3",
                        f"{micro_steps(c)} × {ckpt} × {sec(layer)}/3", sec(recompute))
     else:
@@ -292,7 +390,7 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
                    "(2·payload at the bandwidth measured for one collective's size); nothing overlaps")
     exposed = 0.0
     for kind, payload in comm.payload_by_kind.items():
-        if kind in context.OBSERVED:  # the context-parallel exchange, below
+        if kind in context.OBSERVED or kind == experts.KIND:  # the context- and expert-parallel ones, below
             continue
         kind = "send" if kind == "recv" else kind
         count = _count(comm, kind, payload)
@@ -313,12 +411,24 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
             block_s = context.block_attention_flops(shape, c.local_seq(w.seq_len), c.micro_batch, c.tp) / rate
             exposed += _cp_seconds(w, c, fit["bytes_per_s"], fit["alpha_s"], block_s, profile.device != "cpu",
                                    terms, wire=False)
+    if c.ep > 1 and shape.moe:  # the experts wait for their rows: every all_to_all exposed
+        fits = profile.ranks_entry(ranks)["collectives"]
+        fit = fits.get(experts.OBSERVED) or fits.get("all_reduce")
+        if fit is not None:
+            payload, ops = ep_payload_per_step(w, c)
+            t = ops * fit["alpha_s"] + payload / fit["bytes_per_s"]
+            if terms:
+                terms.item("expert parallel", "α·all_to_alls + payload/β (exposed)",
+                           f"{num(fit['alpha_s'])} s × {ops} + {gb(payload)} / "
+                           f"{num(fit['bytes_per_s'] / 1e9)} GB/s", sec(t))
+            exposed += t
     if c.world > 1:  # the loop's few-byte all-reduces: mean loss and gradient norm
         t = profile.collective_seconds(ranks, "all_reduce", 8, 2)
         if terms:
             terms.item("loop all-reduces", "2·α + 8 bytes/β (mean loss, grad norm)", None, sec(t))
         exposed += t
-    if not c.strategy_info.shards_params and c.dp > 1:  # gradients into DDP's buckets and back
+    # gradients into DDP's buckets and back (under ep, ddp replicates through FSDP2: no buckets)
+    if not c.strategy_info.shards_params and c.dp > 1 and c.ep == 1:
         grads = 4 * local_params(w, c) * c.shard_size
         copy_bw = profile.elementwise_bytes(ranks, min(grads, DDP_BUCKET))
         t = 4 * grads / copy_bw
@@ -346,6 +456,53 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
 
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def ffn_seconds(profile, ranks: int, shape, tokens: int, tp: int, terms: Terms = NO_TERMS) -> float:
+    """block_seconds' dense SwiGLU: gate, up and down at their measured rates and its elementwise share
+    (BLOCK_ELEMENTWISE's f term): what an MoE block runs moe_ffn_seconds in place of."""
+    d, f = shape.d_model, shape.ffn_hidden
+    t = 0.0
+    for k, n in ((d, f / tp), (d, f / tp), (f / tp, d)):
+        t += 6 * tokens * k * n / profile.linear_flops(ranks, tokens, k, n)
+    bandwidth = profile.block_elementwise_bytes(ranks, tokens * d * 4)
+    t += 4 * tokens * BLOCK_ELEMENTWISE[1] * f / tp / bandwidth
+    if terms:
+        terms.item("dense SwiGLU", f"gate, up, down linears + 4·tokens·{BLOCK_ELEMENTWISE[1]}f/tp / block "
+                   "bandwidth", None, sec(t))
+    return t
+
+
+def moe_ffn_seconds(profile, ranks: int, shape, tokens: int, ep: int, imbalance: float,
+                    terms: Terms = NO_TERMS) -> float:
+    """An MoE feed-forward's forward + backward on a rank's `tokens` (whole over TP) at the measured
+    rates: the router [h → E], the shared SwiGLU, and the rank's E/ep experts one after the other, each
+    taking r = imbalance·tokens·k·ep/E rows (three linears h → h_e, h → h_e, h_e → h); the elementwise
+    work: the SwiGLUs' (BLOCK_ELEMENTWISE's f term over imbalance·k·h_e + h_s) and the routing's
+    (MOE_ELEMENTWISE: k·h rows moved, E scores)."""
+    d, e, he, sh = shape.d_model, shape.moe_experts, shape.moe_hidden, shape.moe_shared_hidden
+    router = 6 * tokens * d * e / profile.linear_flops(ranks, tokens, d, e)
+    shared = 0.0
+    if sh:
+        shared = 2 * 6 * tokens * d * sh / profile.linear_flops(ranks, tokens, d, sh) \
+            + 6 * tokens * sh * d / profile.linear_flops(ranks, tokens, sh, d)
+    rows = imbalance * tokens * shape.moe_top_k * ep / e
+    per_expert = 2 * 6 * rows * d * he / profile.linear_flops(ranks, rows, d, he) \
+        + 6 * rows * he * d / profile.linear_flops(ranks, rows, he, d)
+    routed = e // ep * per_expert
+    bandwidth = profile.block_elementwise_bytes(ranks, tokens * d * 4)
+    moved, scores = MOE_ELEMENTWISE
+    elementwise = 4 * tokens * (BLOCK_ELEMENTWISE[1] * (imbalance * shape.moe_top_k * he + sh)
+                                + moved * shape.moe_top_k * d + scores * e) / bandwidth
+    total = router + shared + routed + elementwise
+    if terms:
+        terms.item("MoE router + shared", "6·tokens·h·E / rate + the shared SwiGLU's linears", None,
+                   sec(router + shared))
+        terms.item("MoE experts", "E/ep × 3 linears of r = imbalance·tokens·k·ep/E rows",
+                   f"{e // ep} × {sec(per_expert)} (r = {num(rows)})", sec(routed))
+        terms.item("MoE elementwise", f"4·tokens·({BLOCK_ELEMENTWISE[1]}·(imbalance·k·h_e + h_s) + "
+                   f"{moved}·k·h + {scores}·E) / block bandwidth", None, sec(elementwise))
+    return total
 
 
 def block_seconds(profile, ranks: int, shape, seq: int, tokens: int, tp: int,
@@ -481,7 +638,11 @@ def _offload(w, c, cluster, terms: Terms = NO_TERMS) -> float:
         return 0.0
     gpu = cluster.gpu
     local = w.shape.num_params / (c.tp * c.pp * c.shard_size)
-    if terms:
+    if w.shape.moe:  # the MoE blocks whole over TP, the routed experts split over ep
+        local = local_params(w, c)
+        if terms:
+            terms.item("Ψ offloaded per GPU", "the heaviest stage's Ψ stepped per rank", None, num(local))
+    elif terms:
         terms.item("Ψ offloaded per GPU", "Ψ/(tp·pp·N)",
                    f"{num(w.shape.num_params)}/({c.tp}·{c.pp}·{c.shard_size})", num(local))
     link = (4 * local + 2 * local) / (gpu.host_link_gbps * 1e9)  # fp32 gradients out, 16-bit params in

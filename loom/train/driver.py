@@ -29,6 +29,7 @@ from loom.data.loader import build_loaders
 from loom.errors import AgreedError
 from loom.files import atomic_write, claim_run_dir
 from loom.launch import srun_tasks
+from loom.models.gpt.moe import moe_modules
 from loom.models.registry import adapter_for
 from loom.observe import core_wait, flight
 from loom.observe.collectives import CollectiveCounter
@@ -498,10 +499,18 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
     # cp ranks shard (and reduce) with the dp ranks: N spans dp_shard × cp
     shard = strategies.lookup(p.strategy).shard_size(d.mesh["dp_replicate"].size(),
                                                      d.mesh["dp_shard"].size() * d.cp_size)
-    local_params = sum(q.numel() for q in b.params)  # this rank's stage(s), before TP/FSDP splits
-    # TP splits every matrix; only the norms' gains stay whole on each TP rank.
-    tp_replicated = sum(q.numel() for q in b.params if q.ndim == 1) if p.tp > 1 else 0
-    expected = model_state_bytes(p.strategy, local_params, shard, tp=p.tp, tp_replicated=tp_replicated).total
+    local_params = sum(q.numel() for q in b.params)  # this rank's stage(s), before TP/EP/FSDP splits
+    moe = [m for part in b.parts for m in moe_modules(part)]
+    routed = sum(q.numel() for m in moe for q in m.experts.parameters())
+    # TP splits every matrix; the norms' gains and the MoE feed-forwards stay whole on each TP rank.
+    tp_replicated = sum(q.numel() for q in b.params if q.ndim == 1) \
+        + sum(q.numel() for m in moe for q in m.parameters()) if p.tp > 1 else 0
+    expected = model_state_bytes(p.strategy, local_params - routed, shard, tp=p.tp,
+                                 tp_replicated=tp_replicated - (routed if p.tp > 1 else 0)).total
+    if routed:  # the routed experts: split over ep, then sharded over the ranks holding the same ones
+        expert_shard = strategies.lookup(p.strategy).shard_size(d.mesh["dp_replicate"].size(),
+                                                                d.mesh["dp_shard"].size() // d.ep_size)
+        expected += model_state_bytes(p.strategy, routed / d.ep_size, expert_shard).total
     formula = strategies.lookup(p.strategy).formula
     if b.engine == "deepspeed":
         act_bytes = 4 if cfg.train.precision == "fp32" else 2

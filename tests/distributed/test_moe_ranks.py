@@ -28,6 +28,11 @@ from test_strategies import (
 
 from loom.data.loader import GlobalBatchSampler, split_train_eval
 from loom.models.gpt.model import build_model
+from loom.models.gpt.moe import moe_modules
+from loom.plan.comm import ep_payload_per_step
+from loom.plan.memory import expert_state_bytes, model_state_bytes
+from loom.plan.search import config_candidate, config_workload
+from loom.plan.shapes import from_preset
 from loom.train import moe_step
 from loom.train.optim import lr_lambda, param_groups
 from loom.train.task import load_data, model_config
@@ -35,7 +40,7 @@ from loom.train.task import load_data, model_config
 # train.lr 3e-3 (not the dense tests' 1e-2): top-k routing is discontinuous where two experts' scores
 # nearly tie, and reduction order differs between layouts in the last bits; a gentler step keeps such
 # near-ties rarer over the 4 steps.
-MOE = ("model.preset=tiny-moe", "model.moe_bias_update_rate=0.001", "model.moe_aux_loss_coef=0.01",
+MOE = ("model.preset=tiny-moe", "model.moe_bias_update_rate=0.001", "model.moe_aux_loss_coef=0.1",
        "train.lr=3e-3")
 WEIGHTS_RTOL = 5e-5  # final weights: the last bits of 4 Adam steps, summed in another order
 
@@ -51,7 +56,8 @@ def moe_reference(corpus: Path, extra: tuple[str, ...] = ()) -> tuple[list[float
     train_set, _ = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
     model = build_model(model_config(cfg, vocab), device="cpu")
     model.init_weights(t.seed)
-    moe_step.configure([model], cfg)
+    for block in moe_modules(model):  # (loss / grad_accum).backward(): the aux loss's share alike
+        block.aux_weight = block.cfg.moe_aux_loss_coef / t.grad_accum
     sampler = GlobalBatchSampler(len(train_set), t.batch_size, 0, 1, t.grad_accum, t.seed, num_steps=t.steps)
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                             eps=t.eps, foreach=True)
@@ -112,6 +118,14 @@ EP_IDS = ["ep1-zero3-units", "ep2-zero3-units", "ep4-zero3", "ep2-zero2-dp4-ac",
           "ep2-hsdp-units", "ep2-ddp-op", "ep1-deepspeed-zero3"]
 
 
+def _candidate(cfg, strategy: str, world: int, extra: tuple[str, ...]):
+    """The planner's candidate for a case's mesh."""
+    tp, pp = _value(extra, "tp"), _value(extra, "pp")
+    dp = world // (tp * pp)
+    replicate = dp if strategy in ("ddp", "zero1") else _value(extra, "dp_replicate")
+    return config_candidate(cfg, replicate, dp // replicate, tp, pp)
+
+
 def _value(extra: tuple[str, ...], key: str, default: int = 1) -> int:
     return int(next((e.split("=")[1] for e in extra if e.startswith(f"parallel.{key}=")), default))
 
@@ -151,6 +165,24 @@ def test_moe_matches_single_process(corpus, strategy, world, extra):
         per_call = rows * (4 + 2 * again) + 8 * 8 * (1 + again)
         group = [m["comm_by_kind"]["ep_alltoall"]["payload_bytes"] for m in results[0][2]]
         assert sum(group) / len(group) == pytest.approx(blocks * calls * per_call), group
+        # ... which is what the planner prices, bytes and calls (the pipeline's one flush per step
+        # counted train.grad_accum times: a gap of its pipeline model, older than ep)
+        cfg = make_config(corpus, strategy, *MOE, *extra)
+        planned, ops = ep_payload_per_step(config_workload(cfg, from_preset("tiny-moe")),
+                                           _candidate(cfg, strategy, world, extra))
+        flushes = ACCUM if pp > 1 else 1
+        assert (sum(group) / len(group), seen["count"]) == pytest.approx((planned * flushes, ops * flushes))
+    if tp > 1 or pp > 1 or "parallel.engine=deepspeed" in extra:
+        return
+    # Model states per rank: the dense part as the strategy shards it (16Ψ/N), the routed experts split
+    # over ep first (zero3: 16·P_e/(ep·dp/ep); ddp: 16·P_e/ep), as the planner prices them
+    cfg = make_config(corpus, strategy, *MOE, *extra)
+    w, c = config_workload(cfg, from_preset("tiny-moe")), _candidate(cfg, strategy, world, extra)
+    routed = expert_state_bytes(w, c).total
+    dense = w.shape.num_params - w.shape.stage_routed_params(0, 1)
+    planned = model_state_bytes(strategy, dense, c.shard_size).total
+    for rank, m in enumerate(results[0][2]):
+        assert m["model_state_bytes"] == pytest.approx(planned + routed, rel=0.01), (rank, m)
 
 
 def test_bf16_moe_tracks_the_fp32_reference(corpus):

@@ -128,6 +128,20 @@ def test_capacity_drops_the_closed_form_count():
     assert block.stats.load.tolist() == [32.0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("mode", ["full", "op"])
+def test_recompute_is_not_tallied_again(mode):
+    """Activation checkpointing replays the block's forward in backward: its routing counts once."""
+    from torch.utils.checkpoint import checkpoint
+
+    from loom.parallel.activation_checkpointing import op_context_fn
+
+    block = _moe().train()
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    kwargs = {"context_fn": op_context_fn} if mode == "op" else {}
+    checkpoint(block, x, use_reentrant=False, **kwargs).sum().backward()
+    assert block.stats.calls == 1 and block.stats.load.sum().item() == 2 * 8 * 2
+
+
 def test_infinite_capacity_equals_dropless():
     x = torch.randn(2, 16, 64)
     dropless, roomy = _moe().eval(), _moe(moe_capacity_factor=1e6).eval()
