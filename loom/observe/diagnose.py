@@ -10,7 +10,11 @@ effect. What to try is a config key with a valid TOML value (`knob`, `value`) an
 it (`note`); where no config key can fix the cause, `knob` is None and `note` says what to do.
 Keys fit the layout that ran: no FSDP prefetch for DDP or a model that is one FSDP unit, no DDP
 bucket size for FSDP; for context parallelism's exchange, the cp_mode or cp that its heads and
-ranks allow. A healthy ledger gives no finding.
+ranks allow; for expert parallelism's all-to-all, fewer ep ranks. A mixture of experts' routing
+(metrics.jsonl, read by analyze.py into `analysis["moe"]`) is judged beside the ranks' imbalance:
+experts far busier than the mean (the aux-loss coefficient, or the bias update rate of aux-loss-free
+balancing), tokens dropped at the experts' capacity (the capacity factor). A healthy ledger gives
+no finding.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import statistics
 from collections import defaultdict
 
 from loom.models.gpt.config import PRESETS
-from loom.observe.ledger import CP_KINDS
+from loom.observe.ledger import CP_KINDS, EP_KINDS
 
 # A part of the step worth a finding (percent of wall time).
 SHARE = 15.0
@@ -32,7 +36,21 @@ _CP_CAUSE = {
                "block it should hide under",
     "cp_alltoall": "the all-to-alls turning sequence shards into head shards and back run between the "
                    "projections and attention: nothing computes while they move",
+    # expert parallelism's dispatch and combine (ledger.EP_KINDS)
+    "ep_alltoall": "every MoE block sends its tokens to their experts' ranks and back (forward and backward) "
+                   "between the router and the experts' matmuls: nothing computes while they move, and "
+                   "across nodes they cross the network",
 }
+# The busiest expert's tokens over the mean (metrics.jsonl moe_load_imbalance, max over MoE blocks)
+# worth a finding. The MoE block waits for its busiest expert: under expert parallelism every rank
+# waits at the combine all-to-all for the one holding it, on one rank its matmul is the longest,
+# and a capacity factor below it drops tokens. At 1.5 a third of that expert's time is waiting on
+# a balanced share; routers trained with an auxiliary loss keep it near 1.1-1.3 (Switch
+# Transformer, GShard), so above 1.5 the balancing is too weak rather than noise.
+EXPERT_IMBALANCE = 1.5
+# The share of routed choices dropped at the experts' capacity (moe_dropped over tokens × top-k, every
+# MoE block) worth a finding: those tokens skip their expert (only the residual carries them).
+DROPPED_SHARE = 1.0  # percent
 
 
 def _mean(values) -> float:
@@ -136,6 +154,10 @@ def diagnose(analysis: dict, config: dict | None = None) -> list[dict]:
         imbalance = _imbalance(ranks, waits, analysis.get("collectives") or [], data_cfg)
         if imbalance:
             findings.append(imbalance)
+
+    # A mixture of experts' routing: the experts' load is an imbalance of its own (under expert
+    # parallelism the ranks wait for the one with the busiest experts), judged before the transfers.
+    findings += _expert_load(analysis.get("moe"), cfg)
 
     findings += _exposed_by_kind(ranks, waits, analysis.get("collectives") or [], cfg)
 
@@ -325,18 +347,25 @@ def _exposed_by_kind(ranks: dict, waits: dict, matched: list[dict], cfg: dict) -
             f"taken out; {kind} {share:.0f}% ({share * wall / 100:.1f} ms per step); by kind "
             + ", ".join(f"{k} {v:.0f}%" for k, v in ranked) + f"; layout {layout['label']}",
             _CP_CAUSE.get(kind, f"{kind} transfers run after the compute that could hide them"), knob, value,
-            note, f"up to {share:.0f}% shorter steps as {kind} overlaps compute" if kind not in CP_KINDS else
+            note, f"up to {share:.0f}% shorter steps as {kind} overlaps compute"
+            if kind not in (*CP_KINDS, *EP_KINDS) else
             f"up to {share:.0f}% shorter steps as less of the exchange waits", kind=kind))
     return out
 
 
 def _split_exposed(exposed: float, step: dict, kinds: dict[str, float]) -> dict[str, float]:
-    """A step's exposed ms per kind, shared by transfer time; CP's exchange takes the part the ledger
-    measured as its own (`cp_exposed_ms`), the other kinds the rest."""
+    """A step's exposed ms per kind, shared by transfer time; EP's all-to-alls and CP's exchange take
+    the parts the ledger measured as their own (`ep_exposed_ms`, `cp_exposed_ms`), the other kinds
+    the rest."""
     def by_transfer(ms: float, members: dict[str, float]) -> dict[str, float]:
         total = sum(members.values())
         return {k: ms * t / total if total else 0.0 for k, t in members.items()}
 
+    ep = {k: t for k, t in kinds.items() if k in EP_KINDS}
+    if ep and step.get("ep_exposed_ms") is not None and len(ep) < len(kinds):
+        ep_ms = min(step["ep_exposed_ms"], exposed)
+        others = {k: t for k, t in kinds.items() if k not in EP_KINDS}
+        return by_transfer(ep_ms, ep) | _split_exposed(exposed - ep_ms, step, others)
     cp = {k: t for k, t in kinds.items() if k in CP_KINDS}
     rest = {k: t for k, t in kinds.items() if k not in CP_KINDS}
     if not cp or step.get("cp_exposed_ms") is None or not rest:
@@ -372,7 +401,8 @@ def _layout(ranks: dict, cfg: dict) -> dict:
         strategy = "fsdp" if counts.get("reduce_scatter") or counts.get("all_gather") else "ddp"
     units = round(counts.get("reduce_scatter") or counts.get("all_gather") or 0)
     layout = {"strategy": strategy, "engine": par.get("engine", "torch"), "tp": par.get("tp", 1),
-              "pp": par.get("pp", 1), "cp": par.get("cp"), "heads": _heads(cfg), "units": units,
+              "pp": par.get("pp", 1), "cp": par.get("cp"), "ep": par.get("ep"), "heads": _heads(cfg),
+              "experts": moe_config(cfg).get("experts"), "units": units,
               "unit_mib": max(sizes.get("all_gather", 0), sizes.get("reduce_scatter", 0)) / 2**20, **par}
     label = f"{strategy}" + (f" ({layout['engine']})" if layout["engine"] != "torch" else "")
     if strategy in (*_SHARDED, "fsdp"):
@@ -380,6 +410,8 @@ def _layout(ranks: dict, cfg: dict) -> dict:
     label += "".join(f", {k} {layout[k]}" for k in ("tp", "pp") if layout[k] > 1)
     if (layout["cp"] or 1) > 1:
         label += f", cp {layout['cp']} ({layout.get('cp_mode', 'ring')})"
+    if (layout["ep"] or 1) > 1:
+        label += f", ep {layout['ep']}"
     layout["label"] = label
     return layout
 
@@ -389,6 +421,8 @@ def _kind_knob(kind: str, layout: dict) -> tuple[str | None, object, str]:
     strategy, tp, pp = layout["strategy"], layout["tp"], layout["pp"]
     if kind in CP_KINDS:
         return _cp_knob(kind, layout)
+    if kind in EP_KINDS:
+        return _ep_knob(layout)
     if layout["engine"] == "deepspeed" and kind in ("all_gather", "reduce_scatter", "all_reduce"):
         return None, None, ("DeepSpeed overlaps ZeRO's collectives itself: overlap_comm and the bucket sizes "
                             "in the JSON of parallel.deepspeed_config")
@@ -460,3 +494,111 @@ def _cp_knob(kind: str, layout: dict) -> tuple[str | None, object, str]:
     return "parallel.cp_mode", "alltoall", (
         f"now ring over {cp} ranks: its {h} heads divide by {cp} and the all-to-alls would move {ratio:.2f}× "
         f"the ring's bytes ({kv} kv heads; exposed, but fewer); or fewer ranks: parallel.cp = {cp // 2}")
+
+
+def _ep_knob(layout: dict) -> tuple[str | None, object, str]:
+    """Exposed EP all-to-all. Each MoE block sends its tokens' rows to their experts' ranks and back
+    (again in backward) on the critical path, between the router and the experts; fewer ep ranks
+    keep the exchange within fewer ranks (one node's links rather than the network) and send fewer
+    rows away (a token's expert is on its own rank for 1/ep of its choices), at the cost of more
+    experts, and their memory, per rank. The next smaller ep that divides this one (so that it still
+    divides the experts and the data-parallel ranks); from 2, none."""
+    ep = layout.get("ep")
+    if not ep or ep < 2:
+        return None, None, ("expert parallelism's all-to-all with the layout unknown (no config.toml): fewer "
+                            "ranks in parallel.ep, within one node")
+    fewer = max(d for d in range(1, ep) if ep % d == 0)
+    experts = layout.get("experts")
+    held = f"{experts // ep} → {experts // fewer} experts per rank" if experts else \
+        f"{ep // fewer}× the experts per rank"
+    if fewer == 1:
+        return "parallel.ep", 1, (f"now 2: no all-to-all at all, every rank holds every expert ({held}); "
+                                  "FSDP still shards them over the data-parallel ranks")
+    return "parallel.ep", fewer, (
+        f"now {ep}: each MoE block's dispatch and combine wait on the slowest of {ep} ranks; {fewer} ranks "
+        f"keep the all-to-all within fewer ranks (one node: its own links, not the network) and keep more "
+        f"of each token's experts at home ({held}: more memory per rank)")
+
+
+# -- a mixture of experts' routing --------------------------------------------------------------
+
+def moe_config(cfg: dict) -> dict:
+    """The run's mixture of experts as its config says (config.toml's model.moe_* keys, else the
+    preset's values; a model from init_from brings its own, not known here): experts, top_k,
+    aux_loss_coef, bias_update_rate, capacity_factor, each None where unknown."""
+    model = cfg.get("model", {})
+    base = None if model.get("init_from") else PRESETS.get(model.get("preset", "small"))
+    keys = {"experts": "moe_experts", "top_k": "moe_top_k", "aux_loss_coef": "moe_aux_loss_coef",
+            "bias_update_rate": "moe_bias_update_rate", "capacity_factor": "moe_capacity_factor"}
+    out = {}
+    for name, key in keys.items():
+        value = model.get(key)
+        out[name] = value if value is not None else (getattr(base, key) if base is not None else None)
+    return out
+
+
+def _expert_load(moe: dict | None, cfg: dict) -> list[dict]:
+    """Findings from a mixture of experts' routing over the analysed steps (analyze.py's
+    `analysis["moe"]`): the busiest expert's load over the mean, and the share of the routed choices
+    dropped at the experts' capacity."""
+    if not moe:
+        return []
+    out = []
+    cf = moe_config(cfg)
+    steps = moe.get("steps") or []
+    over = f"the median over {len(steps)} {'profiled' if moe.get('profiled') else 'logged'} step(s)"
+    imbalance = moe.get("load_imbalance")
+    if imbalance is not None and imbalance > EXPERT_IMBALANCE:
+        tokens = moe.get("expert_tokens")
+        spread = ""
+        if tokens and sum(tokens):
+            mean = sum(tokens) / len(tokens)
+            busiest = max(range(len(tokens)), key=tokens.__getitem__)
+            spread = (f"; over those steps expert {busiest} took {tokens[busiest] / mean:.2f}× the mean "
+                      f"of the {len(tokens)} experts' tokens, the least busy {min(tokens) / mean:.2f}×")
+        rate, coef = cf.get("bias_update_rate"), cf.get("aux_loss_coef")
+        if rate:  # aux-loss-free balancing runs: its bias moves too slowly
+            knob, value = "model.moe_bias_update_rate", rate * 10
+            note = (f"now {rate:g}: the experts' bias moves by this much per step towards the balanced load; "
+                    "faster, it catches the router's drift (or raise model.moe_aux_loss_coef)")
+        elif coef:
+            knob, value = "model.moe_aux_loss_coef", coef * 10
+            note = (f"now {coef:g}: a stronger auxiliary loss pulls the router towards equal loads (too "
+                    "strong, it costs the language-model loss: watch moe_aux_loss and the loss)")
+        else:
+            knob, value = "model.moe_aux_loss_coef", 0.01
+            note = ("now 0: nothing balances the router" if coef == 0 else
+                    "now unknown (the model of model.init_from): 0.01 is the usual weight, ×10 if it already is")
+            note += "; or aux-loss-free balancing: model.moe_bias_update_rate = 0.001"
+        ep = cfg.get("parallel", {}).get("ep") or 1
+        out.append(_finding(
+            "moe", f"Expert load imbalance: the busiest expert takes {imbalance:.2f}× the mean load",
+            f"moe_load_imbalance {imbalance:.2f} (the busiest expert's tokens over the mean, in the worst MoE "
+            f"block; {over}), above {EXPERT_IMBALANCE:g}{spread}",
+            "the router sends more tokens to some experts than to others, and each MoE block waits for its "
+            "busiest expert" + (f": under expert parallelism ({ep} ranks) every rank waits at the combine "
+                                "all-to-all for the rank holding it" if ep > 1 else "")
+            + (", whose capacity then drops tokens" if cf.get("capacity_factor") else ""),
+            knob, value, note,
+            f"the busiest expert's load towards the mean: up to {1 - 1 / imbalance:.0%} less time in the "
+            "routed experts' slowest path"))
+    share = moe.get("dropped_pct")
+    if share is not None and share > DROPPED_SHARE and cf.get("capacity_factor") != 0:
+        capacity = cf.get("capacity_factor")
+        if capacity:
+            knob, value = "model.moe_capacity_factor", capacity * 2
+            note = (f"now {capacity:g}: each expert takes at most capacity × top-k × tokens / experts of a "
+                    "sequence's choices; or 0: dropless (every choice reaches its expert, the busiest one "
+                    "sets the block's time)")
+        else:
+            knob, value = "model.moe_capacity_factor", 0
+            note = "dropless: every choice reaches its expert (the busiest one sets the block's time)"
+        out.append(_finding(
+            "moe", f"{share:.1f}% of the routed tokens are dropped at the experts' capacity",
+            f"moe_dropped is {share:.1f}% of the tokens × top-k routed ({over}, every MoE block), above "
+            f"{DROPPED_SHARE:g}%",
+            "experts chosen by more of a sequence's tokens than their capacity skip the rest: those tokens "
+            "pass the block on the residual (and the shared experts) only", knob, value, note,
+            "no dropped tokens: every token is trained through its experts"
+            + ("; balance the load too (the expert load finding)" if out else "")))
+    return out

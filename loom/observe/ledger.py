@@ -21,12 +21,15 @@ process per trace.
 Context parallelism's exchanges are told from the pipeline's p2p by the profiler range they run
 in: a collective issued inside a `cp_ring` range (its k/v and dk/dv isend/irecv) is of kind
 `cp_ring`, one inside `cp_alltoall` (Ulysses' all_to_all_single) of kind `cp_alltoall`; the same
-send/recv outside stay send/recv/p2p. On CPU traces the main thread's time inside those ranges
-(issuing the exchange, waiting for it) is communication, though the autograd Function's op around
-it (`_AllToAll`, a backward node) would read as compute. Steps of a rank with such exchanges also
-say how much of their exposed and hidden communication was CP's (`cp_exposed_ms`, `cp_hidden_ms`:
-parts of `comm_exposed_ms` and `comm_hidden_ms`, CP's wherever its exchange was in flight or waited
-for).
+send/recv outside stay send/recv/p2p. Expert parallelism's all-to-alls (the split counts, then the
+tokens to their experts' ranks and back, forward and backward) run inside `ep_alltoall` ranges and
+are of kind `ep_alltoall` alike. On CPU traces the main thread's time inside those ranges (issuing
+the exchange, waiting for it) is communication, though the autograd Function's op around it
+(`_AllToAll`, a backward node) would read as compute. Steps of a rank with such exchanges also say
+how much of their exposed and hidden communication was CP's (`cp_exposed_ms`, `cp_hidden_ms`) and
+EP's (`ep_exposed_ms`, `ep_hidden_ms`): parts of `comm_exposed_ms` and `comm_hidden_ms`, the
+exchange's wherever it was in flight or waited for. On GPU traces NCCL runs an all-to-all as
+grouped send/recv (a SendRecv kernel): the kernel runs the all-to-all issued before it.
 
 Host syncs are counted per step outside the optimizer (its step counters are the library's) and,
 in a loom run, inside loom's forward / backward / pipeline / data ranges only: the syncs between
@@ -74,6 +77,11 @@ LOOM_STEP = "loom:step"
 # Context parallelism's profiler ranges (loom/parallel/context_parallel.py); each name is also the
 # kind of the collectives issued inside it.
 CP_KINDS = ("cp_ring", "cp_alltoall")
+# Expert parallelism's range and kind (loom/parallel/context_parallel.py's EP_ALLTOALL; not imported:
+# the analysis runs without torch).
+EP_ALLTOALL = "ep_alltoall"
+EP_KINDS = (EP_ALLTOALL,)
+_EXCHANGE_KINDS = (*CP_KINDS, *EP_KINDS)
 _TORCH_FORWARD = ("DistributedDataParallel.forward", "FullyShardedDataParallel.forward")
 _SYNC_OPS = frozenset({
     "aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero",
@@ -129,9 +137,10 @@ def collective_kind(name: str | None) -> str | None:
 
 
 def _compatible(issued: str, ran: str | None) -> bool:
-    # gloo runs reduce_scatter as an all-reduce; NCCL runs send/recv as one SendRecv kernel
+    # gloo runs reduce_scatter as an all-reduce; NCCL runs send/recv as one SendRecv kernel, and an
+    # all-to-all as grouped send/recv (a SendRecv kernel too)
     return (ran is None or ran == issued or (issued == "reduce_scatter" and ran == "all_reduce")
-            or ({issued, ran} <= {"send", "recv", "p2p"}))
+            or ({issued, ran} <= {"send", "recv", "p2p"}) or (issued == "all_to_all" and ran == "p2p"))
 
 
 def _classify(name: str, cat: str) -> tuple[str, ...]:
@@ -167,6 +176,8 @@ def _classify(name: str, cat: str) -> tuple[str, ...]:
     if name.startswith(_LOOM_STEP):
         out.append(LOOM_STEP)
     if name in CP_KINDS:
+        out.append(name)
+    elif name in EP_KINDS:
         out.append(name)
     if name.startswith("loom/data"):
         out.append("loom:data")
@@ -485,21 +496,21 @@ def _collectives(col: _Collector, gpu: bool, world: int | None) -> list[dict]:
     for j, run in enumerate(runs):  # spans whose issue the trace does not show
         if not used[j] and run_kinds[j]:
             out.append(_record(run_kinds[j], [], run, world))
-    _tag_cp(out, col)
+    _tag_exchanges(out, col)
     out.sort(key=lambda c: c["_issue"])
     return out
 
 
-def _tag_cp(records: list[dict], col: _Collector) -> None:
-    """A collective issued inside a CP range (on the issuing thread) takes the range's kind; without
-    its issue in the trace, the thread and start of the span that ran it decide."""
+def _tag_exchanges(records: list[dict], col: _Collector) -> None:
+    """A collective issued inside a CP or EP range (on the issuing thread) takes the range's kind;
+    without its issue in the trace, the thread and start of the span that ran it decide."""
     ranges = {(thread, kind): _union(_pairs([arrays[kind]])) for thread, arrays in col.threads.items()
-              for kind in CP_KINDS if kind in arrays}
+              for kind in _EXCHANGE_KINDS if kind in arrays}
     if not ranges:
         return
     for r in records:
         thread, at = r["_issued_on"]
-        for kind in CP_KINDS:
+        for kind in _EXCHANGE_KINDS:
             u = ranges.get((thread, kind))
             if u is not None and _inside(np.array([at], np.int64), u)[0]:
                 r["kind"] = kind
@@ -610,17 +621,21 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
     else:
         inflight = np.array([(c["_enqueue"] if c["_enqueue"] is not None else c["_start"], c["_end"])
                              for c in collectives], np.int64).reshape(-1, 2)
-        # the main thread inside a CP range issues or waits for CP's exchange: communication, even
-        # inside the autograd Function's op (_AllToAll, a backward node) that holds it
-        sets = [io, _union(_pairs([arrays[c] for c in (COMM, *CP_KINDS) if c in arrays])),
+        # the main thread inside a CP or EP range issues or waits for the exchange: communication,
+        # even inside the autograd Function's op (_AllToAll, a backward node) that holds it
+        ep_waits = [arrays[c] for c in EP_KINDS if c in arrays]
+        sets = [io, _union(_pairs(ep_waits + [arrays[c] for c in (COMM, *CP_KINDS) if c in arrays])),
                 _union(_pairs([arrays[CPU]] if CPU in arrays else [])), _union(inflight)]
+    # EP's all-to-alls in flight, their own set (CP's stays the last one)
+    ep = [c for c in collectives if c["kind"] in EP_KINDS and (c["_ran"] or not gpu)]
+    ep_at = len(sets)
+    if ep:
+        sets.append(_in_flight(ep, gpu, [] if gpu else [arrays[k] for k in EP_KINDS if k in arrays]))
     # CP's exchanges in flight: on GPUs the kernels that ran them, on CPUs issue to end (as above)
     cp = [c for c in collectives if c["kind"] in CP_KINDS and (c["_ran"] or not gpu)]
     if cp:
-        begin = [c["_start"] if gpu or c["_enqueue"] is None else c["_enqueue"] for c in cp]
-        spans = np.array([(b, c["_end"]) for b, c in zip(begin, cp)], np.int64)
         ranges = [] if gpu else [arrays[k] for k in CP_KINDS if k in arrays]  # its waits on the main thread
-        sets.append(_union(np.concatenate([spans, _pairs(ranges)])))
+        sets.append(_in_flight(cp, gpu, ranges))
     unsized = sum(c["bytes"] is None for c in collectives)
     if unsized == len(collectives) and collectives:
         warnings.append(f"{label}: collective sizes unknown: profile with record_shapes=True")
@@ -649,6 +664,9 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
         if cp:  # the part of the exposed and hidden communication that was CP's exchange
             row["cp_exposed_ms"] = int(lengths[comm_m & cov[-1]].sum()) / 1e6
             row["cp_hidden_ms"] = int(lengths[hidden_m & cov[-1]].sum()) / 1e6
+        if ep:  # and EP's all-to-alls'
+            row["ep_exposed_ms"] = int(lengths[comm_m & cov[ep_at]].sum()) / 1e6
+            row["ep_hidden_ms"] = int(lengths[hidden_m & cov[ep_at]].sum()) / 1e6
         for p in PHASES:
             row[f"{p}_ms"] = _measure(phases[p], lo, hi) / 1e6
         if not len(phases["forward"][0]):  # no forward range anywhere (FSDP2, a bare module)
@@ -691,6 +709,14 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
             "steps": steps, "collectives": out_coll,
             "top_ops": [{"name": k, "total_ms": v[0] / 1e6, "self_ms": own[k] / 1e6, "count": v[1]}
                         for k, v in top]}
+
+
+def _in_flight(calls: list[dict], gpu: bool, ranges: list[array]) -> tuple[np.ndarray, np.ndarray]:
+    """An exchange's time in flight: on GPUs the kernels that ran its collectives; on CPUs each
+    collective from its issue to its end, and the main thread's `ranges` around it (its waits)."""
+    begin = [c["_start"] if gpu or c["_enqueue"] is None else c["_enqueue"] for c in calls]
+    spans = np.array([(b, c["_end"]) for b, c in zip(begin, calls)], np.int64)
+    return _union(np.concatenate([spans, _pairs(ranges)]))
 
 
 def _self_ns(spans_by_thread: dict, names: int) -> np.ndarray:

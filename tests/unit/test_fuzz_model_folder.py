@@ -32,7 +32,7 @@ from loom.errors import LoomError
 from loom.hf_config import MAX_LAYERS, hf_config_from, read_hf_config
 from loom.models.gpt.config import PRESETS, GPTConfig
 from loom.models.gpt.config import validate as validate_gpt
-from loom.models.gpt.llama_layout import hf_config
+from loom.models.gpt.llama_layout import hf_config, mixtral_refusal
 from loom.models.gpt.model import build_model
 from loom.models.pretrained import open_pretrained
 
@@ -67,7 +67,9 @@ def llama_dir(tmp_path_factory) -> Path:
     config = transformers.LlamaConfig(**{k: v for k, v in LLAMA.items()
                                          if k not in ("architectures", "transformers_version")})
     transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="20KB")
-    assert json.loads((folder / "config.json").read_text()) == LLAMA  # the fuzzed value is what it writes
+    written = json.loads((folder / "config.json").read_text())
+    # the fuzzed value is what it writes (but the version of transformers that wrote it)
+    assert {**written, "transformers_version": LLAMA["transformers_version"]} == LLAMA
     return folder
 
 
@@ -293,5 +295,11 @@ def test_the_exported_config_reads_back_as_the_same_model(gpt):
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_round_trips_through_config_json(name):
+    """Every preset as a Llama, or a Mixtral; a mixture of experts Mixtral's layout cannot hold (shared
+    experts, sigmoid scores, ...) is refused in one line instead."""
     gpt = PRESETS[name]
+    if mixtral_refusal(gpt):
+        with pytest.raises(LoomError, match="which Mixtral's layout cannot hold; export with --layout loom"):
+            hf_config(gpt)
+        return
     assert hf_config_from(json.loads(json.dumps(hf_config(gpt, torch.bfloat16))), "c").gpt() == (gpt, "")

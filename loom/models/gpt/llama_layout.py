@@ -95,7 +95,9 @@ def hf_state_dict(tensors: dict[str, torch.Tensor], gpt: GPTConfig) -> dict[str,
 
 
 def mixtral_refusal(gpt: GPTConfig) -> str:
-    """Why Mixtral's layout cannot hold this mixture of experts ("" when it can)."""
+    """Why Mixtral's layout cannot hold this mixture of experts ("" when it can, or the model is dense)."""
+    if not gpt.moe_experts:
+        return ""
     differs = {"shared experts": gpt.moe_shared_experts > 0, "dense blocks": gpt.moe_layers != gpt.n_layers,
                f"{gpt.moe_score} scores": gpt.moe_score != "softmax",
                "top-k weights not renormalized": not gpt.moe_norm_topk,
