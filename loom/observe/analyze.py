@@ -3,22 +3,26 @@
 Works on any torch.profiler Chrome traces (one file per rank), loom's or not. When the traces sit
 in a loom run directory (RUN_DIR/traces), its config, plan and measurements join the analysis:
 each is optional, and one that is there but damaged or of the wrong types is one line naming the
-file and the field (loom.checked), never a traceback or a report built on garbage.
+file and the field (loom.checked), never a traceback or a report built on garbage. A mixture of
+experts' routing comes from metrics.jsonl (`moe_*`, `ep_*`: `analysis["moe"]`, over the profiled
+steps where summary.json maps them, else every logged step), its layout from config.toml
+(`parallel.ep`, `model.moe_*`, else the preset's) and memory.json (`ep`, `ep_rank` per rank).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import time
 from pathlib import Path
 
 import loom
 from loom.checked import Fields, parse_json, read_json, read_text, read_toml
-from loom.config import CP_MODES
+from loom.config import CP_MODES, MAX_EXPERTS
 from loom.files import atomic_write
-from loom.observe.diagnose import diagnose, try_text
+from loom.observe.diagnose import diagnose, moe_config, try_text
 from loom.observe.ledger import analyze_dir
 from loom.observe.report import render_report
 from loom.observe.stragglers import find_stragglers, match_collectives
@@ -35,6 +39,7 @@ def analyze(trace_dir: Path) -> dict:
                        "world_size": len(analysis["ranks"])} | run_facts(run_dir, config, analysis)
     if config is not None:  # the layout's context parallelism (the report's header, --compare)
         analysis["run"] |= {"cp": parallel.get("cp", 1), "cp_mode": parallel.get("cp_mode", "ring")}
+    analysis["moe"] = analysis["run"].pop("_moe")
     analysis["plan"] = run_plan(run_dir / "plan.json")
     analysis["measured_vs_planned"] = measured_vs_planned(run_dir / "summary.json")
     analysis["findings"] = diagnose(analysis, config)
@@ -72,19 +77,23 @@ def run_config(path: Path) -> dict | None:
 # What run_config reads: section -> key -> (type, low, high); text: (str, the choices or None, None).
 _TEXT, _COUNT = (str, None, None), (int, 0, 1 << 20)
 _CONFIG_KEYS = {
-    "model": {"preset": _TEXT, "n_heads": _COUNT, "n_kv_heads": _COUNT, "init_from": _TEXT},
+    "model": {"preset": _TEXT, "n_heads": _COUNT, "n_kv_heads": _COUNT, "init_from": _TEXT,
+              "moe_experts": (int, 0, MAX_EXPERTS), "moe_top_k": (int, 1, MAX_EXPERTS),
+              "moe_aux_loss_coef": (float, 0, 1e6), "moe_bias_update_rate": (float, 0, 1e6),
+              "moe_capacity_factor": (float, 0, 1e6)},
     "data": {"num_workers": (int, 0, 4096), "seq_len": _COUNT},
     "parallel": {"strategy": _TEXT, "engine": _TEXT, "fsdp_prefetch": (int, 0, 1024),
                  "fsdp_unit_mb": (float, 0, 1e6), "ddp_bucket_mb": (float, 0, 1e6), "tp": _COUNT,
                  "pp": _COUNT, "pp_schedule": _TEXT, "microbatches": _COUNT, "cp": _COUNT,
-                 "cp_mode": (str, CP_MODES, None)},
+                 "cp_mode": (str, CP_MODES, None), "ep": (int, 1, 1 << 20)},
     "train": {"batch_size": _COUNT, "grad_accum": _COUNT, "precision": _TEXT, "optimizer_impl": _TEXT},
 }
 
 
 def run_facts(run_dir: Path, config: dict | None, analysis: dict) -> dict:
     """What the report's header says about the run: model, batch, loss, per-rank peak memory,
-    when it was profiled, loom's commit and the trace files (each only where known)."""
+    a mixture of experts (experts, top-k, ep), when it was profiled, loom's commit and the trace
+    files (each only where known); and, as `_moe`, its routing over the analysed steps."""
     cfg = config or {}
     model, data, train = cfg.get("model", {}), cfg.get("data", {}), cfg.get("train", {})
     memory = run_memory(run_dir / "memory.json")
@@ -103,7 +112,16 @@ def run_facts(run_dir: Path, config: dict | None, analysis: dict) -> dict:
     if stamps:
         facts["profiled_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(max(stamps)))
     profiled = {s["step"] for info in analysis["ranks"].values() for s in info.get("steps", [])}
-    facts["loss"] = run_losses(run_dir / "summary.json", run_dir / "metrics.jsonl", profiled)
+    facts["loss"], facts["_moe"] = run_metrics(run_dir / "summary.json", run_dir / "metrics.jsonl", profiled)
+    experts = moe_config(cfg) if config is not None else {}
+    tokens = (facts["_moe"] or {}).get("expert_tokens")
+    if experts.get("experts") or tokens:  # a mixture of experts: config.toml's, else metrics.jsonl's
+        facts["moe"] = {"experts": experts.get("experts") or len(tokens), "top_k": experts.get("top_k")}
+    ep = cfg.get("parallel", {}).get("ep", memory.get("ep"))
+    if ep is not None:
+        facts["ep"] = ep
+    if memory.get("ep_ranks"):
+        facts["ep_ranks"] = memory["ep_ranks"]
     return facts
 
 
@@ -123,7 +141,8 @@ def loom_commit() -> str | None:
 
 
 def run_memory(path: Path) -> dict:
-    """memory.json's parameter count and per-rank peak bytes ({} when absent)."""
+    """memory.json's parameter count, per-rank peak bytes and, under expert parallelism, the ep
+    degree and each rank's place among its ep ranks ({} when absent)."""
     if not path.is_file():
         return {}
     ranks = Fields(read_json(path, max_bytes=MAX_RECORD_BYTES), path).section("ranks", default={})
@@ -134,34 +153,102 @@ def run_memory(path: Path) -> dict:
             out["peak_bytes"][rank] = row.int("peak_bytes", min=0)
         if row.raw.get("num_params") is not None:
             out["num_params"] = row.int("num_params", min=0)
+        if row.raw.get("ep") is not None or row.raw.get("ep_rank") is not None:
+            ep = row.int("ep", min=1, max=1 << 20)  # one without the other is a damaged record
+            if out.setdefault("ep", ep) != ep:
+                raise row.error("ep", f"the ep of every rank ({out['ep']}, as an earlier rank says)", ep)
+            out.setdefault("ep_ranks", {})[rank] = row.int("ep_rank", min=0, max=ep - 1)
     return out
 
 
-def run_losses(summary: Path, metrics: Path, profiled: set) -> dict:
-    """First, final and eval loss (summary.json) and the profiled steps' losses (metrics.jsonl).
-    The profiler starts before a run's first step, so its ProfilerStep#N is training step
-    start_step + N + 1; without summary.json that mapping is unknown and the losses are left out."""
+def run_metrics(summary: Path, metrics: Path, profiled: set) -> tuple[dict, dict | None]:
+    """First, final and eval loss (summary.json) and the profiled steps' losses (metrics.jsonl);
+    and a mixture of experts' routing (`run_moe`). The profiler starts before a run's first step, so
+    its ProfilerStep#N is training step start_step + N + 1; without summary.json that mapping is
+    unknown and the losses are left out (the routing is then every logged step's)."""
     out: dict = {}
-    if not summary.is_file():
-        return out
-    doc = Fields(read_json(summary, max_bytes=MAX_RECORD_BYTES), summary)
-    for key in ("first_loss", "final_loss", "eval_loss"):
-        if doc.raw.get(key) is not None:
-            out[key.removesuffix("_loss")] = doc.float(key)
-    start = doc.int("start_step", min=0, default=0)
+    known = summary.is_file()
+    start = 0
+    if known:
+        doc = Fields(read_json(summary, max_bytes=MAX_RECORD_BYTES), summary)
+        for key in ("first_loss", "final_loss", "eval_loss"):
+            if doc.raw.get(key) is not None:
+                out[key.removesuffix("_loss")] = doc.float(key)
+        start = doc.int("start_step", min=0, default=0)
     profiled = {start + n + 1 for n in profiled if isinstance(n, int) and n >= 0}
-    if metrics.is_file():
-        steps = {}
-        for i, line in enumerate(read_text(metrics, max_bytes=MAX_RECORD_BYTES).splitlines()):
-            if not line.strip():
-                continue
-            row = Fields(parse_json(line, f"{metrics}:{i + 1}"), f"{metrics}:{i + 1}")
-            step = row.int("step", min=0) if "step" in row else None
-            if step in profiled and row.raw.get("loss") is not None:
-                steps[str(step)] = row.float("loss")
-        if steps:
-            out["profiled_steps"] = steps
-    return out
+    if not known:
+        profiled = set()
+    if not metrics.is_file():
+        return out, None
+    steps, routed = {}, []
+    for i, line in enumerate(read_text(metrics, max_bytes=MAX_RECORD_BYTES).splitlines()):
+        if not line.strip():
+            continue
+        row = Fields(parse_json(line, f"{metrics}:{i + 1}"), f"{metrics}:{i + 1}")
+        step = row.int("step", min=0) if "step" in row else None
+        if step in profiled and row.raw.get("loss") is not None:
+            steps[str(step)] = row.float("loss")
+        if any(row.raw.get(k) is not None for k in MOE_FIELDS):
+            routed.append((step, row))
+    if steps:
+        out["profiled_steps"] = steps
+    return out, run_moe(routed, profiled)
+
+
+# metrics.jsonl's fields of a mixture of experts (written for MoE runs only; loom/train/moe_step.py,
+# loom/parallel/expert_parallel.py's tally)
+MOE_FIELDS = ("moe_aux_loss", "moe_load_imbalance", "moe_expert_tokens", "moe_dropped", "ep_bytes", "ep_wait_s")
+
+
+def run_moe(rows: list[tuple[int | None, Fields]], profiled: set) -> dict | None:
+    """A mixture of experts' routing over the analysed steps: the profiled ones where metrics.jsonl
+    logs them, else every logged step. Medians per step (aux loss, load imbalance, dropped choices
+    and their percent of the tokens × top-k routed, ep bytes and host wait), tokens per expert summed
+    over the steps; None for a dense run. Each row's fields are typed (one line otherwise), and
+    consistent: as many experts in every row, no more dropped choices than routed ones."""
+    chosen = [(step, row) for step, row in rows if step in profiled]
+    rows = chosen or rows
+    if not rows:
+        return None
+    values: dict[str, list] = {k: [] for k in (*MOE_FIELDS, "dropped_pct")}
+    experts = None
+    for _, row in rows:
+        for key in ("moe_aux_loss", "ep_wait_s"):
+            if row.raw.get(key) is not None:
+                values[key].append(row.float(key, min=0))
+        if row.raw.get("moe_load_imbalance") is not None:  # max over blocks of busiest / mean: ≤ experts
+            values["moe_load_imbalance"].append(row.float("moe_load_imbalance", min=0, max=MAX_EXPERTS))
+        for key in ("moe_dropped", "ep_bytes"):
+            if row.raw.get(key) is not None:
+                values[key].append(row.int(key, min=0))
+        if row.raw.get("moe_expert_tokens") is None:
+            continue
+        tokens = row.list("moe_expert_tokens", of=int, max_len=MAX_EXPERTS)
+        if not tokens or min(tokens) < 0:
+            raise row.error("moe_expert_tokens", "a non-empty list of integers ≥ 0 (tokens per expert)",
+                            tokens)
+        if experts is not None and len(tokens) != experts:
+            raise row.error("moe_expert_tokens", f"a list of {experts} counts, as on the lines before it "
+                            "(one per expert)", tokens)
+        experts = len(tokens)
+        values["moe_expert_tokens"].append(tokens)
+        if row.raw.get("moe_dropped") is not None:
+            dropped = row.raw["moe_dropped"]
+            if dropped > sum(tokens):
+                raise row.error("moe_dropped", f"at most the {sum(tokens):,} choices routed "
+                                "(sum of moe_expert_tokens)", dropped)
+            if sum(tokens):
+                values["dropped_pct"].append(100 * dropped / sum(tokens))
+
+    def median(key: str):
+        return statistics.median(values[key]) if values[key] else None
+
+    tokens = values["moe_expert_tokens"]
+    return {"steps": sorted({step for step, _ in rows if step is not None}), "profiled": bool(chosen),
+            "aux_loss": median("moe_aux_loss"), "load_imbalance": median("moe_load_imbalance"),
+            "dropped": median("moe_dropped"), "dropped_pct": median("dropped_pct"),
+            "expert_tokens": [sum(col) for col in zip(*tokens)] if tokens else None,
+            "ep_bytes": median("ep_bytes"), "ep_wait_s": median("ep_wait_s")}
 
 
 def run_plan(path: Path) -> dict | None:
@@ -221,9 +308,12 @@ def _pair(doc: Fields, key: str) -> None:
 def render_table(analysis: dict) -> str:
     # context parallelism's exchange: its part of the exposed and hidden comm, where a rank had one
     cp = any("cp_exposed_ms" in s for info in analysis["ranks"].values() for s in info.get("steps", []))
+    # and expert parallelism's all-to-alls
+    ep = any("ep_exposed_ms" in s for info in analysis["ranks"].values() for s in info.get("steps", []))
     lines = [(f"{'rank':>4} {'step':>5} {'wall ms':>9} {'compute':>8} {'comm exp':>9} {'io':>6} {'idle':>6} "
               f"{'hidden ms':>9} {'overlap':>7} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8}"
-              + (f" {'cp exp ms':>9} {'cp hid ms':>9}" if cp else ""))]
+              + (f" {'cp exp ms':>9} {'cp hid ms':>9}" if cp else "")
+              + (f" {'ep exp ms':>9} {'ep hid ms':>9}" if ep else ""))]
     for rank, info in sorted(analysis["ranks"].items(), key=lambda kv: int(kv[0])):
         for w in info.get("warnings", []):
             lines.append(f"  rank {rank}: warning: {w}")
@@ -234,7 +324,9 @@ def render_table(analysis: dict) -> str:
                          f"{s['comm_hidden_ms']:9.1f} {s['overlap_pct']:6.0f}% "
                          f"{s['forward_ms']:8.1f} {s['backward_ms']:8.1f} {s['optimizer_ms']:8.1f}"
                          + (f" {s.get('cp_exposed_ms', 0.0):9.1f} {s.get('cp_hidden_ms', 0.0):9.1f}"
-                            if cp else ""))
+                            if cp else "")
+                         + (f" {s.get('ep_exposed_ms', 0.0):9.1f} {s.get('ep_hidden_ms', 0.0):9.1f}"
+                            if ep else ""))
     kinds: dict[str, list[float]] = {}
     for info in analysis["ranks"].values():
         for c in info.get("collectives", []):
@@ -247,6 +339,14 @@ def render_table(analysis: dict) -> str:
             f"{k} ×{n}, {b / 2**20:.1f} MiB, {ms:.1f} ms" for k, (n, b, ms) in sorted(kinds.items())))
     for s in analysis.get("stragglers", []):
         lines.append(f"straggler: {s['evidence']}")
+    moe = analysis.get("moe")
+    if moe:
+        parts = [f"{label} {fmt.format(moe[key])}" for key, label, fmt in (
+            ("load_imbalance", "load imbalance", "{:.2f}"), ("aux_loss", "aux loss", "{:.4g}"),
+            ("dropped_pct", "dropped", "{:.2f}%"), ("ep_bytes", "ep bytes", "{:,.0f}"),
+            ("ep_wait_s", "ep wait s", "{:.4f}")) if moe.get(key) is not None]
+        lines.append(f"\nexperts (median over {len(moe['steps'])} "
+                     f"{'profiled' if moe['profiled'] else 'logged'} step(s)): " + (", ".join(parts) or "—"))
     findings = analysis.get("findings", [])
     lines.append("\nfindings:" if findings else "\nfindings: none (compute-bound, nothing to fix)")
     for i, f in enumerate(findings, 1):

@@ -28,6 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from loom.models.gpt.config import GPTConfig
 from loom.models.gpt.lean_ops import swiglu_down
@@ -114,6 +115,10 @@ class MoE(nn.Module):
         self.stats: MoEStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with record_function("moe"):  # the block's forward, whole, in profiler traces
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, tokens, d = x.shape
         flat = x.reshape(-1, d)
         scores, chosen, weights = self.route(flat)
