@@ -63,3 +63,38 @@ def write_run(run: Path) -> Path:
         {"rank": 0, "model_state_bytes": [1.6e6, 1.6e6], "activation_peak_bytes": [1e6, None],
          "comm_by_kind": {"all_reduce": {"payload_bytes": [1024, 1024], "count": [1, 1]}}}]}))
     return run
+
+
+# A mixture of experts' routing per logged step (metrics.jsonl, loom/train/moe_step.py's fields and
+# expert parallelism's tally): 8 experts, 64 tokens × top-2 in one MoE block, so 128 choices a step.
+# Training steps 2 and 3 are the profiled ones (sample_events' ProfilerStep#1, #2 with start_step 0):
+# load imbalance 2.5 and 1.875 (median 2.1875), 2 and 1 choices dropped (1.5625% and 0.78125%:
+# median 1.171875%); the steps around them are balanced.
+MOE_ROWS = [
+    {"step": 1, "loss": 5.6, "moe_aux_loss": 1.0, "moe_load_imbalance": 1.0, "moe_expert_tokens": [16] * 8,
+     "moe_dropped": 0, "ep_bytes": 4096, "ep_wait_s": 0.001},
+    {"step": 2, "loss": 5.5, "moe_aux_loss": 1.3, "moe_load_imbalance": 2.5,
+     "moe_expert_tokens": [40, 10, 10, 10, 10, 10, 10, 28], "moe_dropped": 2, "ep_bytes": 8192,
+     "ep_wait_s": 0.004},
+    {"step": 3, "loss": 5.4, "moe_aux_loss": 1.1, "moe_load_imbalance": 1.875,
+     "moe_expert_tokens": [30, 12, 14, 14, 14, 14, 14, 16], "moe_dropped": 1, "ep_bytes": 6144,
+     "ep_wait_s": 0.002},
+    {"step": 4, "loss": 5.3, "moe_aux_loss": 1.0, "moe_load_imbalance": 1.0, "moe_expert_tokens": [16] * 8,
+     "moe_dropped": 0, "ep_bytes": 4096, "ep_wait_s": 0.001},
+]
+MOE_CONFIG = ('[model]\npreset = "tiny-moe"\nmoe_capacity_factor = 1.25\n[parallel]\nstrategy = "ddp"\n'
+              'ep = 2\n[data]\nnum_workers = 0\n')
+
+
+def write_moe_run(run: Path, config: str = MOE_CONFIG, rows: list[dict] | None = None) -> Path:
+    """`write_run` of a mixture of experts under expert parallelism: config.toml's model.moe_* and
+    parallel.ep, metrics.jsonl's routing (MOE_ROWS), memory.json's ep and ep_rank."""
+    write_run(run)
+    (run / "config.toml").write_text(config)
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "start_step": 0}))
+    rows = MOE_ROWS if rows is None else rows
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "memory.json").write_text(json.dumps({"ranks": {
+        str(r): {"peak_bytes": 1 << 20, "num_params": 123456, "ep": 2, "ep_rank": r} for r in range(2)}}))
+    return run

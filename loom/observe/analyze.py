@@ -116,8 +116,8 @@ def run_facts(run_dir: Path, config: dict | None, analysis: dict) -> dict:
     experts = moe_config(cfg) if config is not None else {}
     tokens = (facts["_moe"] or {}).get("expert_tokens")
     if experts.get("experts") or tokens:  # a mixture of experts: config.toml's, else metrics.jsonl's
-        facts["moe"] = {"experts": experts.get("experts") or len(tokens), "top_k": experts.get("top_k")}
-    ep = cfg.get("parallel", {}).get("ep", memory.get("ep"))
+        facts["moe"] = {"top_k": None, **experts, "experts": experts.get("experts") or len(tokens)}
+    ep = cfg.get("parallel", {}).get("ep", memory.get("ep", 1 if config is not None else None))
     if ep is not None:
         facts["ep"] = ep
     if memory.get("ep_ranks"):
@@ -197,7 +197,8 @@ def run_metrics(summary: Path, metrics: Path, profiled: set) -> tuple[dict, dict
 
 # metrics.jsonl's fields of a mixture of experts (written for MoE runs only; loom/train/moe_step.py,
 # loom/parallel/expert_parallel.py's tally)
-MOE_FIELDS = ("moe_aux_loss", "moe_load_imbalance", "moe_expert_tokens", "moe_dropped", "ep_bytes", "ep_wait_s")
+MOE_FIELDS = ("moe_aux_loss", "moe_load_imbalance", "moe_expert_tokens", "moe_dropped", "ep_bytes",
+              "ep_wait_s")
 
 
 def run_moe(rows: list[tuple[int | None, Fields]], profiled: set) -> dict | None:

@@ -5,7 +5,8 @@ ledger) so that runs with different step counts or rank counts compare. The "why
 diagnose.py's order: the compute share first, then the phase (forward / backward / optimizer /
 data) holding most of the step-time difference, then the op, kernel or collective that grew most
 in that phase. The config key it names comes from the runs' own findings (diagnose.py), never
-from a table of its own.
+from a table of its own; where the runs' layouts differ (context parallelism's cp / cp_mode, expert
+parallelism's ep, a mixture of experts' model.moe_* keys), that key is the difference made.
 
 The ledger does not record which phase an op ran in, so an op is placed by its name (Backward,
 bwd, grad → backward; optimizer, adam, multi_tensor_apply → optimizer); an op whose name says
@@ -47,10 +48,14 @@ _COLLECTIVE_PHASES = {"reduce_scatter": ("backward", "other"), "all_gather": ("f
                       "all_reduce": ("backward", "optimizer", "other"),
                       # context parallelism's exchanges run in attention, forward and backward
                       "cp_ring": ("forward", "backward", "other"),
-                      "cp_alltoall": ("forward", "backward", "other")}
+                      "cp_alltoall": ("forward", "backward", "other"),
+                      # expert parallelism's dispatch and combine run in the MoE blocks, both ways
+                      "ep_alltoall": ("forward", "backward", "other")}
 # Which findings (diagnose.py categories) speak to a part, phase or culprit of the difference.
-_CATEGORIES = {"comm_exposed": ("comm", "straggler", "imbalance"), "io": ("io",), "idle": ("idle", "sync"),
-               "optimizer": ("optimizer",), "data": ("io",), "collective": ("comm", "straggler", "imbalance"),
+# An expert load finding ("moe") speaks to exposed comm: under ep the ranks wait for the busiest experts.
+_CATEGORIES = {"comm_exposed": ("comm", "straggler", "imbalance", "moe"), "io": ("io",),
+               "idle": ("idle", "sync"), "optimizer": ("optimizer",), "data": ("io",),
+               "collective": ("comm", "straggler", "imbalance", "moe"),
                "sync": ("sync",), "op": ("kernels",)}
 _SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
@@ -111,6 +116,9 @@ def summarize(analysis: dict) -> dict:
     kind = "/".join(sorted({info.get("kind") for info in ranks.values() if info.get("kind")})) or None
     return {"name": run.get("name"), "strategy": run.get("strategy"), "ranks": len(ranks),
             "steps": len(timed), "kind": kind, "cp": run.get("cp"), "cp_mode": run.get("cp_mode"),
+            # a mixture of experts (analyze.py's run facts); with config.toml read (cp known), a dense run
+            "ep": run.get("ep"),
+            "moe": run.get("moe") or ({"experts": 0} if run.get("cp") is not None else None),
             "wall_ms": _mean(s["wall_ms"] for s in timed),
             "parts_ms": {k: _mean(s.get(key, 0.0) for s in timed) for k, key in PARTS},
             "shares": shares, "phases": phases, "collectives": kinds, "ops": ops,
@@ -162,8 +170,8 @@ def compare(analysis_a: dict, analysis_b: dict) -> dict:
     step = {"a_ms": a["wall_ms"], "b_ms": b["wall_ms"], "delta_ms": b["wall_ms"] - a["wall_ms"],
             "ratio": _ratio(a["wall_ms"], b["wall_ms"])}
     result = {
-        "a": {k: a[k] for k in ("name", "strategy", "ranks", "steps", "kind", "cp", "cp_mode")},
-        "b": {k: b[k] for k in ("name", "strategy", "ranks", "steps", "kind", "cp", "cp_mode")},
+        "a": {k: a[k] for k in _RUN_KEYS},
+        "b": {k: b[k] for k in _RUN_KEYS},
         "step": step, "shares": shares, "parts": parts, "phases": phases, "collectives": collectives,
         "ops": ops[:TOP_CHANGED], "findings": _findings(a["findings"], b["findings"]), "warnings": warnings,
         "layout": _layout_keys(a, b),
@@ -178,16 +186,39 @@ def compare(analysis_a: dict, analysis_b: dict) -> dict:
     return result
 
 
+_RUN_KEYS = ("name", "strategy", "ranks", "steps", "kind", "cp", "cp_mode", "ep", "moe")
+# A mixture of experts' keys in config.toml, by analyze.py's names for them (diagnose.moe_config).
+_MOE_KEYS = (("experts", "model.moe_experts"), ("top_k", "model.moe_top_k"),
+             ("aux_loss_coef", "model.moe_aux_loss_coef"), ("bias_update_rate", "model.moe_bias_update_rate"),
+             ("capacity_factor", "model.moe_capacity_factor"))
+
+
 def _layout_keys(a: dict, b: dict) -> list[dict]:
     """The context-parallel keys set differently in the two runs' configs (both known): cp, and
-    cp_mode where both split sequences (cp > 1)."""
+    cp_mode where both split sequences (cp > 1); then expert parallelism's ep and the mixture of
+    experts' keys (`_expert_keys`)."""
+    experts = _expert_keys(a, b)
     if a["cp"] is None or b["cp"] is None:
-        return []
+        return experts
     out = []
     if a["cp"] != b["cp"]:
         out.append({"key": "parallel.cp", "a": a["cp"], "b": b["cp"]})
     if a["cp"] > 1 and b["cp"] > 1 and a["cp_mode"] != b["cp_mode"]:
         out.append({"key": "parallel.cp_mode", "a": a["cp_mode"], "b": b["cp_mode"]})
+    return out + experts
+
+
+def _expert_keys(a: dict, b: dict) -> list[dict]:
+    """parallel.ep where both runs' are known and differ, then each model.moe_* key both runs know
+    (config.toml's, else the preset's) and set differently; a dense run's experts are 0."""
+    out = []
+    if a["ep"] is not None and b["ep"] is not None and a["ep"] != b["ep"]:
+        out.append({"key": "parallel.ep", "a": a["ep"], "b": b["ep"]})
+    ma, mb = a["moe"] or {}, b["moe"] or {}
+    for name, key in _MOE_KEYS:
+        va, vb = ma.get(name), mb.get(name)
+        if va is not None and vb is not None and va != vb:
+            out.append({"key": key, "a": va, "b": vb})
     return out
 
 
@@ -382,6 +413,10 @@ def _run_line(label: str, run: dict) -> str:
     where = run.get("path") or run.get("name") or "?"
     extra = f", {run['strategy']}" if run.get("strategy") else ""
     extra += f", cp {run['cp']} ({run.get('cp_mode') or 'ring'})" if (run.get("cp") or 1) > 1 else ""
+    moe = run.get("moe") or {}
+    if moe.get("experts"):
+        extra += f", {moe['experts']} experts" + (f" top-{moe['top_k']}" if moe.get("top_k") else "")
+    extra += f", ep {run['ep']}" if (run.get("ep") or 1) > 1 else ""
     return f"{label}: {where} ({run['ranks']} rank(s), {run['steps']} step(s), {run['kind'] or '?'}{extra})"
 
 

@@ -563,22 +563,23 @@ def _expert_load(moe: dict | None, cfg: dict) -> list[dict]:
                     "faster, it catches the router's drift (or raise model.moe_aux_loss_coef)")
         elif coef:
             knob, value = "model.moe_aux_loss_coef", coef * 10
-            note = (f"now {coef:g}: a stronger auxiliary loss pulls the router towards equal loads (too "
-                    "strong, it costs the language-model loss: watch moe_aux_loss and the loss)")
+            note = (f"now {coef:g}: a stronger auxiliary loss pulls the router towards equal loads; too "
+                    "strong, it costs the language-model loss: watch moe_aux_loss and the loss")
         else:
             knob, value = "model.moe_aux_loss_coef", 0.01
             note = ("now 0: nothing balances the router" if coef == 0 else
-                    "now unknown (the model of model.init_from): 0.01 is the usual weight, ×10 if it already is")
+                    "now unknown (the model of model.init_from): 0.01 is the usual weight, ×10 if it "
+                    "already is")
             note += "; or aux-loss-free balancing: model.moe_bias_update_rate = 0.001"
         ep = cfg.get("parallel", {}).get("ep") or 1
         out.append(_finding(
             "moe", f"Expert load imbalance: the busiest expert takes {imbalance:.2f}× the mean load",
-            f"moe_load_imbalance {imbalance:.2f} (the busiest expert's tokens over the mean, in the worst MoE "
-            f"block; {over}), above {EXPERT_IMBALANCE:g}{spread}",
+            f"moe_load_imbalance {imbalance:.2f} (the busiest expert's tokens over the mean, in the worst "
+            f"MoE block; {over}), above {EXPERT_IMBALANCE:g}{spread}",
             "the router sends more tokens to some experts than to others, and each MoE block waits for its "
-            "busiest expert" + (f": under expert parallelism ({ep} ranks) every rank waits at the combine "
-                                "all-to-all for the rank holding it" if ep > 1 else "")
-            + (", whose capacity then drops tokens" if cf.get("capacity_factor") else ""),
+            "busiest expert" + (f" (under expert parallelism over {ep} ranks every rank waits at the combine "
+                                "all-to-all for the rank holding it)" if ep > 1 else "")
+            + ("; at their capacity the busiest experts drop tokens" if cf.get("capacity_factor") else ""),
             knob, value, note,
             f"the busiest expert's load towards the mean: up to {1 - 1 / imbalance:.0%} less time in the "
             "routed experts' slowest path"))
@@ -588,11 +589,12 @@ def _expert_load(moe: dict | None, cfg: dict) -> list[dict]:
         if capacity:
             knob, value = "model.moe_capacity_factor", capacity * 2
             note = (f"now {capacity:g}: each expert takes at most capacity × top-k × tokens / experts of a "
-                    "sequence's choices; or 0: dropless (every choice reaches its expert, the busiest one "
-                    "sets the block's time)")
+                    "sequence's choices; or 0 for dropless routing, where every choice reaches its expert "
+                    "and the busiest one sets the block's time")
         else:
             knob, value = "model.moe_capacity_factor", 0
-            note = "dropless: every choice reaches its expert (the busiest one sets the block's time)"
+            note = ("now unknown (the model of model.init_from): dropless routing, where every choice "
+                    "reaches its expert and the busiest one sets the block's time")
         out.append(_finding(
             "moe", f"{share:.1f}% of the routed tokens are dropped at the experts' capacity",
             f"moe_dropped is {share:.1f}% of the tokens × top-k routed ({over}, every MoE block), above "

@@ -34,7 +34,10 @@ grouped send/recv (a SendRecv kernel): the kernel runs the all-to-all issued bef
 Host syncs are counted per step outside the optimizer (its step counters are the library's) and,
 in a loom run, inside loom's forward / backward / pipeline / data ranges only: the syncs between
 them are loom's own loop (`host_syncs_loop`: the stop agreement's reads of a gloo-reduced CPU
-tensor, the step before's loss read back a step late), needed and not the user's to fix.
+tensor, the step before's loss read back a step late), needed and not the user's to fix. So are
+the syncs inside loom's GPT MoE blocks (their `moe` profiler range: the routing's tokens per expert
+read on the host as split sizes, for the experts' matmuls and expert parallelism's all-to-alls),
+counted apart as `host_syncs_moe` in the steps of a trace that has such blocks.
 
 Events of a kind the ledger does not use (metadata, instants, flows) are skipped. A complete
 event (`ph` X) whose fields the ledger reads have the wrong type or range — `ts`/`dur` not finite
@@ -74,6 +77,10 @@ _WORK_PREFIXES = ("gloo:", "nccl:")  # a collective's work span (async: not a ma
 # step before's loss back), known, needed and not the user's to fix.
 _LOOM_STEP = ("loom/forward", "loom/backward", "loom/pipeline", "loom/data")
 LOOM_STEP = "loom:step"
+# The profiler range around each forward of loom's GPT MoE block (loom/models/gpt/moe.py): the host
+# syncs inside it (split sizes) are the block's own.
+MOE_BLOCK = "moe"
+_MOE_CLASS = "loom:moe"
 # Context parallelism's profiler ranges (loom/parallel/context_parallel.py); each name is also the
 # kind of the collectives issued inside it.
 CP_KINDS = ("cp_ring", "cp_alltoall")
@@ -175,6 +182,8 @@ def _classify(name: str, cat: str) -> tuple[str, ...]:
         out.append("torch:optimizer")
     if name.startswith(_LOOM_STEP):
         out.append(LOOM_STEP)
+    if name == MOE_BLOCK:
+        out.append(_MOE_CLASS)
     if name in CP_KINDS:
         out.append(name)
     elif name in EP_KINDS:
@@ -604,6 +613,11 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
     if len(loom_step[0]):  # a loom run: the user's code runs inside its ranges
         in_step = _inside(syncs, loom_step)
         loop_syncs, syncs = syncs[~in_step], syncs[in_step]
+    moe_blocks = union_all(_MOE_CLASS)
+    moe_syncs = syncs[:0]
+    if len(moe_blocks[0]):  # loom's MoE blocks read their split sizes on the host
+        in_moe = _inside(syncs, moe_blocks)
+        moe_syncs, syncs = syncs[in_moe], syncs[~in_moe]
     io = _union(_pairs([arrays[IO]] if IO in arrays else []))
     ops = _union(_pairs([arrays[c] for c in (CPU, COMM) if c in arrays]))
 
@@ -678,6 +692,9 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
                                           - np.searchsorted(opt_syncs, lo, "left"))
         row["host_syncs_loop"] = int(np.searchsorted(loop_syncs, hi, "left")
                                      - np.searchsorted(loop_syncs, lo, "left"))
+        if len(moe_blocks[0]):
+            row["host_syncs_moe"] = int(np.searchsorted(moe_syncs, hi, "left")
+                                        - np.searchsorted(moe_syncs, lo, "left"))
         if gpu:
             a, b = np.searchsorted(kstart, lo, "left"), np.searchsorted(kstart, hi, "left")
             dur, occ = kdur[a:b], kocc[a:b]

@@ -31,6 +31,8 @@ LEDGER_PARTS: tuple[tuple[str, str, str, str], ...] = (
 # Context parallelism's exchange: the part of exposed comm that was CP's (ledger.py's cp_exposed_ms),
 # drawn inside the exposed comm where a rank had one.
 CP_PART: tuple[str, str, str, str] = ("cp_exposed", "exposed CP exchange", "#9c2f5a", "#ffffff")
+# Expert parallelism's all-to-alls likewise (ledger.py's ep_exposed_ms), beside CP's.
+EP_PART: tuple[str, str, str, str] = ("ep_exposed", "exposed EP all-to-all", "#6a3d9a", "#ffffff")
 PHASE_PARTS: tuple[tuple[str, str, str, str], ...] = (
     ("forward_ms", "forward", "#72b7b2", "#1f2328"),
     ("backward_ms", "backward", "#b279a2", "#ffffff"),
@@ -249,9 +251,10 @@ def _stacked_rows(rows: list[tuple[str, list[tuple[str, str, str, str, float, st
     return "".join(out)
 
 
-def _mini_bar(shares: dict[str, float], width: int = 160, height: int = 12, cp: float | None = None) -> str:
-    """A step's ledger as a small bar; `cp`: the share of it CP's exchange was exposed (inside the
-    exposed comm)."""
+def _mini_bar(shares: dict[str, float], width: int = 160, height: int = 12, cp: float | None = None,
+              ep: float | None = None) -> str:
+    """A step's ledger as a small bar; `cp`, `ep`: the shares of it CP's exchange and EP's
+    all-to-alls were exposed (inside the exposed comm)."""
     out = [f'<svg class="mini" width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
     x = 0.0
     parts = []
@@ -259,6 +262,9 @@ def _mini_bar(shares: dict[str, float], width: int = 160, height: int = 12, cp: 
         share = shares.get(key, 0.0)
         if key == "comm_exposed" and cp:
             parts.append((CP_PART[1], CP_PART[2], min(cp, share)))
+            share -= parts[-1][2]
+        if key == "comm_exposed" and ep:
+            parts.append((EP_PART[1], EP_PART[2], min(ep, share)))
             share -= parts[-1][2]
         parts.append((label, fill, share))
     for label, fill, share in parts:
@@ -348,6 +354,8 @@ def _header(analysis: dict, ranks: list[tuple[str, dict]], base: Path | None = N
         ("strategy", run.get("strategy") or plan.get("strategy") or "—"),
         ("context parallel", f"cp {run['cp']} · {run.get('cp_mode') or 'ring'}"
          if (_num(run.get("cp")) or 1) > 1 else None),
+        ("mixture of experts", _moe_text(run)),
+        ("expert load", _expert_load_text(analysis.get("moe"))),
         ("ranks", run.get("world_size") or len(ranks)),
         ("batch", run.get("batch")),
         ("precision", run.get("precision")),
@@ -365,6 +373,31 @@ def _header(analysis: dict, ranks: list[tuple[str, dict]], base: Path | None = N
     name = run.get("name") or "training run"
     return (f'<header><h1>Step ledger · {_e(name)}</h1><dl class="meta">{meta}</dl>'
             f"{_trace_links(run.get('traces'), base)}</header>")
+
+
+def _moe_text(run: dict) -> str | None:
+    """"8 experts · top-2 · ep 4": the run's mixture of experts, where it has one."""
+    moe = run.get("moe") if isinstance(run.get("moe"), dict) else {}
+    experts, top_k, ep = _num(moe.get("experts")), _num(moe.get("top_k")), _num(run.get("ep"))
+    if not experts:
+        return None
+    return " · ".join([f"{experts:.0f} experts"] + ([f"top-{top_k:.0f}"] if top_k else [])
+                      + ([f"ep {ep:.0f}"] if ep and ep > 1 else []))
+
+
+def _expert_load_text(moe: Any) -> str | None:
+    """"busiest expert 1.62× the mean · 0.40% dropped · aux loss 1.02 (median of 3 profiled steps)"."""
+    if not isinstance(moe, dict):
+        return None
+    imbalance, dropped, aux = (_num(moe.get(k)) for k in ("load_imbalance", "dropped_pct", "aux_loss"))
+    parts = ([f"busiest expert {imbalance:.2f}× the mean"] if imbalance is not None else []) \
+        + ([f"{dropped:.2f}% dropped"] if dropped is not None else []) \
+        + ([f"aux loss {aux:.3g}"] if aux is not None else [])
+    steps = moe.get("steps") if isinstance(moe.get("steps"), list) else []
+    if not parts:
+        return None
+    return " · ".join(parts) + (f" (median of {len(steps)} {'profiled' if moe.get('profiled') else 'logged'} "
+                                f"step{'s' if len(steps) != 1 else ''})" if steps else "")
 
 
 def _loss_text(loss: Any) -> str | None:
@@ -431,15 +464,17 @@ def _findings(analysis: dict) -> str:
     return _section("findings", f"Findings ({len(findings)})", "".join(cards))
 
 
-def _cp_share(rank: dict) -> float | None:
-    """The mean share of a rank's steps its CP exchange was exposed (None: the rank had none)."""
-    per_step = [(_num(s.get("cp_exposed_ms")), _wall(s)) for s in _steps(rank) if "cp_exposed_ms" in s]
+def _cp_share(rank: dict, exchange: str = "cp") -> float | None:
+    """The mean share of a rank's steps its CP exchange (`exchange` "ep": EP's all-to-alls) was
+    exposed (None: the rank had none)."""
+    key = f"{exchange}_exposed_ms"
+    per_step = [(_num(s.get(key)), _wall(s)) for s in _steps(rank) if key in s]
     shares = [cp / wall for cp, wall in per_step if cp is not None and wall]
     return max(sum(shares) / len(shares), 0.0) if shares else None
 
 
 def _ledger(ranks: list[tuple[str, dict]], stragglers: dict[str, dict]) -> str:
-    rows, with_cp = [], False
+    rows, with_cp, with_ep = [], False, False
     for rid, r in ranks:
         shares = _mean_shares(r)
         if shares is None:
@@ -447,10 +482,15 @@ def _ledger(ranks: list[tuple[str, dict]], stragglers: dict[str, dict]) -> str:
         segs = []
         for k, label, fill, ink in LEDGER_PARTS:
             share, cp = shares[k], _cp_share(r) if k == "comm_exposed" else None
+            ep = _cp_share(r, "ep") if k == "comm_exposed" else None
             if cp is not None:  # CP's exchange first, the rest of the exposed comm beside it
                 with_cp, cp = True, min(cp, share)
                 segs.append((*CP_PART, cp * LEDGER_BAR_W, _pct(cp)))
                 share -= cp
+            if ep is not None:  # then EP's all-to-alls
+                with_ep, ep = True, min(ep, share)
+                segs.append((*EP_PART, ep * LEDGER_BAR_W, _pct(ep)))
+                share -= ep
             segs.append((k, label, fill, ink, share * LEDGER_BAR_W, _pct(share)))
         wall = _mean(_wall(s) for s in _steps(r))
         hidden = _mean(s.get("comm_hidden_ms") for s in _steps(r))
@@ -458,12 +498,15 @@ def _ledger(ranks: list[tuple[str, dict]], stragglers: dict[str, dict]) -> str:
         rows.append((f"rank {rid}", segs, right, rid in stragglers))
     if not rows:
         return ""
-    parts = LEDGER_PARTS[:1] + ((CP_PART,) if with_cp else ()) + LEDGER_PARTS[1:]
+    parts = LEDGER_PARTS[:1] + ((CP_PART,) if with_cp else ()) + ((EP_PART,) if with_ep else ()) \
+        + LEDGER_PARTS[1:]
     legend = _legend((label, fill) for _, label, fill, _ in parts)
     note = ('<p class="note">Mean share of each step\'s wall time. Exposed comm is communication the '
             "step waited on; hidden comm ran under compute and costs nothing here."
             + (" The exposed CP exchange is context parallelism's (ring k/v blocks or all-to-alls), "
-               "the exposed comm beside it the rest." if with_cp else "") + "</p>")
+               "the exposed comm beside it the rest." if with_cp else "")
+            + (" The exposed EP all-to-all is expert parallelism's (tokens to their experts' ranks and "
+               "back), the exposed comm beside it the rest." if with_ep else "") + "</p>")
     return _section("ledger", "Where the step time goes", legend + _stacked_rows(rows, "chart-ledger") + note)
 
 
@@ -491,21 +534,25 @@ def _step_table(ranks: list[tuple[str, dict]], stragglers: dict[str, dict]) -> s
     rows.sort(key=lambda t: (t[0], order[t[1]]))
     shown = rows[:_MAX_TABLE_ROWS]
     cp = any("cp_exposed_ms" in s for _, _, s in shown)  # columns of CP's exchange, where there is one
+    ep = any("ep_exposed_ms" in s for _, _, s in shown)  # and of EP's all-to-alls
     head = [("step", True), ("rank", True), ("wall ms", True), ("compute", True), ("exposed comm", True),
             ("hidden comm", True)]
     head += [("CP exchange exposed", True), ("CP exchange hidden", True)] if cp else []
+    head += [("EP all-to-all exposed", True), ("EP all-to-all hidden", True)] if ep else []
     head += [("IO", True), ("idle", True), ("overlap", True), ("ledger", False)]
     keys = ["compute_ms", "comm_exposed_ms", "comm_hidden_ms"]
     keys += ["cp_exposed_ms", "cp_hidden_ms"] if cp else []
+    keys += ["ep_exposed_ms", "ep_hidden_ms"] if ep else []
     body = []
     for _, rid, s in shown:
         shares = _step_shares(s)
         overlap = _num(s.get("overlap_pct"))
         cells = [(_e(s.get("step", "—")), "n"), (_e(rid), "n"), (_ms(_wall(s)), "n")]
         cells += [(_ms(s.get(k)), "n") for k in [*keys, "io_ms", "idle_ms"]]
-        cp_ms, wall = _num(s.get("cp_exposed_ms")), _wall(s)
+        cp_ms, ep_ms, wall = _num(s.get("cp_exposed_ms")), _num(s.get("ep_exposed_ms")), _wall(s)
         cells += [("—" if overlap is None else f"{overlap:.0f}%", "n"),
-                  (_mini_bar(shares, cp=cp_ms / wall if cp_ms and wall else None) if shares else "", "")]
+                  (_mini_bar(shares, cp=cp_ms / wall if cp_ms and wall else None,
+                             ep=ep_ms / wall if ep_ms and wall else None) if shares else "", "")]
         body.append((cells, "straggler" if rid in stragglers else ""))
     note = "" if len(rows) == len(shown) else f'<p class="note">First {len(shown)} of {len(rows)} rows.</p>'
     return _section("steps", "Ledger per step (ms)", _table(head, body) + note)

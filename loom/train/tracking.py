@@ -115,7 +115,8 @@ class Trackers:
         scalars = {} if eval_loss is None else {"eval/loss": float(eval_loss)}
         for rank, measured in enumerate(ranks or ()):
             for key, value in measured.items():
-                if not isinstance(value, int | float) or isinstance(value, bool) or key == "pp_stage":
+                if not isinstance(value, int | float) or isinstance(value, bool) \
+                        or key in ("pp_stage", "ep", "ep_rank"):  # places in the mesh, not memory
                     continue
                 if key == "core_wait_share":  # not memory: the share of the run it waited for a core
                     scalars[f"load/rank{rank}/core_wait_share"] = float(value)

@@ -174,8 +174,9 @@ class MoE(nn.Module):
         """Σ over each token's kept choices of weight × expert(token): rows sorted by expert, to the
         experts' ranks and back under expert parallelism."""
         token = torch.arange(flat.shape[0], device=flat.device).repeat_interleave(self.top_k)
-        if keep is not None:
-            token, expert, weight = token[keep], expert[keep], weight[keep]
+        if keep is not None:  # by index: a mask's backward would sync with the host again
+            kept = keep.nonzero().squeeze(1)
+            token, expert, weight = token[kept], expert[kept], weight[kept]
         order = torch.argsort(expert, stable=True)
         token, weight = token[order], weight[order]
         counts = torch.bincount(expert, minlength=self.experts_n)
