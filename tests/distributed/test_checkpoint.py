@@ -74,8 +74,13 @@ def test_resume_tp_x_data_parallel_is_bit_exact(tmp_path):
 
 
 def _load_and_resave(overrides: list[str], source: str, out: str, continued: str):
+    """_resave; then resume training from `source` in this layout."""
+    return _resave(overrides, source, out), _train_from(overrides, continued, source, 4)
+
+
+def _resave(overrides: list[str], source: str, out: str):
     """Build this layout, load `source` into it and save it again unchanged (what the layout
-    holds); then resume training from `source` in this layout."""
+    holds); returns the LR schedule's last LR."""
     from loom.config import validate
     from loom.parallel.mesh import init_distributed
     from loom.train.driver import build_training
@@ -89,7 +94,7 @@ def _load_and_resave(overrides: list[str], source: str, out: str, continued: str
     saver.save(meta["step"], built.model, built.optimizer, built.scheduler,
                {"layout": {"strategy": "resaved"}})
     saver.close()
-    return built.scheduler.get_last_lr(), _train_from(overrides, continued, source, 4)
+    return built.scheduler.get_last_lr()
 
 
 def _train_from(overrides: list[str], run_dir: str, resume: str | None, steps: int):
