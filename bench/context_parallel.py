@@ -37,10 +37,16 @@ ATTENTION_OPS = ("_RingAttention", "_RingAttentionBackward",
 
 
 def _profile(ranks: int, sets: tuple[str, ...], out: Path, seq: int) -> None:
+    profile_run(ranks, ("model.preset=small", f"model.max_seq_len={seq}", f"data.seq_len={seq}",
+                        "train.batch_size=1", "parallel.strategy=zero3", *sets), out)
+
+
+def profile_run(ranks: int, sets: tuple[str, ...], out: Path) -> None:
+    """`loom profile` (6 steps, 3 of them profiled, a unit per block) then `loom analyze` into `out`,
+    with `sets` over those; bench/moe.py runs its cases through it too."""
     cmd = [sys.executable, "-m", "loom.cli", "profile", "--nproc", str(ranks), "--out", str(out)]
-    for s in ("model.preset=small", f"model.max_seq_len={seq}", f"data.seq_len={seq}", "train.batch_size=1",
-              "train.steps=6", "profile.wait=1", "profile.warmup=1", "profile.active=3", "data.num_workers=0",
-              "train.eval_batches=0", "parallel.strategy=zero3", "parallel.fsdp_unit_mb=0", *sets):
+    for s in ("train.steps=6", "profile.wait=1", "profile.warmup=1", "profile.active=3", "data.num_workers=0",
+              "train.eval_batches=0", "parallel.fsdp_unit_mb=0", *sets):
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     for step in (cmd, [sys.executable, "-m", "loom.cli", "analyze", str(out)]):  # analyze: ledger.json

@@ -26,11 +26,11 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from context_parallel import profile_run  # bench/context_parallel.py (run from bench/, its folder)
 
 HERE = Path(__file__).resolve().parent
 MIB = 2 ** 20
@@ -40,16 +40,8 @@ CASES = {"dense": ("zero3", ()), "moe ep1": ("zero3", MOE), "moe ep2": ("zero3",
 
 
 def _profile(strategy: str, sets: tuple[str, ...], out: Path, seq: int) -> None:
-    cmd = [sys.executable, "-m", "loom.cli", "profile", "--nproc", "2", "--out", str(out)]
-    for s in ("model.preset=small", f"model.max_seq_len={seq}", f"data.seq_len={seq}", "train.batch_size=8",
-              "train.steps=6", "profile.wait=1", "profile.warmup=1", "profile.active=3", "data.num_workers=0",
-              "train.eval_batches=0", f"parallel.strategy={strategy}", "parallel.fsdp_unit_mb=0", *sets):
-        cmd += ["--set", s]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    for step in (cmd, [sys.executable, "-m", "loom.cli", "analyze", str(out)]):  # analyze: ledger.json
-        done = subprocess.run(step, capture_output=True, text=True, env=env)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(step)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    profile_run(2, ("model.preset=small", f"model.max_seq_len={seq}", f"data.seq_len={seq}",
+                    "train.batch_size=8", f"parallel.strategy={strategy}", *sets), out)
 
 
 def _planned_states(strategy: str, sets: tuple[str, ...], seq: int) -> tuple[float, float]:

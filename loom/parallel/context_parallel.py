@@ -62,11 +62,18 @@ def active_exchange() -> str | None:
 
 @dataclass
 class ExchangeTally:
-    """What this rank's CP exchanges sent since the last `take_tally`, and the host time spent
-    waiting for them (on CPU the exposed exchange; on a GPU the wait is the stream's, not the host's)."""
+    """What this rank's exchanges (CP's; EP's has its own) sent since the last `take`, and the host
+    time spent waiting for them (on CPU the exposed exchange; on a GPU the wait is the stream's, not
+    the host's)."""
 
     bytes_sent: int = 0
     wait_s: float = 0.0
+
+    def take(self, prefix: str) -> dict:
+        """{"<prefix>_bytes", "<prefix>_wait_s"} (per step: metrics.jsonl), and start again."""
+        done = {f"{prefix}_bytes": self.bytes_sent, f"{prefix}_wait_s": self.wait_s}
+        self.bytes_sent, self.wait_s = 0, 0.0
+        return done
 
 
 _tally = ExchangeTally()
@@ -74,9 +81,7 @@ _tally = ExchangeTally()
 
 def take_tally() -> dict:
     """{"cp_bytes", "cp_wait_s"} since the last call (per step: metrics.jsonl), and start again."""
-    global _tally
-    done, _tally = _tally, ExchangeTally()
-    return {"cp_bytes": done.bytes_sent, "cp_wait_s": done.wait_s}
+    return _tally.take("cp")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from loom.parallel.context_parallel import EP_ALLTOALL, exchanging
+from loom.parallel.context_parallel import EP_ALLTOALL, ExchangeTally, exchanging
 
 
 @dataclass(frozen=True)
@@ -33,20 +33,12 @@ class ExpertGroup:
     rank: int
 
 
-@dataclass
-class _Tally:
-    bytes_sent: int = 0
-    wait_s: float = 0.0
-
-
-_tally = _Tally()
+_tally = ExchangeTally()
 
 
 def take_tally() -> dict:
     """{"ep_bytes", "ep_wait_s"} since the last call (per step: metrics.jsonl), and start again."""
-    global _tally
-    done, _tally = _tally, _Tally()
-    return {"ep_bytes": done.bytes_sent, "ep_wait_s": done.wait_s}
+    return _tally.take("ep")
 
 
 def _exchange(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
@@ -87,16 +79,18 @@ def exchange_counts(counts: torch.Tensor, ep: ExpertGroup) -> torch.Tensor:
 
 def send_to_experts(rows: torch.Tensor, counts: torch.Tensor, ep: ExpertGroup):
     """rows [M, d] sorted by expert with `counts` [E] per expert -> (this rank's experts' rows,
-    sorted by local expert; tokens per local expert; how to send the results back)."""
+    sorted by local expert; rows per local expert, a list; how to send the results back)."""
     received = exchange_counts(counts, ep)  # [ep, E_local]
-    sent_rows = counts.view(ep.size, -1).sum(1).tolist()  # host: all_to_all_single takes lists
-    got_rows = received.sum(1).tolist()
-    arrived = _AllToAll.apply(rows, got_rows, sent_rows, ep.group)  # by source rank, then expert
     local_experts = received.shape[1]
+    # One host sync for every size (all_to_all_single takes lists): rows sent to each rank, rows got
+    # from each, rows per local expert.
+    sizes = torch.cat([counts.view(ep.size, -1).sum(1), received.sum(1), received.sum(0)]).tolist()
+    sent_rows, got_rows, per_expert = sizes[:ep.size], sizes[ep.size:2 * ep.size], sizes[2 * ep.size:]
+    arrived = _AllToAll.apply(rows, got_rows, sent_rows, ep.group)  # by source rank, then expert
     expert_of_row = torch.arange(local_experts, device=rows.device).repeat(ep.size) \
         .repeat_interleave(received.flatten())
     order = torch.argsort(expert_of_row, stable=True)
-    return arrived[order], received.sum(0), (order, got_rows, sent_rows)
+    return arrived[order], per_expert, (order, got_rows, sent_rows)
 
 
 def return_from_experts(out: torch.Tensor, route, ep: ExpertGroup) -> torch.Tensor:

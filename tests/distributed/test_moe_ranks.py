@@ -24,18 +24,15 @@ from test_strategies import (
     UNITS,
     _run,
     make_config,
+    reference_run,
 )
 
-from loom.data.loader import GlobalBatchSampler, split_train_eval
-from loom.models.gpt.model import build_model
 from loom.models.gpt.moe import moe_modules
 from loom.plan.comm import ep_payload_per_step
 from loom.plan.memory import expert_state_bytes, model_state_bytes
 from loom.plan.search import config_candidate, config_workload
 from loom.plan.shapes import from_preset
 from loom.train import moe_step
-from loom.train.optim import lr_lambda, param_groups
-from loom.train.task import load_data, model_config
 
 # train.lr 3e-3 (not the dense tests' 1e-2): top-k routing is discontinuous where two experts' scores
 # nearly tie, and reduction order differs between layouts in the last bits; a gentler step keeps such
@@ -47,37 +44,17 @@ WEIGHTS_RTOL = 5e-5  # final weights: the last bits of 4 Adam steps, summed in a
 
 @functools.cache
 def moe_reference(corpus: Path, extra: tuple[str, ...] = ()) -> tuple[list[float], list[float], dict]:
-    """The plain loop (as test_strategies.reference_run) with the MoE step's two additions: the aux
+    """The plain loop (test_strategies.reference_run) with the MoE step's two additions: the aux
     loss weighted per micro-batch, and the bias update after each optimizer step."""
     cfg = make_config(corpus, "ddp", *MOE, *extra)
-    t = cfg.train
-    torch.manual_seed(t.seed)
-    tokens, vocab = load_data(cfg)
-    train_set, _ = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
-    model = build_model(model_config(cfg, vocab), device="cpu")
-    model.init_weights(t.seed)
-    for block in moe_modules(model):  # (loss / grad_accum).backward(): the aux loss's share alike
-        block.aux_weight = block.cfg.moe_aux_loss_coef / t.grad_accum
-    sampler = GlobalBatchSampler(len(train_set), t.batch_size, 0, 1, t.grad_accum, t.seed, num_steps=t.steps)
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                            eps=t.eps, foreach=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t))
-    micro_batches = iter(sampler)
-    losses, norms = [], []
-    for _ in range(t.steps):
-        opt.zero_grad()
-        total = 0.0
-        for _ in range(t.grad_accum):
-            batch = torch.stack([train_set[i] for i in next(micro_batches)])
-            loss = model(batch[:, :-1], batch[:, 1:], loss_chunk=t.loss_chunk)
-            (loss / t.grad_accum).backward()
-            total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item())
-        opt.step()
-        sched.step()
-        moe_step.after_step(model, None, cfg.model.moe_experts or 8)
-        losses.append(total / t.grad_accum)
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def aux_share(model) -> None:  # (loss / grad_accum).backward(): the aux loss's share alike
+        for block in moe_modules(model):
+            block.aux_weight = block.cfg.moe_aux_loss_coef / cfg.train.grad_accum
+
+    return reference_run(cfg, loss_fn=lambda model, batch: model(batch[:, :-1], batch[:, 1:],
+                                                                   loss_chunk=cfg.train.loss_chunk),
+                         prepare=aux_share, after_step=lambda model: moe_step.after_step(model, None, 8))
 
 
 def test_reference_balances_and_learns(corpus):

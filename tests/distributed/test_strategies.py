@@ -51,8 +51,11 @@ def reference(cfg: Config, task=None) -> tuple[list[float], dict[str, torch.Tens
     return losses, state
 
 
-def reference_run(cfg: Config, task=None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """The plain loop's per-step losses, gradient norms (before clipping) and final weights."""
+def reference_run(cfg: Config, task=None, loss_fn=None, prepare=None,
+                  after_step=None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """The plain loop's per-step losses, gradient norms (before clipping) and final weights. With
+    loom's GPT: `loss_fn(model, batch)` instead of the loss on its full logits, `prepare(model)` once
+    built, `after_step(model)` after each optimizer step."""
     t = cfg.train
     torch.manual_seed(t.seed)
     if task is None:
@@ -60,7 +63,9 @@ def reference_run(cfg: Config, task=None) -> tuple[list[float], list[float], dic
         train_set, _ = split_train_eval(tokens, cfg.data.seq_len, cfg.data.eval_fraction)
         model = build_model(model_config(cfg, vocab), device="cpu")
         model.init_weights(t.seed)
-        loss_fn = _next_token_loss
+        loss_fn = loss_fn or _next_token_loss
+        if prepare is not None:
+            prepare(model)
     else:
         train_set, loss_fn = task.train_data, task.loss_fn
         torch.manual_seed(t.seed)
@@ -82,6 +87,8 @@ def reference_run(cfg: Config, task=None) -> tuple[list[float], list[float], dic
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item())
         opt.step()
         sched.step()
+        if after_step is not None:
+            after_step(model)
         losses.append(total / t.grad_accum)
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 

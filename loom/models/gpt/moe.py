@@ -124,16 +124,18 @@ class MoE(nn.Module):
         scores, chosen, weights = self.route(flat)
         keep = self.capacity_keep(chosen.view(bsz, tokens, -1)).flatten() if self.cfg.moe_capacity_factor \
             else None
-        self._record(chosen, keep, scores, bsz)
-        routed = self.run_experts(flat, chosen.flatten(), weights.flatten(), keep)
+        load = torch.bincount(chosen.flatten(), minlength=self.experts_n)  # choices per expert
+        aux = self.aux_loss(scores, chosen, bsz) if self.training else None  # for the gradient and the tally
+        self._record(load, keep, aux)
+        routed = self.run_experts(flat, chosen.flatten(), weights.flatten(), keep, load)
         out = routed.view_as(x)
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             out = out + shared
-        if self.training and self.cfg.moe_aux_loss_coef and torch.is_grad_enabled():
-            out = _AuxLoss.apply(out, self.aux_loss(scores, chosen, bsz), self.aux_weight)
+        if aux is not None and self.cfg.moe_aux_loss_coef and torch.is_grad_enabled():
+            out = _AuxLoss.apply(out, aux, self.aux_weight)
         return out
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,40 +172,39 @@ class MoE(nn.Module):
         return (place < capacity).view(bsz, tokens, k)
 
     def run_experts(self, flat: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
-                    keep: torch.Tensor | None) -> torch.Tensor:
+                    keep: torch.Tensor | None, load: torch.Tensor) -> torch.Tensor:
         """Σ over each token's kept choices of weight × expert(token): rows sorted by expert, to the
-        experts' ranks and back under expert parallelism."""
+        experts' ranks and back under expert parallelism. `load`: the choices per expert."""
         token = torch.arange(flat.shape[0], device=flat.device).repeat_interleave(self.top_k)
         if keep is not None:  # by index: a mask's backward would sync with the host again
             kept = keep.nonzero().squeeze(1)
             token, expert, weight = token[kept], expert[kept], weight[kept]
         order = torch.argsort(expert, stable=True)
         token, weight = token[order], weight[order]
-        counts = torch.bincount(expert, minlength=self.experts_n)
+        counts = load if keep is None else torch.bincount(expert, minlength=self.experts_n)
         rows = flat[token]
         ep = self.experts.ep
         if ep is None:
             out = self.experts(rows, counts.tolist())  # host: the split sizes
         else:
             local_rows, local_counts, back = send_to_experts(rows, counts, ep)
-            out = return_from_experts(self.experts(local_rows, local_counts.tolist()), back, ep)
+            out = return_from_experts(self.experts(local_rows, local_counts), back, ep)
         out = out * weight.to(out.dtype)[:, None]
         return torch.zeros_like(flat, dtype=out.dtype).index_add(0, token, out)
 
-    def _record(self, chosen: torch.Tensor, keep: torch.Tensor | None, scores: torch.Tensor,
-                bsz: int) -> None:
+    def _record(self, load: torch.Tensor, keep: torch.Tensor | None, aux: torch.Tensor) -> None:
         # Training forward calls only, once each: not again when activation checkpointing recomputes
         # it in backward, nor the pipeline's metadata pass before its first step.
         if not self.training or torch._C._current_graph_task_id() != -1 or inferring_shapes():
             return
         if self.stats is None:
-            self.stats = MoEStats(self.experts_n, chosen.device)
+            self.stats = MoEStats(self.experts_n, load.device)
         s = self.stats
         with torch.no_grad():
-            s.load += torch.bincount(chosen.flatten(), minlength=self.experts_n).float()
+            s.load += load
             if keep is not None:
                 s.dropped += (~keep).sum()
-            s.aux += self.aux_loss(scores, chosen, bsz)
+            s.aux += aux.detach()
         s.calls += 1
 
 
