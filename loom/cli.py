@@ -515,7 +515,7 @@ def _analyze_and_print(trace_dir: Path, fmt: str, out: Path | None) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from loom.train.export import export
 
-    written = export(args.checkpoint, args.output, args.layout, overwrite=args.overwrite)
+    written = export(args.checkpoint, args.output, args.layout, overwrite=args.overwrite, lora=args.lora)
     for path in written:
         print(f"wrote {path}")
     return 0
@@ -631,13 +631,17 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
     export.add_argument("checkpoint", type=Path,
                         help="RUN_DIR/checkpoints/step_N (or a run directory: its latest)")
-    export.add_argument("output", type=Path, help="the .safetensors file to write")
+    export.add_argument("output", type=Path, help="the .safetensors file to write (--lora adapter: a folder)")
     export.add_argument("--layout", choices=("loom", "hf"), default="loom",
                         help="parameter names: loom's, or Hugging Face Llama's (+ config.json and the "
                              "run's tokenizer files beside the file)")
     export.add_argument("--overwrite", action="store_true",
                         help="replace an existing output (--layout hf: the model folder's files, all of "
                              "them, so that no file of the old model is left beside the new one)")
+    export.add_argument("--lora", choices=("adapter", "merged"), default=None,
+                        help="a LoRA run's checkpoint: adapter = a PEFT adapter folder "
+                             "(adapter_model.safetensors + adapter_config.json); merged = the base with the "
+                             "adapters merged in, in --layout")
     export.set_defaults(func=cmd_export)
     plan = sub.add_parser("plan", help="predict memory, communication and step time of every strategy")
     _add_plan_args(plan)

@@ -47,6 +47,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # loom/parallel/pipeline.py's S
 BIN_DTYPES = ("uint16", "uint32")
 CP_MODES = ("ring", "alltoall")  # loom/parallel/context_parallel.py
 PACKINGS = ("concat", "documents")
+LORA_BASE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -199,12 +200,28 @@ class ProfileConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (loom/models/lora.py): the base model frozen, y = W x + (alpha/rank)·B A x
+    trained for the targeted linears only."""
+    rank: int | None = None  # None: full fine-tuning; set (e.g. 16) to train adapters only
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input
+    # q | k | v | o | gate | up | down | all-linear (every linear of the blocks), or module-name
+    # patterns (fnmatch on the dotted name, e.g. "*.attention.wq")
+    targets: list[str] = field(default_factory=lambda: ["all-linear"])
+    train_embeddings: bool = False  # also train the embedding and the head
+    train_norms: bool = False  # also train the norms' gains
+    base_dtype: str = "auto"  # the frozen weights' dtype: auto (train.precision's) | fp32 | bf16 | fp16
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -338,6 +355,13 @@ RULES: dict[str, Rule] = {
     "train.log_to": _one_of(TRACKERS),
     "train.wandb_project": _name("name the wandb project, e.g. loom"),
     "train.wandb_mode": _one_of(WANDB_MODES),
+    # lora
+    "lora.rank": _count(1, 65536, "(leave lora.rank unset for full fine-tuning)", eg="16"),
+    "lora.alpha": Rule(0, 1e6, above=True, eg="16"),
+    "lora.dropout": Rule(0, 1, below=True, span=True, eg="0.05"),
+    "lora.targets": _name("name linears to adapt: q, k, v, o, gate, up, down, all-linear or a module-name "
+                          "pattern"),
+    "lora.base_dtype": _one_of(LORA_BASE_DTYPES),
     # profile
     "profile.wait": _count(0), "profile.warmup": _count(0), "profile.active": _count(),
 }
@@ -387,10 +411,11 @@ def _check_rule(path: str, value: Any) -> None:
         for item in value if isinstance(value, list) else [value]:
             _choice(path, item, rule.choices, rule.why)
     elif rule.name:
-        if "\x00" in value:
-            raise ConfigError(f"{path} = {_shown(value)} holds a NUL character; {rule.why}")
-        if not value.strip() and (value or not rule.optional):
-            raise ConfigError(f"{path} = {_shown(value)} is {'blank' if value else 'empty'}; {rule.why}")
+        for item in value if isinstance(value, list) else [value]:
+            if "\x00" in item:
+                raise ConfigError(f"{path} = {_shown(value)} holds a NUL character; {rule.why}")
+            if not item.strip() and (item or not rule.optional):
+                raise ConfigError(f"{path} = {_shown(value)} is {'blank' if item else 'empty'}; {rule.why}")
     elif not _within(value, rule):
         kind = "a finite number " if isinstance(value, float) else ""
         why = f" {rule.why}" if rule.why else ""
@@ -701,6 +726,7 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
         raise ConfigError(f"parallel.sequence_parallel splits data.seq_len = {d.seq_len} over "
                           f"tp = {dims.tp}; use a seq_len divisible by {dims.tp}")
     _check_context_parallel(cfg, dims)
+    _check_lora(cfg)
     if dims.pp > 1 and t.precision == "fp16":
         raise ConfigError("fp16 loss scaling is not wired into the pipeline schedules; "
                           "use train.precision=bf16")
@@ -733,6 +759,34 @@ def _check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
     if cfg.data.packing == "documents" and dims.pp > 1:
         raise ConfigError(f"data.packing = 'documents' is not wired through the pipeline's stages (pp = "
                           f"{dims.pp}) yet; set data.packing=concat, or parallel.pp=1")
+
+
+def lora_base_dtype(cfg: Config) -> str:
+    """The frozen base weights' dtype: lora.base_dtype, or under auto the compute dtype."""
+    return cfg.train.precision if cfg.lora.base_dtype == "auto" else cfg.lora.base_dtype
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA's keys together (the targets are matched against the model in loom/train/task.py)."""
+    lora, t = cfg.lora, cfg.train
+    if lora.rank is None:
+        changed = [k for k, v in dataclasses.asdict(lora).items() if v != getattr(LoRAConfig(), k)]
+        if changed:
+            raise ConfigError(f"lora.{changed[0]} is set but lora.rank is not, so every weight trains; set "
+                              f"lora.rank (e.g. 16) to train adapters, or remove lora.{changed[0]}")
+        return
+    if not lora.targets:
+        raise ConfigError("lora.targets is empty, so nothing would train; name the linears to adapt, e.g. "
+                          "--set 'lora.targets=[\"q\", \"v\"]' or [\"all-linear\"]")
+    base = lora_base_dtype(cfg)
+    if base not in ("fp32", t.precision):
+        raise ConfigError(f"lora.base_dtype = '{base}' stores the frozen weights in {base}, but "
+                          f"train.precision = '{t.precision}' computes in {t.precision}; set "
+                          f"train.precision={base} or lora.base_dtype=auto")
+    if cfg.parallel.engine == "deepspeed":
+        raise ConfigError(f"lora.rank = {lora.rank} trains adapters on the torch engine; DeepSpeed's engine "
+                          f"here trains every weight. Set parallel.engine=torch (zero3 shards the frozen "
+                          f"base too), or remove lora.rank")
 
 
 def _check_engine(p: ParallelConfig, this_machine: bool) -> None:

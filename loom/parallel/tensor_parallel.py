@@ -9,9 +9,38 @@ from __future__ import annotations
 
 import contextlib
 
+from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import parallel as tp
 from torch.distributed.tensor.parallel import loss_parallel
 
 from loom.errors import ConfigError
+
+
+def _distribute(module: nn.Module, mesh, placements: dict[str, Placement]) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param, mesh, [placements[name]], src_data_rank=None)
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class ColwiseParallel(tp.ColwiseParallel):
+    """torch's column split of a linear, and of its LoRA adapters (loom/models/lora.py) with it: B's
+    rows (the output features) split like the weight's, A whole on every rank. (torch's would split
+    every parameter on dim 0, A's rank included.)"""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _distribute(module, device_mesh, {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(),
+                                          "lora_B": Shard(0)})
+
+
+class RowwiseParallel(tp.RowwiseParallel):
+    """torch's row split of a linear, and of its LoRA adapters with it: A's columns (the input
+    features) split like the weight's, B whole; A's output is then partial, summed in the same
+    reduction as the weight's. (torch's would leave the adapters unsplit plain tensors.)"""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _distribute(module, device_mesh, {"weight": Shard(1), "bias": Replicate(), "lora_A": Shard(1),
+                                          "lora_B": Replicate()})
 
 
 def check_tp_shapes(n_heads: int, n_kv_heads: int, ffn_hidden: int, vocab_size: int, tp: int) -> None:

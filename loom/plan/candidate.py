@@ -6,6 +6,7 @@ import functools
 from dataclasses import dataclass
 
 from loom import strategies
+from loom.plan.lora import LoRA
 from loom.plan.shapes import ModelShape
 
 # Where the offloadable states live. "optimizer": ZeRO-Offload (grads and optimizer states on
@@ -32,6 +33,8 @@ class Workload:
     # expert parallelism the busiest rank's experts take this many times the mean rows: their compute
     # and what they keep for backward scale by it (the slowest rank sets the step).
     moe_imbalance: float = 1.0
+    # LoRA fine-tuning (plan/lora.py): the base frozen, adapters trained; None: every weight trains
+    lora: LoRA | None = None
 
     @property
     def act_bytes(self) -> int:

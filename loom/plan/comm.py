@@ -24,6 +24,11 @@ What the engines issue per step (as loom runs them; `loom train` measures the sa
          forward; the routed experts' gradients are synced apart, over the edp = dp/ep ranks holding
          the same experts (ddp: all-reduce; FSDP2: their own units' all-gathers and reduce-scatters
          over N_e = N/ep), the rest of the model's as above
+  LoRA   (plan/lora.py) the same collectives, but only what trains has gradients: the all-reduce
+         or reduce-scatter carries the trainable parameters' fp32 4·Ψ_lora (a unit with nothing
+         trainable reduces nothing), zero1 broadcasts only them; FSDP2 gathers the frozen base with
+         the adapters (in the compute dtype), and in backward only the units after the first that
+         trains (before it no output needs a gradient)
 A group lies within a node when its ranks fit in one (TP innermost, then CP, dp_shard, dp_replicate,
 PP outermost); otherwise its bytes are counted on the inter-node link.
 
@@ -41,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loom.plan import context, experts
+from loom.plan import context, experts, lora
 from loom.plan.memory import GRAD_COMM_BYTES, RECIPES
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num
@@ -269,17 +274,21 @@ def _expert_dispatch(w, c, gpus_per_node: int, acc: CommAccount, terms: Terms) -
     return sent
 
 
-def _expert_sync(w, c, routed: int, micro_steps: int, inter: bool, acc: CommAccount, terms: Terms) -> None:
+def _expert_sync(w, c, routed: int, micro_steps: int, inter: bool, acc: CommAccount, terms: Terms,
+                 held: lora.Params | None = None) -> None:
     """Under expert parallelism the routed experts' gradient sync, apart from the rest of the model's:
     a rank's P_e/ep over the ranks holding the same experts (ddp: all-reduced over edp = dp/ep; FSDP2:
     each MoE block's experts a unit of their own over N_e = N/ep, gathered in forward and (zero3)
-    again in backward, reduce-scattered; hsdp: all-reduced across the replicas too)."""
+    again in backward, reduce-scattered; hsdp: all-reduced across the replicas too). Under LoRA `held`:
+    a rank's experts, frozen and their adapters (gathered), of which only the adapters are reduced."""
     s, shape = c.strategy_info, w.shape
     psi = routed / c.ep
+    gathered_psi, trained_psi = (held.total, held.trainable) if held is not None else (psi, psi)
     gbytes = GRAD_COMM_BYTES[w.recipe]
     per_param = w.act_bytes if w.recipe == "torch" else RECIPES[w.recipe][0]
-    grad_bytes, param_bytes = gbytes * psi, per_param * psi
+    grad_bytes, param_bytes = gbytes * trained_psi, per_param * gathered_psi
     blocks = routed // shape.routed_params_per_block  # MoE blocks: one expert unit each
+    reduced_blocks = blocks if trained_psi else 0  # units with nothing trainable reduce nothing
     if terms:
         terms.note(f"routed experts apart (ep = {c.ep}): P_e/ep = {num(routed)}/{c.ep} = {num(psi)} "
                    f"parameters per rank, synced over the ranks holding the same experts ({_link(inter)})")
@@ -319,7 +328,7 @@ def _expert_sync(w, c, routed: int, micro_steps: int, inter: bool, acc: CommAcco
         acc.add("reduce_scatter", rs, inter)
         counted = c.pp == 1
         acc.issue("all_gather", n, gathered, micro_steps * passes * blocks if counted else None)
-        acc.issue("reduce_scatter", n, reduced, reduces * blocks if counted else None)
+        acc.issue("reduce_scatter", n, reduced, reduces * reduced_blocks if counted else None)
         if s.dp_mesh == "hybrid":
             r = c.replicate_size
             ar = ring("all_reduce", r, reduced / n)
@@ -327,7 +336,15 @@ def _expert_sync(w, c, routed: int, micro_steps: int, inter: bool, acc: CommAcco
                 terms.item("expert all-reduce replicas", "2(R−1)/R·reduced/N_e",
                            f"2({r}−1)/{r} × {gb(reduced)}/{n}", gb(ar))
             acc.add("all_reduce", ar, inter)
-            acc.issue("all_reduce", r, reduced / n, reduces * blocks if counted else None)
+            acc.issue("all_reduce", r, reduced / n, reduces * reduced_blocks if counted else None)
+
+
+def _frozen_lead(units: list[lora.Params] | None) -> int:
+    """How many units come before the first that trains, among all but the last (kept gathered)."""
+    if not units:
+        return 0
+    lead = next((i for i, u in enumerate(units) if u.trainable), len(units))
+    return min(lead, len(units) - 1)
 
 
 def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[CommAccount, dict[str, float]]:
@@ -342,7 +359,16 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
     stage_params = shape.stage_params(heaviest, c.pp)
     # the routed experts (under ep) synced apart, over the ranks holding the same experts
     routed = shape.stage_routed_params(heaviest, c.pp) if c.ep > 1 else 0
-    if c.tp > 1 and shape.known and shape.moe:
+    trained = None  # LoRA: what trains of the synced parameters (only its gradients are reduced)
+    if w.lora is not None:  # the frozen base gathered with the adapters, a rank's (plan/lora.py)
+        rest, held = lora.stage_params(shape, w.lora, heaviest, c.pp, c.tp, c.ep)
+        rest = rest if routed else rest + held  # at ep = 1 the experts are synced with the rest
+        local, trained = rest.total, rest.trainable
+        if terms:
+            terms.item("Ψ_dp synced per rank", "Ψ_base + Ψ_lora (a rank's, after TP" + (
+                "; the routed experts apart)" if routed else ")"),
+                f"{num(rest.frozen)} + {num(rest.trainable)}", num(local))
+    elif c.tp > 1 and shape.known and shape.moe:
         start, layers = shape.stage_layers(heaviest, c.pp)
         moe_layers = shape.moe_layers_in(start, layers)
         replicated = shape.tp_replicated_params(layers, heaviest == c.pp - 1, moe_layers)
@@ -369,10 +395,13 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
             terms.item("Ψ_dp synced per rank", "Ψ_stage (heaviest stage)" if c.pp > 1 else "Ψ", None,
                        num(local))
     gbytes = GRAD_COMM_BYTES[w.recipe]
-    grad_bytes = gbytes * local
+    grad_bytes = gbytes * (local if trained is None else trained)
     per_param = w.act_bytes if w.recipe == "torch" else RECIPES[w.recipe][0]  # gathered dtype
     param_bytes = per_param * local
-    if terms:
+    if terms and trained is not None:
+        terms.item("Φ_g gradients", f"{gbytes}·Ψ_lora (only what trains)", f"{gbytes} × {num(trained)}",
+                   gb(grad_bytes))
+    elif terms:
         terms.item("Φ_g gradients", f"{gbytes}·Ψ_dp", f"{gbytes} × {num(local)}", gb(grad_bytes))
         terms.item("Φ_p parameters", f"{per_param}·Ψ_dp (gathered dtype)", f"{per_param} × {num(local)}",
                    gb(param_bytes))
@@ -405,12 +434,14 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
         acc.add("all_reduce", ar, dp_inter)
         acc.issue("all_reduce", dp_ranks, grad_bytes)
         if "broadcast" in s.collectives:
-            bc = ring("broadcast", n, 4 * local)  # the updated fp32 params
+            updated = local if trained is None else trained  # the parameters the optimizer steps
+            bc = ring("broadcast", n, 4 * updated)  # the updated fp32 params
             if terms:
-                terms.item("broadcast", "(N−1)/N·4Ψ_dp (updated fp32 partitions)",
-                           f"({n}−1)/{n} × 4 × {num(local)}", gb(bc))
+                terms.item("broadcast", "(N−1)/N·4Ψ_dp (updated fp32 partitions)" if trained is None else
+                           "(N−1)/N·4Ψ_lora (updated fp32 partitions of what trains)",
+                           f"({n}−1)/{n} × 4 × {num(updated)}", gb(bc))
             acc.add("broadcast", bc, dp_inter)
-            acc.issue("broadcast", dp_ranks, 4 * local)
+            acc.issue("broadcast", dp_ranks, 4 * updated)
     else:
         n = c.shard_size
         shard_inter = n * c.tp > gpus_per_node
@@ -418,13 +449,28 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
         # unit (the head's, or the root's) stays gathered into backward. A pipeline stage's units
         # differ by stage: counts unknown there.
         units = c.fsdp_unit_params(shape, shape.n_layers) if shape.known and c.pp == 1 else None
+        lora_units = None  # LoRA: a rank's units (the base and adapters), what trains in each
+        if w.lora is not None and units:
+            lora_units = lora.fsdp_units(shape, w.lora, shape.n_layers, True, True, 0, c.fsdp_unit_mb, c.tp, c.ep,
+                                         experts_apart=c.ep > 1)
+            units = [u.total for u in lora_units]
+        # LoRA: the units before the first that trains (a frozen embedding's) output no gradient: FSDP2
+        # does not gather them again in backward
+        idle = _frozen_lead(lora_units)
         if s.reshard_after_forward:  # backward again, but for the unit kept gathered
             kept = per_param * units[-1] / c.tp if units else 0.0
+            if lora_units:
+                kept = per_param * (units[-1] + sum(units[:idle]))
             if terms:
                 terms.note(f"{c.strategy}: all-gather in forward, again in backward (but the unit kept "
                            f"gathered), reduce-scatter the gradients: 3Φ against DDP's 2Φ "
                            f"({_link(shard_inter)}, N = {n})")
-            if units and terms:
+            if lora_units and terms:
+                terms.item("Φ_kept", f"{per_param}·(P_last unit + P_frozen lead) (a rank's; not gathered in "
+                           f"backward: the last unit stays gathered, the {idle} frozen unit(s) before the first "
+                           f"that trains output no gradient)",
+                           f"{per_param} × ({num(units[-1])} + {num(sum(units[:idle]))})", gb(kept))
+            elif units and terms:
                 terms.item("Φ_kept last unit", f"{per_param}·P_unit/tp",
                            f"{per_param} × {num(units[-1])}/{c.tp}", gb(kept))
             gathered = micro_steps * param_bytes + micro_steps * (param_bytes - kept)
@@ -459,16 +505,19 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
                 terms.item("all-reduce replicas", f"{k}2(R−1)/R·Φ_g/N",
                            f"{k}2({r}−1)/{r} × {gb(grad_bytes)}/{n}", gb(ar))
             acc.add("all_reduce", ar, dp_inter)
+        # a unit reduces only if something in it trains (LoRA), every unit otherwise
+        reducing = sum(1 for u in lora_units if u.trainable) if lora_units else len(units) if units else None
         units = len(units) if units else None
         backward = 1 if s.reshard_after_forward else 0
-        gathers = micro_steps * (units + backward * (units - 1)) if units else None
+        gathers = micro_steps * (units + backward * (units - 1 - idle)) if units else None
         acc.issue("all_gather", n, gathered, gathers)
-        acc.issue("reduce_scatter", n, reduced, reduces * units if units else None)
+        acc.issue("reduce_scatter", n, reduced, reduces * reducing if units else None)
         if s.dp_mesh == "hybrid":
-            acc.issue("all_reduce", c.replicate_size, reduced / n, reduces * units if units else None)
+            acc.issue("all_reduce", c.replicate_size, reduced / n, reduces * reducing if units else None)
     if routed:
         shard_inter = c.shard_size * c.tp > gpus_per_node
-        _expert_sync(w, c, routed, micro_steps, shard_inter if s.shards_params else dp_inter, acc, terms)
+        held = lora.stage_params(shape, w.lora, heaviest, c.pp, c.tp, c.ep)[1] if w.lora is not None else None
+        _expert_sync(w, c, routed, micro_steps, shard_inter if s.shards_params else dp_inter, acc, terms, held)
     groups["dp"] = acc.total
 
     acc.group = "tp"

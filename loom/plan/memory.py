@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass
 
 from loom import strategies
-from loom.plan import context, experts
+from loom.plan import context, experts, lora
 from loom.plan.shapes import (
     activation_bytes_per_layer,
     checkpointed_layers,
@@ -100,13 +100,42 @@ def model_state_bytes(strategy: str, num_params: int, shard_size: int, recipe: s
     )
 
 
+def lora_state_bytes(strategy: str, base_params: float, trainable_params: float, shard_size: int,
+                     base_bytes: int) -> ModelStateBytes:
+    """Bytes of params, grads and optimizer state one rank holds at rest under LoRA (plan/lora.py): the
+    frozen base's `base_params` at `base_bytes` each (no gradient, no optimizer state) and the
+    `trainable_params` (adapters; trained embeddings and norms) at the torch recipe's fp32 4 + 4 + 8,
+    each state divided by `shard_size` = N where the strategy shards it (FSDP2: frozen and trainable
+    alike, 2Ψ_base/N + 16Ψ_lora/N in bf16; ddp: 2Ψ_base + 16Ψ_lora; zero1: only the optimizer's, 8Ψ_lora/N).
+    The counts are one rank's before data-parallel sharding, after the TP, EP and pipeline splits
+    (lora.stage_params gives the planner's; an MoE model's routed experts apart, over N_e)."""
+    p, g, o = RECIPES["torch"]
+    s = strategies.lookup(strategy)
+    sp, sg, so = (shard_size if kind in s.sharded else 1
+                  for kind in (strategies.PARAMS, strategies.GRADS, strategies.OPTIMIZER))
+    return ModelStateBytes(params=(base_bytes * base_params + p * trainable_params) / sp,
+                           grads=g * trainable_params / sg, optimizer=o * trainable_params / so)
+
+
+def lora_states(w, c, stage: int = 0) -> tuple[ModelStateBytes, ModelStateBytes | None]:
+    """A LoRA workload's model states on a rank of pipeline stage `stage`: (the stage but its routed
+    experts over N, the routed experts over N_e, or None for a dense model)."""
+    rest, routed = lora.stage_params(w.shape, w.lora, stage, c.pp, c.tp, c.ep)
+    b = w.lora.base_bytes
+    held = lora_state_bytes(c.strategy, routed.frozen, routed.trainable, c.expert_shard_size, b)
+    return (lora_state_bytes(c.strategy, rest.frozen, rest.trainable, c.shard_size, b),
+            held if routed.total else None)
+
+
 def expert_state_bytes(w, c, stage: int = 0) -> ModelStateBytes:
     """The routed experts' model states one rank of pipeline stage `stage` holds at rest (the rest of
     the model's states: model_state_bytes as for a dense model, less these). The stage's routed
     parameters P_e are split over the ep ranks and the strategy shards a rank's P_e/ep over the
     N_e = N/ep ranks holding the same experts (ddp: none), whatever tp: params, grads, optimizer =
     (p, g, o)·P_e/ep, each /N_e where the strategy shards it. Under zero3 that is 16·P_e/dp, as at
-    ep = 1; under ddp 16·P_e/ep."""
+    ep = 1; under ddp 16·P_e/ep. Under LoRA their frozen weights and adapters (lora_states)."""
+    if w.lora is not None:
+        return lora_states(w, c, stage)[1] or ModelStateBytes(0.0, 0.0, 0.0)
     routed = w.shape.stage_routed_params(stage, c.pp)
     recipe = engine_recipe(w, c)
     return model_state_bytes(c.strategy, routed / c.ep, c.expert_shard_size, recipe,
@@ -184,10 +213,13 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
     deepspeed = c.engine == "deepspeed"
     # The routed experts apart (expert_state_bytes): split over ep, sharded over N_e, never over tp
     routed = shape.stage_routed_params(stage, c.pp)
-    states = model_state_bytes(c.strategy, stage_params - routed, c.shard_size, recipe,
-                               paper_stages=recipe == "zero" or deepspeed, tp=c.tp,
-                               tp_replicated=replicated - routed if replicated else 0)
-    expert = expert_state_bytes(w, c, stage) if routed else None
+    if w.lora is not None:  # the base frozen, the adapters trained (the deepspeed engine refuses LoRA)
+        states, expert = lora_states(w, c, stage)
+    else:
+        states = model_state_bytes(c.strategy, stage_params - routed, c.shard_size, recipe,
+                                   paper_stages=recipe == "zero" or deepspeed, tp=c.tp,
+                                   tp_replicated=replicated - routed if replicated else 0)
+        expert = expert_state_bytes(w, c, stage) if routed else None
     params, grads, optimizer = states.params, states.grads, states.optimizer
     if expert is not None:
         params, grads, optimizer = params + expert.params, grads + expert.grads, optimizer + expert.optimizer
@@ -204,7 +236,10 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
     elif c.offload == "nvme":  # ZeRO-Infinity: every state on NVMe, staged through host buffers
         nvme, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
 
-    if terms:
+    if terms and w.lora is not None:
+        _record_lora_states(terms, w, c, stage, stage_params, states, (params, grads, optimizer), host + nvme,
+                            expert)
+    elif terms:
         _record_states(terms, w, c, stage, stage_params, replicated, states, (params, grads, optimizer),
                        host + nvme, moved=buffers, expert=expert)
         if deepspeed:
@@ -422,6 +457,86 @@ def _record_states(terms: Terms, w, c, stage: int, stage_params: int, replicated
                f"{gb(params)} + {gb(grads)} + {gb(optimizer)}", gb(params + grads + optimizer))
 
 
+def _record_lora_states(terms: Terms, w, c, stage: int, stage_params: int, states: ModelStateBytes,
+                        on_gpu: tuple[float, float, float], offloaded: float,
+                        expert: ModelStateBytes | None) -> None:
+    """LoRA's model states (lora_states): the model's parameters, its adapters and what else trains, a
+    rank's share of each before sharding, and the strategy's bytes: b·Ψ_base + 16·Ψ_lora, sharded."""
+    shape, spec = w.shape, w.lora
+    _record_params(terms, shape, stage, c.pp, stage_params)
+    counted = shape if shape.known else llama_like(shape.num_params)
+    r = spec.rank
+    shaped = lora.linears(counted)
+    per_block = " + ".join(f"({_SYMBOLS[x][0]} + {_SYMBOLS[x][1]})" for x in spec.targets) or "0"
+    numbers = " + ".join(f"({shaped[x][0]} + {shaped[x][1]})" for x in spec.targets) or "0"
+    adapters = lora.adapter_params(shape, spec)
+    stand_in = "" if shape.known else f", counted on a {counted.name}"
+    if shape.moe:
+        dense, _ = lora.block_adapters(shape, spec, False)
+        rest, routed = lora.block_adapters(shape, spec, True)
+        terms.item("Ψ_lora adapters", f"L_d·A_dense + L_m·(A_attention+shared + A_experts), A_dense = "
+                   f"r·({per_block}) (r = {r}: A [r, in], B [out, r] per adapted linear; the E routed "
+                   f"experts' {', '.join(spec.expert_targets) or 'none'} each)",
+                   f"{shape.n_layers - shape.moe_layers}·{num(dense)} + {shape.moe_layers}·({num(rest)} + "
+                   f"{num(routed)})", num(adapters))
+    else:
+        terms.item("Ψ_lora adapters", f"L·r·({per_block}) (r = {r}: A [r, in], B [out, r] per adapted "
+                   f"linear{stand_in})", f"{counted.n_layers}·{r}·({numbers})", num(adapters))
+    trained = lora.trainable_params(shape, spec) - adapters
+    if trained:
+        what = [x for x, on in (("V·h embedding" + ("" if shape.tie_embeddings else " + V·h head"),
+                                 spec.train_embeddings), ("2h·L + h norms", spec.train_norms)) if on]
+        terms.item("Ψ trained beside", " + ".join(what) + " (lora.train_embeddings / train_norms)", None,
+                   num(trained))
+    rest, held = lora.stage_params(shape, spec, stage, c.pp, c.tp, c.ep)
+    split = " (TP: A whole and B split for q k v gate up, the other way for o and down)" if c.tp > 1 else ""
+    terms.item("Ψ_base on a rank", "the frozen parameters a rank holds, before sharding" +
+               (", the routed experts apart" if held.total else ""), None, num(rest.frozen))
+    terms.item("Ψ_lora on a rank", f"what trains on a rank, before sharding{split}", None, num(rest.trainable))
+    b, s = spec.base_bytes, c.strategy_info
+    sp, sg, so = (kind in s.sharded for kind in (strategies.PARAMS, strategies.GRADS, strategies.OPTIMIZER))
+    over = lambda sharded: "/N" if sharded else ""  # noqa: E731
+    shards = ", ".join(k for k, f in (("params", sp), ("grads", sg), ("optimizer", so)) if f) or "nothing"
+    terms.note(f"model states, LoRA: the base frozen in {b} bytes per parameter (no gradient, no optimizer "
+               f"state); what trains in fp32: params 4 + grads 4 + Adam m, v 8 = 16 bytes; {c.strategy} shards "
+               f"{shards} over N = {c.shard_size}")
+    whole = 4 * (not sp) + 4 * (not sg) + 8 * (not so)
+    lora_sym = " + ".join(t for t in (f"{whole}Ψ_lora" if whole else "", f"{16 - whole}Ψ_lora/N"
+                                      if whole < 16 else "") if t)
+    terms.note(f"  {b}Ψ_base{over(sp)} + {lora_sym}   (base {b}Ψ{over(sp)}, adapters 16Ψ_lora{'/N' if so else ''})")
+    n = c.shard_size
+    for name, formula, numbers, value in (
+            ("params", f"{b}·Ψ_base{over(sp)} + 4·Ψ_lora{over(sp)}",
+             f"({b} × {num(rest.frozen)} + 4 × {num(rest.trainable)}){f' / {n}' if sp else ''}", states.params),
+            ("grads", f"4·Ψ_lora{over(sg)}", f"4 × {num(rest.trainable)}{f' / {n}' if sg else ''}", states.grads),
+            ("optimizer", f"8·Ψ_lora{over(so)}", f"8 × {num(rest.trainable)}{f' / {n}' if so else ''}",
+             states.optimizer)):
+        terms.item(name, formula, numbers, gb(value))
+    if expert is not None:
+        ep, ne = c.ep, c.expert_shard_size
+        terms.note(f"routed experts: E/ep = {shape.moe_experts}/{ep} per rank, their frozen weights and "
+                   f"adapters sharded over the ranks holding the same ones, N_e = {ne}")
+        by = lambda sharded: (f"/N_e", f" / {ne}") if sharded else ("", "")  # noqa: E731
+        for name, formula, numbers, sharded, value in (
+                ("expert params", "b·P_e/ep + 4·A_e/ep", f"{b} × {num(held.frozen)} + 4 × {num(held.trainable)}",
+                 sp, expert.params),
+                ("expert grads", "4·A_e/ep", f"4 × {num(held.trainable)}", sg, expert.grads),
+                ("expert optimizer", "8·A_e/ep", f"8 × {num(held.trainable)}", so, expert.optimizer)):
+            sym, div = by(sharded)
+            terms.item(name, f"({formula}){sym}" if sym else formula, f"({numbers}){div}" if div else numbers,
+                       gb(value))
+    if c.offload != "none":
+        terms.note(f"  offload {c.offload}: {OFFLOADED[c.offload]}: {gb(offloaded)} per GPU leave the GPU")
+    params, grads, optimizer = on_gpu
+    terms.item("model states on GPU", "params + grads + optimizer",
+               f"{gb(params)} + {gb(grads)} + {gb(optimizer)}", gb(params + grads + optimizer))
+
+
+# Each role's linear (in, out) in symbols, as explanations write the adapters' r·(in + out)
+_SYMBOLS = {"q": ("h", "h"), "k": ("h", "kv"), "v": ("h", "kv"), "o": ("h", "h"), "gate": ("h", "f"),
+            "up": ("h", "f"), "down": ("f", "h")}
+
+
 def ddp_accumulates_apart(w, c) -> bool:
     """Whether the step holds a second copy of the gradients: DDP's micro-steps under no_sync
     accumulate into gradients of their own, beside its buckets (the states' gradients), until the
@@ -471,6 +586,12 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     approximation), its FSDP2 unit gathers the routed experts a rank holds (P_e/ep per block, beside
     the rest whole over tp), and under torch.autocast the experts' 16-bit copies (w1, w3: stacked
     weights' views, which autocast does not cache) are kept by their matmuls until backward.
+
+    Under LoRA (w.lora) a block also keeps its adapters' tensors (lora.saved_bytes); the units gather the
+    frozen base with the adapters (lora.fsdp_units), but only what trains has a gradient: no head weight
+    gradient, no embedding's unless lora.train_embeddings, each unit's reduce-scatter of its trainable
+    part. A 16-bit base makes the whole model 16-bit under autocast too (its embedding output, hence the
+    residual stream): priced as FSDP2's, autocast caching only the fp32 trainables' copies.
     """
     shape, tp, e = w.shape, c.tp, w.act_bytes
     last, pipelined = stage == c.pp - 1, c.pp > 1
@@ -480,6 +601,12 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     fsdp = not deepspeed and strategy.uses_fsdp(tp, c.ep) and w.recipe == "torch"
     # ddp and zero1 (without TP) reach 16-bit through torch.autocast; FSDP2 and DeepSpeed cast weights
     autocast = not deepspeed and not strategy.uses_fsdp(tp, c.ep) and e < 4
+    casts_trainables = autocast  # under LoRA: autocast's copies of what trains
+    spec = w.lora
+    trains_embeddings = spec is None or spec.train_embeddings  # else no embedding or head weight gradient
+    if spec is not None:
+        lora_rest, lora_routed = lora.stage_params(shape, spec, stage, c.pp, tp, c.ep)
+        autocast = autocast and spec.base_bytes > e  # a 16-bit base needs no cast: every tensor 16-bit
     sp = c.sequence_parallel and tp > 1
     seq, mb = c.local_seq(w.seq_len), c.micro_batch  # context parallel: each rank's s/cp tokens
     local = lambda n: (n - shape.layer_norm_params) / tp + shape.layer_norm_params  # noqa: E731
@@ -506,6 +633,22 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         if terms:
             terms.item("per MoE block", "block − dense SwiGLU + MoE feed-forward",
                        f"{gb(per_layer)} − {gb(dense_ffn)} + {gb(moe_ffn)}", gb(per_moe))
+    if spec is not None:  # the adapters' own tensors, less the norm outputs no adapter reads
+        extra = lora.saved_bytes(shape, spec, sb, e, tp)
+        if terms:
+            terms.item("LoRA per block", "adapted linears × s·b·r·e (A·x)" + (" + s·b·in·(e + 1) (dropout's "
+                       "input and mask)" if spec.dropout else "") + (" + s·b·f·e (down's input, the product)"
+                       if "down" in spec.targets and tp == 1 else "") + " − the norm outputs no adapter "
+                       "reads (lora.saved_bytes)", None, gb(extra))
+            terms.item("block with LoRA", "block + LoRA per block", f"{gb(per_layer)} + {gb(extra)}",
+                       gb(per_layer + extra))
+        per_layer += extra
+        if moe:
+            moe_extra = lora.saved_bytes(shape, spec, sb, e, tp, True, imbalance)
+            if terms:
+                terms.item("MoE block with LoRA", "MoE block + its adapters' (experts: imbalance·k rows)",
+                           f"{gb(per_moe)} + {gb(moe_extra)}", gb(per_moe + moe_extra))
+            per_moe += moe_extra
     op = c.activation_checkpointing == "op"  # a checkpointed block also keeps its matmuls' outputs
     per_ckpt = residual / (tp if sp else 1)
     (over, by), ne = ("/tp", f"/{tp}") if sp else ("", ""), 4 if autocast else e
@@ -565,11 +708,18 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         # parallel.reduce_every_micro_step = false; pipelining does the same between micro-batches):
         # the stage's whole gradient.
         rest = replicated - routed if replicated else 0  # the routed experts: P_e/ep whole on a rank
-        held += GRAD_COMM_BYTES[w.recipe] * (stage_params - routed - rest) / tp + rest * 4 + 4 * routed / c.ep
+        if spec is not None:  # only what trains has a gradient
+            held += 4 * (lora_rest.trainable + lora_routed.trainable)
+        else:
+            held += GRAD_COMM_BYTES[w.recipe] * (stage_params - routed - rest) / tp + rest * 4 \
+                + 4 * routed / c.ep
     if ddp_accumulates_apart(w, c):
         held += grads
     block_local = local(shape.layer_params)  # a block's parameters on a rank, gathered
     moe_local = _moe_block_local(shape, tp, c.ep) if moe else 0.0
+    if spec is not None:  # with their adapters
+        block_local = lora.block_params(shape, spec, False, tp, c.ep)[0].total
+        moe_local = sum(lora.block_params(shape, spec, True, tp, c.ep), lora.Params()).total if moe else 0.0
     if c.offload != "none":
         held += 2 * e * max(block_local, moe_local)  # parameters staged in from the host
     if autocast:
@@ -588,10 +738,17 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                 * _micro_batches_in_flight(c, stage)
         cast += shape.vocab_size * shape.d_model if last else 0
         held += e * cast
-    if fsdp and moe:
+    if casts_trainables and spec is not None:  # autocast caches the fp32 trainables' 16-bit copies
+        held += e * (lora_rest.trainable + lora_routed.trainable)
+    if fsdp and spec is not None:  # the base and adapters gathered; only what trains reduce-scattered
+        lora_units = lora.fsdp_units(shape, spec, layers, stage == 0, last, start, c.fsdp_unit_mb, tp, c.ep)
+        units, grad_units = [u.total for u in lora_units], [u.trainable for u in lora_units]
+    elif fsdp and moe:
         units = _moe_units(shape, c, start, layers, stage == 0, last)
     else:
         units = [local(u) for u in c.fsdp_unit_params(shape, layers, stage == 0, last)] if fsdp else []
+    if spec is None:
+        grad_units = units  # every parameter has a gradient
     kept = 0.0
     if fsdp:
         # The unit gathered at backward's start: zero3 keeps the last one gathered since forward (the
@@ -613,6 +770,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         terms.note(f"  {what} = {gb(saved + transient)}: the activations of the moment {name!r} below")
 
     vh = shape.vocab_size * shape.d_model / tp  # the head's (or the embedding's) weight, local
+    vh_grad = vh if trains_embeddings else 0.0  # its gradient
     tied_root = fsdp and shape.tie_embeddings  # the root unit holds the embedding = the head
     own_head = fsdp and last and not shape.tie_embeddings and len(units) > 1  # head + norm: one unit
     others = saved - one_micro  # other micro-batches in flight (pipeline)
@@ -631,6 +789,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         moments.append(("forward's end", saved + logits, kept + latest + held))
         moments.append(("loss", saved + transient, kept + held))
         logits_grad, weight_grad = head_backward_bytes(shape, seq, mb, e, tp, autocast, chunk)
+        weight_grad = weight_grad if trains_embeddings else 0.0
         moments.append(("head backward", saved - loss_saved + logits_grad, kept + weight_grad + held))
         # then the final norm's backward (lean_ops._RMSNorm): its input's gradient in the compute
         # dtype and four fp32 [s·b, h] temporaries (normalized input, gradient, weighted gradient,
@@ -643,7 +802,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             gloo = device == "cpu" and c.shard_size > 1
             others_gathered = kept - e * units[-1] if not strategy.reshard_after_forward else 0.0
             moments.append(("head reduce-scatter", saved - head,
-                            _reduce_scatter(units[-1], e, gloo) + others_gathered + held))
+                            _reduce_scatter(grad_units[-1], e, gloo) + others_gathered + held))
         if fsdp and strategy.reshard_after_forward and len(units) > 2 and c.shard_size > 1:
             # The topmost block's unit gathered again for its backward, the loss and head done: the
             # all-gather's output and the unsharded copy of it, and the next unit's prefetched
@@ -679,7 +838,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             # the rebuilt activations (measured on the small preset: the 1.23 of the plan without them)
             rebuilt += 2 * seq * mb * shape.ffn_hidden / tp * e
             top_local = block_local
-        gathered = e * (units[-1] + vh) if tied_root else 0.0
+        gathered = e * (units[-1] + vh_grad) if tied_root else 0.0
         gathered += e * top_local if len(units) > 1 else 0.0
         if not strategy.reshard_after_forward:
             gathered = kept
@@ -687,17 +846,17 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     if fsdp and pipelined:
         # A micro-batch's backward done, the others in flight: the schedule keeps every unit gathered
         # until the step's last backward, the first unit's gradient being accumulated.
-        moments.append(("pipeline", others, e * sum(units) + e * units[0] + held))
+        moments.append(("pipeline", others, e * sum(units) + e * grad_units[0] + held))
     if fsdp and stage == 0:
         # The end of backward: the unit reduced last is the root when it holds the tied embedding
         # (complete only after the embedding's backward), else the first unit; every other sharded
         # gradient is rebuilt. An untied embedding's gradient stays referenced by autograd through
         # its unit's reduce-scatter (issued by FSDP2's end-of-backward callback).
-        last_reduced = units[-1] if tied_root else units[0]
+        last_reduced = grad_units[-1] if tied_root else grad_units[0]
         gloo = device == "cpu" and c.shard_size > 1  # one rank per shard: a copy, no collective
-        held_grad = 0.0 if tied_root else e * vh
+        held_grad = 0.0 if tied_root else e * vh_grad
         moments.append(("reduce-scatter", 0.0, _reduce_scatter(last_reduced, e, gloo, held_grad)))
-    if shape.tie_embeddings and stage == 0 and not deepspeed:
+    if shape.tie_embeddings and stage == 0 and not deepspeed and trains_embeddings:
         # The embedding's backward adds its gradient to the head's: both and their sum (autograd
         # accumulates out of place) in the parameter's dtype (FSDP2: the gathered 16-bit one; DDP:
         # fp32, the bucket taking it only once both uses are done). FSDP2 also holds the root

@@ -28,7 +28,11 @@ Then, for both:
 - the optimizer step streams params, grads and Adam's m and v (28 bytes per fp32 parameter) and
   the gradient clip reads and scales the grads (12 more) at memory bandwidth;
 - offload moves gradients out and parameters in over the host link each step and runs Adam on
-  the host CPUs (NVMe adds reading and writing the optimizer states), without overlap.
+  the host CPUs (NVMe adds reading and writing the optimizer states), without overlap;
+- LoRA (plan/lora.py) computes no frozen weight's gradient: 4 FLOPs per frozen weight and token, not
+  6, plus 6 per adapter a token passes through (lora.flops_per_token), a forward being half the step's
+  rather than a third; each adapted linear adds its kernels (KERNELS_PER_ADAPTER); the optimizer, the
+  offload's gradients and host Adam see only what trains.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loom.plan import context, experts
+from loom.plan import context, experts, lora
 from loom.plan.comm import DDP_BUCKET, CommAccount, cp_exchange, ep_payload_per_step
 from loom.plan.efficiency import D0_SCALE, DEFAULT, FAMILY, compute_fraction, link_efficiency
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
@@ -59,6 +63,9 @@ KERNELS_PER_EXPERT, KERNELS_PER_ROUTING = 3 * 5, 3 * 30
 # backward): the rows gathered, sorted, sent back, weighted and added (k·h each), the scores (E)
 MOE_ELEMENTWISE = (12, 10)
 ADAM_BYTES, CLIP_BYTES = 28, 12  # per fp32 parameter: read p, g, m, v and write p, m, v; clip
+# An adapted linear's kernels (LoRA): forward A·x, the scale, B·(A·x), the add; backward B's and A's
+# weight gradients, the input gradients through B and A, their sum, the scale's
+KERNELS_PER_ADAPTER = 10
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,12 @@ def micro_steps(c) -> int:
 def local_params(w, c) -> float:
     """Parameters a rank steps the optimizer over: its stage's, split by TP and the shard; of an MoE
     model's MoE blocks the feed-forward whole over TP and the routed experts split over ep, sharded
-    over N_e (the heaviest stage's)."""
+    over N_e (the heaviest stage's). Under LoRA only what trains."""
     shape = w.shape
+    if w.lora is not None:
+        heaviest = max(shape.priced_stages(c.pp), key=lambda s: shape.stage_params(s, c.pp))
+        rest, routed = lora.stage_params(shape, w.lora, heaviest, c.pp, c.tp, c.ep)
+        return rest.trainable / c.shard_size + routed.trainable / c.expert_shard_size
     if not shape.moe:
         stage = max(shape.stage_params(s, c.pp) for s in {0, c.pp - 1})
         return stage / c.tp / c.shard_size
@@ -114,8 +125,11 @@ def step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float],
 
 
 def flops_per_token(w, terms: Terms = NO_TERMS) -> float:
-    """ModelShape.flops_per_token at the workload's sequence length, recorded with its parts."""
+    """ModelShape.flops_per_token at the workload's sequence length (under LoRA lora.flops_per_token),
+    recorded with its parts."""
     shape, t = w.shape, w.seq_len
+    if w.lora is not None:
+        return _lora_flops_per_token(w, terms)
     per_token = shape.flops_per_token(t)
     if shape.known:
         matmul = shape.active_params - (0 if shape.tie_embeddings else shape.embedding_params)
@@ -136,6 +150,50 @@ def flops_per_token(w, terms: Terms = NO_TERMS) -> float:
         terms.item("FLOPs per token", "6N (attention unknown)", f"6·{num(shape.params_only)}",
                    num(per_token))
     return per_token
+
+
+def _lora_flops_per_token(w, terms: Terms = NO_TERMS) -> float:
+    """lora.flops_per_token, recorded: no frozen weight's gradient, the adapters' 6 FLOPs each."""
+    shape, t = w.shape, w.seq_len
+    per_token, _ = lora.flops_per_token(shape, w.lora, t)
+    if terms:
+        counted = shape if shape.known else "its Llama-style stand-in"
+        active = lora.active_adapters(shape if shape.known else lora._counted(shape), w.lora)
+        matmul = shape.active_params - (0 if shape.tie_embeddings else shape.embedding_params) \
+            if shape.known else shape.num_params
+        terms.item("N matmul weights", "Ψ" + ("_active" if shape.moe else "")
+                   + ("" if shape.tie_embeddings or not shape.known else " − V·h"), None, num(matmul))
+        terms.item("A adapters per token", "the adapters a token passes through" + (
+            " (of the routed experts' its k)" if shape.moe else "") + (
+            "" if shape.known else f" ({counted})"), None, num(active))
+        head = " + 2·V·h (the trained head's gradient)" if w.lora.train_embeddings else ""
+        attention = f"12·{shape.n_layers}·{shape.n_heads}·{shape.head_dim}·{t}" if shape.known else "0"
+        terms.item("FLOPs per token", f"4N + 12·L·H·Q·T + 6A{head} (LoRA: no frozen weight's gradient)",
+                   f"4·{num(matmul)} + {attention} + 6·{num(active)}" + (" + …" if head else ""),
+                   num(per_token))
+    return per_token
+
+
+def forward_share(w) -> float:
+    """The forward's share of a step's compute: a third; under LoRA about half (lora.flops_per_token)."""
+    if w.lora is None:
+        return 1 / 3
+    total, forward = lora.flops_per_token(w.shape, w.lora, w.seq_len)
+    return forward / total
+
+
+def _adapter_kernels(w, c) -> tuple[int, int]:
+    """(kernels LoRA adds to a dense block, to an MoE block on a rank): KERNELS_PER_ADAPTER per adapted
+    linear, a rank's E/ep experts' each."""
+    if w.lora is None:
+        return 0, 0
+    shape = w.shape
+    dense = KERNELS_PER_ADAPTER * lora.adapted_linears(shape, w.lora, False)
+    if not shape.moe:
+        return dense, 0
+    experts_each = len(w.lora.expert_targets)
+    moe = lora.adapted_linears(shape, w.lora, True) - experts_each + shape.moe_experts // c.ep * experts_each
+    return dense, KERNELS_PER_ADAPTER * moe
 
 
 def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float],
@@ -167,26 +225,33 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
     if terms:
         terms.item("compute", "FLOPs / (peak × fraction)",
                    f"{num(flops)} / ({num(gpu.bf16_tflops)}e12 × {num(fraction)})", sec(compute))
+    dense_adapters, moe_adapters = _adapter_kernels(w, c)  # LoRA's, per block
     if w.shape.known and w.shape.moe:  # and a rank's experts run one after the other
         layers = math.ceil(w.shape.n_layers / c.pp)
         moe = max(w.shape.stage_moe_layers(s, c.pp) for s in range(c.pp))
         local = w.shape.moe_experts // c.ep
         kernels = layers * KERNELS_PER_LAYER + moe * (KERNELS_PER_ROUTING + local * KERNELS_PER_EXPERT)
+        adapters = (layers - moe) * dense_adapters + moe * moe_adapters
+        kernels += adapters
         floor = micro_steps(c) * kernels * gpu.kernel_launch_s
         if terms:
+            lora_sym, lora_num = (" + LoRA's 10 per adapted linear", f" + {adapters}") if adapters else ("", "")
             terms.item("kernel-launch floor", "micro-steps × (⌈L/p⌉ × kernels per block + L_m × (routing + "
-                       "E/ep × kernels per expert)) × launch",
+                       f"E/ep × kernels per expert){lora_sym}) × launch",
                        f"{micro_steps(c)} × ({layers} × {KERNELS_PER_LAYER} + {moe} × ({KERNELS_PER_ROUTING} "
-                       f"+ {local} × {KERNELS_PER_EXPERT})) × {num(gpu.kernel_launch_s)} s", sec(floor))
+                       f"+ {local} × {KERNELS_PER_EXPERT}){lora_num}"
+                       + f") × {num(gpu.kernel_launch_s)} s", sec(floor))
         if floor > compute and terms:
             terms.note(f"  compute = the floor, {sec(floor)} (the launches take longer than the FLOPs)")
         compute = max(compute, floor)
     elif w.shape.known:  # no layer runs faster than its kernels launch
         layers = math.ceil(w.shape.n_layers / c.pp)
-        floor = micro_steps(c) * layers * KERNELS_PER_LAYER * gpu.kernel_launch_s
+        per_block = KERNELS_PER_LAYER + dense_adapters  # LoRA: KERNELS_PER_ADAPTER per adapted linear
+        floor = micro_steps(c) * layers * per_block * gpu.kernel_launch_s
         if terms:
-            terms.item("kernel-launch floor", "micro-steps × ⌈L/p⌉ × kernels per block × launch",
-                       f"{micro_steps(c)} × {layers} × {KERNELS_PER_LAYER} × {num(gpu.kernel_launch_s)} s",
+            terms.item("kernel-launch floor", "micro-steps × ⌈L/p⌉ × kernels per block × launch"
+                       + (" (LoRA: + 10 per adapted linear)" if dense_adapters else ""),
+                       f"{micro_steps(c)} × {layers} × {per_block} × {num(gpu.kernel_launch_s)} s",
                        sec(floor))
         if floor > compute and terms:
             terms.note(f"  compute = the floor, {sec(floor)} (the launches take longer than the FLOPs)")
@@ -252,7 +317,8 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
         local = local_params(w, c)
         optimizer = (ADAM_BYTES + CLIP_BYTES) * local / (gpu.hbm_tbps * 1e12)
         if terms:
-            terms.item("Ψ stepped per rank", "Ψ_stage/tp/N", None, num(local))
+            terms.item("Ψ stepped per rank", "Ψ_stage/tp/N" if w.lora is None else
+                       "Ψ_lora/N (what trains, a rank's after TP)", None, num(local))
             terms.item("optimizer", "(28 Adam + 12 clip bytes)·Ψ/HBM",
                        f"40 × {num(local)} / {num(gpu.hbm_tbps)} TB/s", sec(optimizer))
     return StepTime(compute, recompute, bubble, exposed, optimizer, _offload(w, c, cluster, terms))
@@ -268,11 +334,14 @@ def moe_extra_flops(w, c, terms: Terms = NO_TERMS) -> float:
     imbalance = experts.imbalance(w, c)
     moe, routed = shape.moe_ffn_flops_per_token(), shape.routed_flops_per_token()
     extra = w.tokens_per_step / c.world * ((c.tp - 1) * moe + c.tp * (imbalance - 1) * routed)
+    lora_words = ""
+    if w.lora is not None:  # no frozen weight's gradient: 4 FLOPs per weight, not 6 (adapters left out)
+        extra, lora_words = extra * 4 / 6, " × 4/6 (LoRA)"
     if extra and terms:
         terms.item("MoE beyond the share", "tokens/GPUs × ((tp − 1)·F_moe + tp·(imbalance − 1)·F_routed) "
-                   "(the MoE whole on each TP rank; the busiest rank's experts)",
+                   f"(the MoE whole on each TP rank; the busiest rank's experts){lora_words}",
                    f"{num(w.tokens_per_step)}/{c.world} × (({c.tp} − 1)·{num(moe)} + "
-                   f"{c.tp}·({imbalance:g} − 1)·{num(routed)})", num(extra))
+                   f"{c.tp}·({imbalance:g} − 1)·{num(routed)}){lora_words}", num(extra))
     return extra
 
 
@@ -291,7 +360,7 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
         if terms:
             terms.note(f"one block, one micro-batch of s·b = {tokens} tokens: each linear "
                        f"6·tokens·in·out / its measured rate")
-        layer = block_seconds(profile, ranks, shape, w.seq_len, tokens, tp, terms)
+        layer = block_seconds(profile, ranks, shape, w.seq_len, tokens, tp, terms, w.lora)
         if terms:
             terms.item("block", "linears + attention + elementwise", None, sec(layer))
         in_situ = profile.block_in_situ(ranks, tokens * d * 4)
@@ -302,8 +371,8 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
         moe_layer = 0.0
         if shape.moe:  # an MoE block: its feed-forward in place of the dense SwiGLU
             imbalance = experts.imbalance(w, c)
-            dense_ffn = ffn_seconds(profile, ranks, shape, tokens, tp, terms)
-            moe_ffn = moe_ffn_seconds(profile, ranks, shape, tokens, c.ep, imbalance, terms)
+            dense_ffn = ffn_seconds(profile, ranks, shape, tokens, tp, terms, w.lora)
+            moe_ffn = moe_ffn_seconds(profile, ranks, shape, tokens, c.ep, imbalance, terms, w.lora)
             moe_layer = (layer - dense_ffn + moe_ffn) * in_situ
             if terms:
                 terms.item("MoE block as run", "(block − dense SwiGLU + MoE feed-forward) × in-situ factor",
@@ -314,14 +383,18 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
         last_layers = layers_of_stage(shape.n_layers, c.pp - 1, c.pp)
         vocab = shape.vocab_size / tp
         head_rate = profile.linear_flops(ranks, tokens, d, vocab)
-        head = 6 * tokens * d * vocab / head_rate
+        trains = w.lora is None or w.lora.train_embeddings  # LoRA: a frozen head has no weight gradient
+        passes = 6 if trains else 4
+        head = passes * tokens * d * vocab / head_rate
         head += LOSS_PASSES * 4 * tokens * vocab / bandwidth
         if terms:
-            terms.item("head + loss", f"6·tokens·h·V/tp / rate + {LOSS_PASSES}·4·tokens·V/tp / bandwidth",
-                       f"6·{tokens}·{d}·{num(vocab)} / {num(head_rate / 1e12)} TFLOP/s + "
+            terms.item("head + loss", f"{passes}·tokens·h·V/tp / rate + {LOSS_PASSES}·4·tokens·V/tp / bandwidth",
+                       f"{passes}·{tokens}·{d}·{num(vocab)} / {num(head_rate / 1e12)} TFLOP/s + "
                        f"{LOSS_PASSES}·4·{tokens}·{num(vocab)} / {num(bandwidth / 1e9)} GB/s", sec(head))
         embedding = 2 * 4 * shape.vocab_size * d / tp / bandwidth  # backward: a dense [V, d] gradient
-        if terms:
+        if not trains:
+            embedding = 0.0  # LoRA: the frozen embedding has none
+        elif terms:
             terms.item("embedding backward", "2·4·V·h/tp / bandwidth (a dense [V, h] gradient)",
                        f"8·{shape.vocab_size}·{d}/{tp} / {num(bandwidth / 1e9)} GB/s", sec(embedding))
         first = layers * layer + (embedding if c.pp > 1 else 0.0)
@@ -357,6 +430,8 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
             terms.item("compute", "micro-steps × that", f"{micro_steps(c)} × {sec(heaviest)}", sec(compute))
         ckpt = checkpointed_layers(ckpt_layers, c.activation_checkpointing, c.ac_every)
         recompute = micro_steps(c) * ckpt * layer / 3
+        if w.lora is not None:  # a forward is about half of a LoRA block
+            recompute = micro_steps(c) * ckpt * layer * forward_share(w)
         if ckpt_moe and c.activation_checkpointing != "op":
             recompute = micro_steps(c) * ((ckpt - ckpt_moe) * layer + ckpt_moe * moe_layer) / 3
             if terms:
@@ -458,13 +533,15 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-def ffn_seconds(profile, ranks: int, shape, tokens: int, tp: int, terms: Terms = NO_TERMS) -> float:
+def ffn_seconds(profile, ranks: int, shape, tokens: int, tp: int, terms: Terms = NO_TERMS, spec=None) -> float:
     """block_seconds' dense SwiGLU: gate, up and down at their measured rates and its elementwise share
-    (BLOCK_ELEMENTWISE's f term): what an MoE block runs moe_ffn_seconds in place of."""
+    (BLOCK_ELEMENTWISE's f term): what an MoE block runs moe_ffn_seconds in place of (`spec`: LoRA's,
+    no weight gradient; its adapters in block_seconds)."""
     d, f = shape.d_model, shape.ffn_hidden
+    passes = 6 if spec is None else 4
     t = 0.0
     for k, n in ((d, f / tp), (d, f / tp), (f / tp, d)):
-        t += 6 * tokens * k * n / profile.linear_flops(ranks, tokens, k, n)
+        t += passes * tokens * k * n / profile.linear_flops(ranks, tokens, k, n)
     bandwidth = profile.block_elementwise_bytes(ranks, tokens * d * 4)
     t += 4 * tokens * BLOCK_ELEMENTWISE[1] * f / tp / bandwidth
     if terms:
@@ -474,12 +551,13 @@ def ffn_seconds(profile, ranks: int, shape, tokens: int, tp: int, terms: Terms =
 
 
 def moe_ffn_seconds(profile, ranks: int, shape, tokens: int, ep: int, imbalance: float,
-                    terms: Terms = NO_TERMS) -> float:
+                    terms: Terms = NO_TERMS, spec=None) -> float:
     """An MoE feed-forward's forward + backward on a rank's `tokens` (whole over TP) at the measured
     rates: the router [h → E], the shared SwiGLU, and the rank's E/ep experts one after the other, each
     taking r = imbalance·tokens·k·ep/E rows (three linears h → h_e, h → h_e, h_e → h); the elementwise
     work: the SwiGLUs' (BLOCK_ELEMENTWISE's f term over imbalance·k·h_e + h_s) and the routing's
-    (MOE_ELEMENTWISE: k·h rows moved, E scores)."""
+    (MOE_ELEMENTWISE: k·h rows moved, E scores). `spec` (LoRA): the linears without their weight
+    gradients, 4/6 of their time (the experts' adapters left out)."""
     d, e, he, sh = shape.d_model, shape.moe_experts, shape.moe_hidden, shape.moe_shared_hidden
     router = 6 * tokens * d * e / profile.linear_flops(ranks, tokens, d, e)
     shared = 0.0
@@ -494,6 +572,8 @@ def moe_ffn_seconds(profile, ranks: int, shape, tokens: int, ep: int, imbalance:
     moved, scores = MOE_ELEMENTWISE
     elementwise = 4 * tokens * (BLOCK_ELEMENTWISE[1] * (imbalance * shape.moe_top_k * he + sh)
                                 + moved * shape.moe_top_k * d + scores * e) / bandwidth
+    if spec is not None:  # no frozen weight's gradient
+        router, shared, routed = router * 4 / 6, shared * 4 / 6, routed * 4 / 6
     total = router + shared + routed + elementwise
     if terms:
         terms.item("MoE router + shared", "6·tokens·h·E / rate + the shared SwiGLU's linears", None,
@@ -506,21 +586,25 @@ def moe_ffn_seconds(profile, ranks: int, shape, tokens: int, ep: int, imbalance:
 
 
 def block_seconds(profile, ranks: int, shape, seq: int, tokens: int, tp: int,
-                  terms: Terms = NO_TERMS) -> float:
+                  terms: Terms = NO_TERMS, spec=None) -> float:
     """One decoder block's forward + backward over `tokens` tokens at the rates `profile` measured
     for its parts alone: the linears, attention and the elementwise work. How much slower the block
-    runs as a whole is the profile's block_in_situ factor, applied by the caller."""
+    runs as a whole is the profile's block_in_situ factor, applied by the caller. `spec` (LoRA): the
+    linears without their weight gradients (4 FLOPs per weight, not 6), and the adapters."""
     d, kv, f = shape.d_model, shape.kv_dim, shape.ffn_hidden
     linears = [(d, d / tp), (d, kv / tp), (d, kv / tp), (d / tp, d),  # q, k, v, o
                (d, f / tp), (d, f / tp), (f / tp, d)]  # gate, up, down
+    passes = 6 if spec is None else 4
     layer = 0.0
     for name, (k, n) in zip(LINEARS, linears):
         rate = profile.linear_flops(ranks, tokens, k, n)
-        t = 6 * tokens * k * n / rate
+        t = passes * tokens * k * n / rate
         if terms:
-            terms.item(f"linear {name}", "6·tokens·in·out / rate",
-                       f"6·{tokens}·{num(k)}·{num(n)} / {num(rate / 1e12)} TFLOP/s", sec(t))
+            terms.item(f"linear {name}", f"{passes}·tokens·in·out / rate",
+                       f"{passes}·{tokens}·{num(k)}·{num(n)} / {num(rate / 1e12)} TFLOP/s", sec(t))
         layer += t
+    if spec is not None:
+        layer += adapter_seconds(profile, ranks, shape, spec, tokens, tp, terms)
     attention = 12 * (shape.n_heads / tp) * shape.head_dim * seq * tokens
     rate = profile.attention_flops(ranks, seq, shape.head_dim)
     if terms:
@@ -529,6 +613,22 @@ def block_seconds(profile, ranks: int, shape, seq: int, tokens: int, tp: int,
                    f"{num(rate / 1e12)} TFLOP/s", sec(attention / rate))
     layer += attention / rate
     return layer + block_elementwise_seconds(profile, ranks, shape, tokens, tp, terms)
+
+
+def adapter_seconds(profile, ranks: int, shape, spec, tokens: int, tp: int, terms: Terms = NO_TERMS) -> float:
+    """A block's LoRA adapters, forward + backward: each adapted linear's A [r, in] and B [out, r] as a TP
+    rank holds them (plan/lora.py), 6 FLOPs per weight and token at the rate measured for that shape."""
+    r, t = spec.rank, 0.0
+    for role in spec.targets:
+        inp, out, split = lora.linears(shape)[role]
+        a_in = inp / tp if split == lora.ROW else inp  # A's input: split for a row-split linear
+        b_out = out / tp if split == lora.COLUMN else out  # B's output: split for a column-split one
+        t += 6 * tokens * r * a_in / profile.linear_flops(ranks, tokens, a_in, r) \
+            + 6 * tokens * r * b_out / profile.linear_flops(ranks, tokens, r, b_out)
+    if terms:
+        terms.item("LoRA adapters", "Σ 6·tokens·r·(in + out) / their rates (A, B as a TP rank holds them)",
+                   None, sec(t))
+    return t
 
 
 def block_elementwise_bytes(shape, tokens: int, tp: int) -> float:
@@ -610,6 +710,14 @@ def _recompute(w, c, compute: float, gpu=None, terms: Terms = NO_TERMS) -> float
                        f"{KERNELS_PER_LAYER // 3} × {num(gpu.kernel_launch_s)} s)", sec(recompute))
         return recompute
     ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
+    if w.lora is not None:  # a forward is about half of a LoRA step
+        share = forward_share(w)
+        recompute = compute * share * ckpt / layers
+        if recompute and terms:
+            terms.item("recompute", "compute × forward share × checkpointed/L (a forward again; LoRA: the "
+                       "forward's share of the FLOPs)", f"{sec(compute)} × {num(share)} × {ckpt}/{layers}",
+                       sec(recompute))
+        return recompute
     recompute = compute / 3 * ckpt / layers
     if recompute and terms:
         terms.item("recompute", "compute/3 × checkpointed/L (a forward again)",
@@ -637,6 +745,8 @@ def _offload(w, c, cluster, terms: Terms = NO_TERMS) -> float:
     if c.offload == "none":
         return 0.0
     gpu = cluster.gpu
+    if w.lora is not None:
+        return _lora_offload(w, c, cluster, terms)
     local = w.shape.num_params / (c.tp * c.pp * c.shard_size)
     if w.shape.moe:  # the MoE blocks whole over TP, the routed experts split over ep
         local = local_params(w, c)
@@ -667,3 +777,26 @@ def _offload(w, c, cluster, terms: Terms = NO_TERMS) -> float:
     if terms:
         terms.item("offload", "host link + host Adam" + nvme, None, sec(offload))
     return offload
+
+
+def _lora_offload(w, c, cluster, terms: Terms = NO_TERMS) -> float:
+    """FSDP2's CPU offload under LoRA: the trainable parameters' fp32 gradients out, every parameter in
+    (the frozen base in its dtype, what trains in fp32), host Adam over what trains."""
+    shape, gpu = w.shape, cluster.gpu
+    heaviest = max(shape.priced_stages(c.pp), key=lambda s: shape.stage_params(s, c.pp))
+    rest, routed = lora.stage_params(shape, w.lora, heaviest, c.pp, c.tp, c.ep)
+    frozen = rest.frozen / c.shard_size + routed.frozen / c.expert_shard_size
+    trained = local_params(w, c)
+    b = w.lora.base_bytes
+    link = (4 * trained + b * frozen + 4 * trained) / (gpu.host_link_gbps * 1e9)
+    adam = trained / (cluster.cpu_adam_params_per_s / cluster.gpus_per_node)
+    if terms:
+        terms.item("Ψ_base, Ψ_lora per GPU", "a rank's shard of the frozen base, of what trains", None,
+                   f"{num(frozen)}, {num(trained)}")
+        terms.item("host link", f"(4Ψ_lora + {b}Ψ_base + 4Ψ_lora)/host link (fp32 grads out; the base and "
+                   "what trains in)", f"(8 × {num(trained)} + {b} × {num(frozen)}) / {num(gpu.host_link_gbps)} GB/s",
+                   sec(link))
+        terms.item("host Adam", "Ψ_lora/(CPU Adam rate per node / GPUs per node)",
+                   f"{num(trained)} / ({num(cluster.cpu_adam_params_per_s)}/{cluster.gpus_per_node})", sec(adam))
+        terms.item("offload", "host link + host Adam", None, sec(link + adam))
+    return link + adam

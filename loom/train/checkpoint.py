@@ -45,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -56,10 +57,11 @@ from loom.config import Config, load_config_text, shape_overrides, to_toml
 from loom.errors import AgreedError, ConfigError, LoomError
 from loom.files import atomic_write, fsync_dir
 from loom.models.gpt.config import preset
+from loom.models.lora import is_adapter
 from loom.observe.report import size_text
 from loom.parallel import deepspeed_engine
 from loom.parallel.zero1 import is_zero1, local_optimizer, owned_states
-from loom.train import faults, safe_load, tokenizer_copy
+from loom.train import faults, lora_base, safe_load, tokenizer_copy
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -68,7 +70,8 @@ META = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Settings that decide which sequences step k trains on, or the model's shapes: a resume must keep them.
 RESUME_FIXED = ("data.source", "data.tokenizer", "data.bpe_vocab_size", "data.seq_len", "data.eval_fraction",
-                "train.batch_size", "train.seed")
+                "train.batch_size", "train.seed", "lora.rank", "lora.alpha", "lora.targets",
+                "lora.train_embeddings", "lora.train_norms", "lora.base_dtype")
 
 
 def step_name(step: int) -> str:
@@ -253,7 +256,7 @@ class _Names:
 def _state(model: nn.Module, optimizer, d) -> tuple[dict[str, torch.Tensor], dict, _Names]:
     """(flat tensors for DCP, the optimizer's torch state dict to write back into, names)."""
     names = _Names(model, isinstance(model, nn.ModuleList))
-    model_sd = get_model_state_dict(model)
+    model_sd = get_model_state_dict(model, options=_options(model))
     known = list(model_sd)
     flat = {f"model.{k}": v for k, v in names.rename(model_sd, True, known).items()}
     if is_zero1(optimizer):
@@ -272,12 +275,22 @@ def _state(model: nn.Module, optimizer, d) -> tuple[dict[str, torch.Tensor], dic
 # Saving
 
 
+def _options(model: nn.Module) -> StateDictOptions:
+    """What a checkpoint holds of the model: what trains. With a frozen base (LoRA), the adapters
+    alone; the base is the run's model.init_from (or initialization), checked by lora_base."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def checkpoint_meta(cfg: Config, step: int, d, task) -> dict:
     """What a checkpoint records besides tensors: the layout that wrote it and the data position
     (global batch `step` is next; the sampler gives the same one under any layout)."""
     layout = {"strategy": cfg.parallel.strategy, "world_size": d.world_size,
               "mesh": dict(zip(d.mesh.mesh_dim_names, d.mesh.shape))}
     record = {"model_config": task.model_record} if task.model_record is not None else {}
+    base = lora_base.identity(cfg)
+    if base is not None:
+        record["lora_base"] = base
     return {"layout": layout, "model": task.description, **record,
             "data": {"next_global_batch": step, "samples_seen": step * cfg.train.batch_size,
                      "tokens_seen": step * cfg.train.batch_size * task.tokens_per_sample,
@@ -576,6 +589,7 @@ def check_resumable(meta: dict, cfg: Config, path: Path) -> None:
     if conflicts:
         raise LoomError(f"cannot resume from {path}: {'; '.join(conflicts)}; keep the checkpoint's values "
                         f"(its config is in {path / META}) or start a new run without --resume")
+    lora_base.check(meta.get("lora_base"), lora_base.identity(cfg), path)
     if meta["step"] >= cfg.train.steps:
         raise LoomError(f"{path} is at step {meta['step']} and train.steps = {cfg.train.steps}: nothing left "
                         f"to train; raise train.steps "
@@ -617,7 +631,7 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
     model_sd = held["model_sd"]
     for k in model_sd:
         model_sd[k] = flat[f"model.{names.to_ckpt(k)}"]
-    set_model_state_dict(model, model_sd)
+    set_model_state_dict(model, model_sd, options=_options(model))
     osd = held["torch"]  # None for ZeRO-1: DCP filled its local optimizer's own state tensors in place
     if osd is not None:
         for name, states in osd["state"].items():
@@ -631,7 +645,8 @@ def load_weights(path: Path, model: nn.Module, d) -> None:
     """The model's weights alone from a checkpoint (`model.init_from`): each rank reads the chunks
     that overlap its shards; the optimizer, schedule and data position start fresh."""
     names = _Names(model, isinstance(model, nn.ModuleList))
-    model_sd = get_model_state_dict(model)
+    # LoRA's adapters start from their own initialization: the checkpoint gives the base
+    model_sd = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
     flat = {f"model.{k}": v for k, v in names.rename(model_sd, True, list(model_sd)).items()}
     everyone: list[dict] = [{} for _ in range(d.world_size)]
     dist.all_gather_object(everyone, {k: (v.dtype, tuple(v.shape)) for k, v in flat.items()})
@@ -640,7 +655,7 @@ def load_weights(path: Path, model: nn.Module, d) -> None:
     _dcp_load(path, flat, metadata)
     for k in model_sd:
         model_sd[k] = flat[f"model.{names.to_ckpt(k)}"]
-    set_model_state_dict(model, model_sd)
+    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=False))
 
 
 def _dcp_load(path: Path, state: dict, metadata) -> None:

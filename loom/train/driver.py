@@ -24,12 +24,13 @@ import torch.distributed as dist
 from torch import nn
 
 from loom import strategies
-from loom.config import Config, pipeline_microbatches, validate
+from loom.config import Config, lora_base_dtype, pipeline_microbatches, validate
 from loom.data.loader import build_loaders
 from loom.errors import AgreedError
 from loom.files import atomic_write, claim_run_dir
 from loom.launch import srun_tasks
 from loom.models.gpt.moe import moe_modules
+from loom.models.lora import apply_lora, blocks_of
 from loom.models.registry import adapter_for
 from loom.observe import core_wait, flight
 from loom.observe.collectives import CollectiveCounter
@@ -105,8 +106,12 @@ def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = Non
         torch.manual_seed(t.seed)
         user_model = task.model_fn()
     num_params = count_params(user_model)
+    adapter = adapter_for(user_model)
+    if cfg.lora.rank is not None:  # the base frozen, adapters added (loom/models/lora.py)
+        apply_lora(user_model, blocks_of(adapter.layers(user_model)), cfg.lora,
+                   precision.DTYPES[lora_base_dtype(cfg)], t.seed)
     split = sequence_split(d, task.document_eos)
-    parts = parallelize(user_model, cfg, d, adapter_for(user_model), task.weights, split)
+    parts = parallelize(user_model, cfg, d, adapter, task.weights, split)
     del user_model  # a pipeline stage keeps only its layers
     _release(task)
     model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)  # interleaved: several stages

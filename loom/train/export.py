@@ -43,7 +43,7 @@ from loom.models.gpt.model import build_model
 from loom.models.hf.experts import split_experts
 from loom.models.pretrained import SPECIAL_IDS, SPECIAL_TOKENS
 from loom.train import checkpoint as ckpt
-from loom.train import safe_load, tokenizer_copy
+from loom.train import export_lora, safe_load, tokenizer_copy
 from loom.train.checkpoint import CHECKPOINTS, latest_checkpoint, resolve_resume
 
 LAYOUTS = ("loom", "hf")
@@ -59,29 +59,45 @@ MODEL_FILES = (HF_CONFIG, GENERATION_CONFIG, "*.safetensors", "*.safetensors.ind
 
 
 def export(checkpoint: Path | str, output: Path | str, layout: str = "loom",
-           overwrite: bool = False) -> list[Path]:
+           overwrite: bool = False, lora: str | None = None) -> list[Path]:
     """Write the model of `checkpoint` (a step_N folder, or a run directory: its latest) to
     `output` as one safetensors file (+ config.json and the tokenizer for layout "hf"). An
     existing output, or a folder holding a model (layout "hf"), is replaced only under
-    `overwrite`. Returns the paths written."""
+    `overwrite`. A LoRA run's checkpoint (adapters alone) needs `lora`: "adapter" writes the
+    PEFT adapter folder `output`, "merged" the base with the adapters merged in
+    (loom/train/export_lora.py). Returns the paths written."""
     if layout not in LAYOUTS:
         raise LoomError(f"unknown export layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
     output = Path(output)
-    _check_output(output, layout, overwrite)
+    if lora == "adapter":
+        _check_adapter_output(output, overwrite)
+    else:
+        _check_output(output, layout, overwrite)
     path = _resolve(Path(checkpoint))
     meta = ckpt.read_meta(path)
+    export_lora.check_mode(meta, path, lora)
     tokenizer = tokenizer_copy.carried(path, meta) if layout == "hf" else {}
     stored = {k.removeprefix("model."): tuple(m.size) for k, m in
               safe_load.read_metadata(path).state_dict_metadata.items() if k.startswith("model.")}
     if not stored:
         raise LoomError(f"{path} holds no model tensors; pass a checkpoint written by `loom train`")
-    # loom's GPT: exactly the entries its saved config gives, with their dtypes and shapes, checked
-    # before any payload is read (another model: each entry is still checked to be a tensor).
     hf_model = _saved_hf_config(meta, path)  # a Hugging Face decoder trained as itself (init_from)
-    gpt = gpt_config(meta, stored, path) if (layout == "hf" and hf_model is None) or is_gpt(stored) else None
-    expected = None if gpt is None else {f"model.{k}": (v.dtype, tuple(v.shape))
-                                         for k, v in build_model(gpt, "meta").state_dict().items()}
-    tensors = ckpt.read_tensors(path, "model.", expected)
+    if lora is not None:
+        gpt = _recorded_gpt(meta, path) if hf_model is None else None
+        adapters = ckpt.read_tensors(path, "model.")
+        if lora == "adapter":
+            return _write_adapter(output, *export_lora.adapter_files(meta, path, adapters, gpt), overwrite)
+        model = build_model(gpt, "meta") if gpt is not None else _hf_meta_model(hf_model)
+        names = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        tensors = export_lora.merged_tensors(meta, path, adapters, names, gpt)
+    else:
+        # loom's GPT: exactly the entries its saved config gives, with their dtypes and shapes, checked
+        # before any payload is read (another model: each entry is still checked to be a tensor).
+        gpt = gpt_config(meta, stored, path) if (layout == "hf" and hf_model is None) or is_gpt(stored) \
+            else None
+        expected = None if gpt is None else {f"model.{k}": (v.dtype, tuple(v.shape))
+                                             for k, v in build_model(gpt, "meta").state_dict().items()}
+        tensors = ckpt.read_tensors(path, "model.", expected)
     if layout == "hf" and hf_model is not None:
         config = hf_model  # under its own names; a Qwen-MoE's experts apart again, as its folder held them
         tensors = split_experts(tensors)
@@ -106,6 +122,36 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom",
     generation = {GENERATION_CONFIG: _json(special)} if "eos_token_id" in special else {}
     files = {output.name: write, **tokenizer, **generation, HF_CONFIG: _json(config)}
     return _write_model_folder(output.parent, files, overwrite)
+
+
+def _write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict,
+                   overwrite: bool) -> list[Path]:
+    folder.mkdir(exist_ok=True)
+
+    def write(tmp: Path) -> None:
+        safetensors.torch.save_file(_standalone(tensors), str(tmp), metadata={"format": "pt"})
+
+    files = {export_lora.ADAPTER_FILE: write, export_lora.ADAPTER_CONFIG: _json(config)}
+    return _write_model_folder(folder, files, overwrite)
+
+
+def _recorded_gpt(meta: dict, path: Path) -> GPTConfig:
+    saved = meta.get("model_config")
+    if not (isinstance(saved, dict) and isinstance(saved.get("gpt"), dict)):
+        raise LoomError(f"{path / 'meta.json'} records no model config (model_config.gpt); it is damaged")
+    try:
+        gpt = GPTConfig(**saved["gpt"])
+        validate_gpt(gpt)
+    except (TypeError, ConfigError) as e:
+        raise LoomError(f"{path / 'meta.json'} is damaged (its model_config: {e})") from None
+    return gpt
+
+
+def _hf_meta_model(raw: dict):
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**raw))
 
 
 def _json(doc: dict) -> bytes:
@@ -161,6 +207,20 @@ def _check_output(output: Path, layout: str, overwrite: bool) -> None:
         raise LoomError(f"{parent} already holds a model ({', '.join(p.name for p in held[:3])}"
                         f"{', …' if len(held) > 3 else ''}); --layout hf writes a whole model folder: export "
                         f"into an empty folder, or pass --overwrite to replace that model's files")
+
+
+def _check_adapter_output(folder: Path, overwrite: bool) -> None:
+    """--lora adapter writes a folder (PEFT loads adapter_model.safetensors + adapter_config.json)."""
+    if not folder.parent.is_dir():
+        raise LoomError(f"cannot write {folder}: its folder {folder.parent} does not exist; create it "
+                        f"(mkdir -p {folder.parent}) or choose an output folder in an existing one")
+    if folder.exists() and not folder.is_dir():
+        raise LoomError(f"--lora adapter writes a folder (adapter_model.safetensors + adapter_config.json), "
+                        f"and {folder} is a file; name a folder, e.g. {folder.with_suffix('')}-adapter")
+    held = [p for p in (folder / export_lora.ADAPTER_FILE, folder / export_lora.ADAPTER_CONFIG) if p.exists()]
+    if held and not overwrite:
+        raise LoomError(f"{folder} already holds an adapter ({held[0].name}); pass --overwrite to replace "
+                        f"it, or export into another folder")
 
 
 def _resolve(given: Path) -> Path:

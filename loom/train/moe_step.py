@@ -20,11 +20,14 @@ from loom.parallel.mesh import Dist
 
 def configure(parts: list[nn.Module], cfg: Config) -> None:
     """Each MoE block's d(loss)/d(aux loss) per forward call: its coefficient over the micro-batches
-    a step averages (the language-model loss is scaled alike: loom/train/step.py)."""
+    a step averages (the language-model loss is scaled alike: loom/train/step.py). Under LoRA the
+    routing is the frozen base's: no aux loss, no bias update."""
     calls = cfg.train.grad_accum * (pipeline_microbatches(cfg.parallel) if cfg.parallel.pp > 1 else 1)
     for part in parts:
         for block in moe_modules(part):
             block.aux_weight = block.cfg.moe_aux_loss_coef / calls
+            if cfg.lora.rank is not None:
+                block.aux_weight = block.bias_update_rate = 0.0
 
 
 def experts_of(model: nn.Module) -> int:
@@ -55,7 +58,7 @@ def after_step(model: nn.Module, d: Dist | None, experts: int,
     ranks = d.grad_mesh.size() if d is not None else 1
     load, dropped, aux = tally[:, :experts], tally[:, experts], tally[:, experts + 1] / ranks
     for block, block_load in zip(blocks, load):
-        rate = block.cfg.moe_bias_update_rate
+        rate = block.bias_update_rate
         if rate:
             block.expert_bias += rate * torch.sign(block_load.mean() - block_load)
         block.stats = None

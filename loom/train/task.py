@@ -139,16 +139,22 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
     pretrained model's files against the model they must fill)."""
     if not cfg.model.init_from:
         gpt = model_config(cfg, data_vocab)
+        check_lora_targets(cfg, build_model(gpt, device="meta"))
         return ConfigModel(gpt, None, from_gpt_config(gpt, cfg.model.preset),
                            f"GPT {gpt.n_layers}L d{gpt.d_model}")
     pretrained = pretrained or open_pretrained(cfg.model.init_from)
     checkpoint = None
     if pretrained.kind == CHECKPOINT:
         checkpoint = ckpt.resolve_resume(str(pretrained.path.absolute()), None)
+        if ckpt.read_meta(checkpoint).get("lora_base") is not None:
+            raise ConfigError(f"model.init_from {checkpoint} holds a LoRA run's adapters alone; start "
+                              f"from the merged model: loom export {checkpoint} merged.safetensors --lora "
+                              f"merged, then model.init_from=merged.safetensors")
         pretrained.gpt = checkpoint_gpt(checkpoint)
     if pretrained.gpt is not None:
         gpt = model_config(cfg, data_vocab, pretrained.gpt)
         pretrained.check(build_model(gpt, device="meta"))
+        check_lora_targets(cfg, build_model(gpt, device="meta"))
         return ConfigModel(gpt, pretrained if checkpoint is None else None,
                            from_gpt_config(gpt, pretrained.path.name),
                            f"GPT {gpt.n_layers}L d{gpt.d_model} from {pretrained.path}", checkpoint)
@@ -172,8 +178,20 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
                   hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings or cfg.data.seq_len,
                   hf.tie_word_embeddings)
     pretrained.check(pretrained.hf_model("meta"))
+    check_lora_targets(cfg, pretrained.hf_model("meta"))
     description = f"{hf.model_type} {hf.num_hidden_layers}L d{hf.hidden_size} from {pretrained.path}"
     return ConfigModel(None, pretrained, from_hf(hf, hf.model_type), description)
+
+
+def check_lora_targets(cfg: Config, model: nn.Module) -> None:
+    """Every lora.targets entry names a linear of the model's blocks (one line if not), before launch."""
+    if cfg.lora.rank is None:
+        return
+    from loom.models.lora import LoRASpec, add_lora, blocks_of
+    from loom.models.registry import adapter_for
+
+    add_lora(model, blocks_of(adapter_for(model).layers(model)), LoRASpec(cfg.lora.rank, cfg.lora.alpha),
+             cfg.lora.targets)
 
 
 def checkpoint_gpt(path: Path) -> GPTConfig:

@@ -88,9 +88,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x), self.w3(x)
-        if _hooked(self.w2) or isinstance(self.w2.weight, DTensor):
-            # Tensor parallel's row-parallel w2 lays out its input and output in its hooks: through
-            # the module, keeping the product (planned so: loom/plan/shapes.py).
+        if _hooked(self.w2) or isinstance(self.w2.weight, DTensor) or type(self.w2) is not nn.Linear:
+            # Tensor parallel's row-parallel w2 lays out its input and output in its hooks, and an
+            # adapted w2 (LoRA) adds its update: through the module, keeping the product (planned
+            # so: loom/plan/shapes.py).
             return self.w2(swiglu(gate, up))
         return swiglu_down(gate, up, self.w2.weight)
 

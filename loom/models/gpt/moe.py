@@ -31,7 +31,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from loom.models.gpt.config import GPTConfig
-from loom.models.gpt.lean_ops import swiglu_down
+from loom.models.gpt.lean_ops import swiglu, swiglu_down
+from loom.models.lora import lora_delta
 from loom.parallel.expert_parallel import ExpertGroup, return_from_experts, scale_grad, send_to_experts
 from loom.parallel.mesh import local_view
 from loom.parallel.pipeline import inferring_shapes
@@ -42,20 +43,53 @@ EXPERT_WEIGHTS = ("w1", "w3", "w2")  # Experts' parameters: [E, hidden, d], [E, 
 class Experts(nn.Module):
     """E SwiGLU experts, their weights stacked on dim 0 (split there over the ep ranks)."""
 
+    EXPERT_WEIGHTS = EXPERT_WEIGHTS
+
     def __init__(self, experts: int, d_model: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, hidden, d_model))  # gate
         self.w3 = nn.Parameter(torch.empty(experts, hidden, d_model))  # up
         self.w2 = nn.Parameter(torch.empty(experts, d_model, hidden))  # down
         self.ep: ExpertGroup | None = None  # set by expert parallelism: this rank holds E/ep of them
+        self.lora = None  # LoRA (loom/models/lora.py): its spec, and which weights are adapted
+
+    def add_lora(self, spec, weights: list[str]) -> None:
+        """LoRA on each expert's `weights`: {w}_lora_A [E, r, in] and {w}_lora_B [E, out, r]."""
+        self.lora, self.lora_weights = spec, tuple(weights)
+        for w in weights:
+            experts, out, inp = getattr(self, w).shape
+            with torch.device(getattr(self, w).device):
+                self.register_parameter(f"{w}_lora_A", nn.Parameter(torch.empty(experts, spec.rank, inp)))
+                self.register_parameter(f"{w}_lora_B", nn.Parameter(torch.empty(experts, out, spec.rank)))
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [M, d] sorted by (local) expert, counts[e] of them for expert e -> [M, d]."""
         grad_scale = 1.0 / self.ep.size if self.ep is not None else 1.0
-        w1, w3, w2 = (scale_grad(local_view(w), grad_scale).unbind(0) for w in (self.w1, self.w3, self.w2))
+
+        def local(name: str) -> tuple[torch.Tensor, ...]:
+            return scale_grad(local_view(getattr(self, name)), grad_scale).unbind(0)
+
+        w1, w3, w2 = (local(w) for w in EXPERT_WEIGHTS)
+        if self.lora is not None:
+            adapters = {w: (local(f"{w}_lora_A"), local(f"{w}_lora_B")) for w in self.lora_weights}
+            return self._forward_lora(rows, counts, {w: local(w) for w in EXPERT_WEIGHTS}, adapters)
         # Every expert runs, on no rows too: its gradient is then zero, not missing (the engines
         # reduce every parameter's gradient).
         return torch.cat([swiglu_down(F.linear(part, w1[e]), F.linear(part, w3[e]), w2[e])
+                          for e, part in enumerate(rows.split(counts))])
+
+    def _forward_lora(self, rows: torch.Tensor, counts: list[int], weights: dict,
+                      adapters: dict) -> torch.Tensor:
+        spec = self.lora
+
+        def linear(x: torch.Tensor, w: str, e: int) -> torch.Tensor:
+            out = F.linear(x, weights[w][e])
+            if w in adapters:
+                a, b = adapters[w]
+                out = out + lora_delta(x, a[e], b[e], spec.scale, spec.dropout, self.training)
+            return out
+
+        return torch.cat([linear(swiglu(linear(part, "w1", e), linear(part, "w3", e)), "w2", e)
                           for e, part in enumerate(rows.split(counts))])
 
 
@@ -69,6 +103,8 @@ class SharedExpert(nn.Module):
         self.w2 = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.w2) is not nn.Linear:  # an adapted w2 (LoRA) computes through its own forward
+            return self.w2(swiglu(self.w1(x), self.w3(x)))
         return swiglu_down(self.w1(x), self.w3(x), self.w2.weight)
 
 
@@ -112,6 +148,7 @@ class MoE(nn.Module):
         # d(training loss)/d(aux loss) of one forward call: coefficient / micro-batches averaged
         # (loom/train/step.py sets the count; 1 for a single call)
         self.aux_weight = cfg.moe_aux_loss_coef
+        self.bias_update_rate = cfg.moe_bias_update_rate  # 0 under LoRA (loom/train/moe_step.py)
         self.stats: MoEStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

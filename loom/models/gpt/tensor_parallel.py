@@ -17,15 +17,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
-    RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from loom.models.gpt.moe import MoE
+from loom.parallel.tensor_parallel import ColwiseParallel, RowwiseParallel
 
 
 class VocabParallelHead(ColwiseParallel):

@@ -7,11 +7,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     PrepareModuleInput,
-    RowwiseParallel,
     parallelize_module,
 )
+
+from loom.parallel.tensor_parallel import ColwiseParallel, RowwiseParallel
 
 
 def apply_hf_decoder_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
