@@ -451,8 +451,8 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
         units = c.fsdp_unit_params(shape, shape.n_layers) if shape.known and c.pp == 1 else None
         lora_units = None  # LoRA: a rank's units (the base and adapters), what trains in each
         if w.lora is not None and units:
-            lora_units = lora.fsdp_units(shape, w.lora, shape.n_layers, True, True, 0, c.fsdp_unit_mb, c.tp, c.ep,
-                                         experts_apart=c.ep > 1)
+            lora_units = lora.fsdp_units(shape, w.lora, shape.n_layers, True, True, 0, c.fsdp_unit_mb, c.tp,
+                                         c.ep, experts_apart=c.ep > 1)
             units = [u.total for u in lora_units]
         # LoRA: the units before the first that trains (a frozen embedding's) output no gradient: FSDP2
         # does not gather them again in backward
@@ -467,8 +467,8 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
                            f"({_link(shard_inter)}, N = {n})")
             if lora_units and terms:
                 terms.item("Φ_kept", f"{per_param}·(P_last unit + P_frozen lead) (a rank's; not gathered in "
-                           f"backward: the last unit stays gathered, the {idle} frozen unit(s) before the first "
-                           f"that trains output no gradient)",
+                           f"backward: the last unit stays gathered, the {idle} frozen unit(s) before the "
+                           f"first that trains output no gradient)",
                            f"{per_param} × ({num(units[-1])} + {num(sum(units[:idle]))})", gb(kept))
             elif units and terms:
                 terms.item("Φ_kept last unit", f"{per_param}·P_unit/tp",
@@ -517,7 +517,8 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
     if routed:
         shard_inter = c.shard_size * c.tp > gpus_per_node
         held = lora.stage_params(shape, w.lora, heaviest, c.pp, c.tp, c.ep)[1] if w.lora is not None else None
-        _expert_sync(w, c, routed, micro_steps, shard_inter if s.shards_params else dp_inter, acc, terms, held)
+        link = shard_inter if s.shards_params else dp_inter
+        _expert_sync(w, c, routed, micro_steps, link, acc, terms, held)
     groups["dp"] = acc.total
 
     acc.group = "tp"

@@ -74,8 +74,8 @@ class LoRA:
             text += f" (routed experts: {', '.join(self.expert_targets) or 'none'})"
         if self.shared_targets != tuple(r for r in self.targets if r in SWIGLU):
             text += f" (shared experts: {', '.join(self.shared_targets) or 'none'})"
-        also = [what for what, on in (("the embeddings", self.train_embeddings), ("the norms", self.train_norms))
-                if on]
+        also = [what for what, on in (("the embeddings", self.train_embeddings),
+                                      ("the norms", self.train_norms)) if on]
         return text + (f"; also training {' and '.join(also)}" if also else "")
 
 
@@ -101,12 +101,14 @@ def resolve_targets(targets: list[str]) -> dict[str, tuple[str, ...]]:
         hit = False
         for place, roles in NAMES.items():
             for role in roles:
-                if target in (ALL_LINEAR, role) or (target not in ROLES and _pattern_names(target, place, role)):
+                named = target in (ALL_LINEAR, role)
+                if named or (target not in ROLES and _pattern_names(target, place, role)):
                     found[place].add(role)
                     hit = True
         if not hit:
-            raise ConfigError(f"lora.targets entry {target!r} names no linear the planner knows; use q, k, v, o, "
-                              f"gate, up, down, all-linear or a module-name pattern such as '*.attention.wq'")
+            raise ConfigError(f"lora.targets entry {target!r} names no linear the planner knows; use q, k, "
+                              f"v, o, gate, up, down, all-linear or a module-name pattern such as "
+                              f"'*.attention.wq'")
     return {place: tuple(r for r in ROLES if r in roles) for place, roles in found.items()}
 
 
@@ -236,8 +238,8 @@ def trainable_params(shape: ModelShape, lora: LoRA) -> int:
     return round(rest.trainable + routed.trainable)
 
 
-def fsdp_units(shape: ModelShape, lora: LoRA, layers: int, first: bool, last: bool, start: int, unit_mb: float,
-               tp: int = 1, ep: int = 1, experts_apart: bool = False) -> list[Params]:
+def fsdp_units(shape: ModelShape, lora: LoRA, layers: int, first: bool, last: bool, start: int,
+               unit_mb: float, tp: int = 1, ep: int = 1, experts_apart: bool = False) -> list[Params]:
     """Each FSDP2 unit of a stage (Candidate.fsdp_unit_params' grouping, the adapters counted in each
     module's parameters as loom/parallel/fsdp.py counts them) as a rank holds it gathered: its frozen and
     trainable parameters after TP and EP. `experts_apart`: an MoE block's routed experts are a unit of
@@ -258,7 +260,8 @@ def _units(shape, lora, layers, first, last, start, unit_mb, tp, ep, experts_apa
     blocks = range(start, start + layers)
     entries, sizes = [local[shape.is_moe(i)] for i in blocks], [whole[shape.is_moe(i)] for i in blocks]
     if first and not tied:
-        entries, sizes = [end_params(shape, lora, True, False, tp)] + entries, [shape.embedding_params] + sizes
+        entries = [end_params(shape, lora, True, False, tp)] + entries
+        sizes = [shape.embedding_params] + sizes
     if last and not tied:
         entries, sizes = entries + [end_params(shape, lora, False, True, tp)], sizes + [shape.head_params]
     units = [sum(unit, Params()) for unit in strategies.fsdp_units(entries, sizes, unit_mb)]

@@ -492,23 +492,27 @@ def _record_lora_states(terms: Terms, w, c, stage: int, stage_params: int, state
     split = " (TP: A whole and B split for q k v gate up, the other way for o and down)" if c.tp > 1 else ""
     terms.item("Ψ_base on a rank", "the frozen parameters a rank holds, before sharding" +
                (", the routed experts apart" if held.total else ""), None, num(rest.frozen))
-    terms.item("Ψ_lora on a rank", f"what trains on a rank, before sharding{split}", None, num(rest.trainable))
+    terms.item("Ψ_lora on a rank", f"what trains on a rank, before sharding{split}", None,
+               num(rest.trainable))
     b, s = spec.base_bytes, c.strategy_info
     sp, sg, so = (kind in s.sharded for kind in (strategies.PARAMS, strategies.GRADS, strategies.OPTIMIZER))
     over = lambda sharded: "/N" if sharded else ""  # noqa: E731
     shards = ", ".join(k for k, f in (("params", sp), ("grads", sg), ("optimizer", so)) if f) or "nothing"
     terms.note(f"model states, LoRA: the base frozen in {b} bytes per parameter (no gradient, no optimizer "
-               f"state); what trains in fp32: params 4 + grads 4 + Adam m, v 8 = 16 bytes; {c.strategy} shards "
-               f"{shards} over N = {c.shard_size}")
+               f"state); what trains in fp32: params 4 + grads 4 + Adam m, v 8 = 16 bytes; {c.strategy} "
+               f"shards {shards} over N = {c.shard_size}")
     whole = 4 * (not sp) + 4 * (not sg) + 8 * (not so)
     lora_sym = " + ".join(t for t in (f"{whole}Ψ_lora" if whole else "", f"{16 - whole}Ψ_lora/N"
                                       if whole < 16 else "") if t)
-    terms.note(f"  {b}Ψ_base{over(sp)} + {lora_sym}   (base {b}Ψ{over(sp)}, adapters 16Ψ_lora{'/N' if so else ''})")
+    terms.note(f"  {b}Ψ_base{over(sp)} + {lora_sym}   (base {b}Ψ{over(sp)}, adapters "
+               f"16Ψ_lora{over(so)})")
     n = c.shard_size
     for name, formula, numbers, value in (
             ("params", f"{b}·Ψ_base{over(sp)} + 4·Ψ_lora{over(sp)}",
-             f"({b} × {num(rest.frozen)} + 4 × {num(rest.trainable)}){f' / {n}' if sp else ''}", states.params),
-            ("grads", f"4·Ψ_lora{over(sg)}", f"4 × {num(rest.trainable)}{f' / {n}' if sg else ''}", states.grads),
+             f"({b} × {num(rest.frozen)} + 4 × {num(rest.trainable)}){f' / {n}' if sp else ''}",
+             states.params),
+            ("grads", f"4·Ψ_lora{over(sg)}", f"4 × {num(rest.trainable)}{f' / {n}' if sg else ''}",
+             states.grads),
             ("optimizer", f"8·Ψ_lora{over(so)}", f"8 × {num(rest.trainable)}{f' / {n}' if so else ''}",
              states.optimizer)):
         terms.item(name, formula, numbers, gb(value))
@@ -516,10 +520,10 @@ def _record_lora_states(terms: Terms, w, c, stage: int, stage_params: int, state
         ep, ne = c.ep, c.expert_shard_size
         terms.note(f"routed experts: E/ep = {shape.moe_experts}/{ep} per rank, their frozen weights and "
                    f"adapters sharded over the ranks holding the same ones, N_e = {ne}")
-        by = lambda sharded: (f"/N_e", f" / {ne}") if sharded else ("", "")  # noqa: E731
+        by = lambda sharded: ("/N_e", f" / {ne}") if sharded else ("", "")  # noqa: E731
         for name, formula, numbers, sharded, value in (
-                ("expert params", "b·P_e/ep + 4·A_e/ep", f"{b} × {num(held.frozen)} + 4 × {num(held.trainable)}",
-                 sp, expert.params),
+                ("expert params", "b·P_e/ep + 4·A_e/ep",
+                 f"{b} × {num(held.frozen)} + 4 × {num(held.trainable)}", sp, expert.params),
                 ("expert grads", "4·A_e/ep", f"4 × {num(held.trainable)}", sg, expert.grads),
                 ("expert optimizer", "8·A_e/ep", f"8 × {num(held.trainable)}", so, expert.optimizer)):
             sym, div = by(sharded)

@@ -2,8 +2,8 @@
 
 Candidates: strategy (ddp, zero1, zero2, zero3, hsdp) × offload × tp × pp × cp (ring or alltoall) ×
 ep (a mixture of experts only) × pipeline schedule × activation checkpointing × micro-batch, with
-grad_accum (or the pipeline's micro-batches) making up the global batch. Pure Python: thousands of
-candidates per second.
+grad_accum (or the pipeline's micro-batches) making up the global batch (under LoRA on the torch
+engine only: loom's deepspeed engine refuses it). Pure Python: thousands of candidates per second.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from pathlib import Path
 
 from loom import strategies
 from loom.errors import ConfigError
-from loom.plan import context, experts
+from loom.plan import context, experts, lora
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.comm import comm_per_step, ep_payload_per_step
 from loom.plan.efficiency import compute_fraction, link_efficiency
 from loom.plan.hardware import Cluster
 from loom.plan.memory import expert_state_bytes, gpu_memory
-from loom.plan.step import bubble_fraction, step_time
+from loom.plan.step import bubble_fraction, flops_per_token, step_time
 
 GB = 1e9
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -58,6 +58,10 @@ def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
         record.update(ep=c.ep, expert_state_bytes={"params": held.params, "grads": held.grads,
                                                    "optimizer": held.optimizer, "total": held.total},
                       ep_alltoall_payload_bytes_per_step=payload, ep_alltoall_calls_per_step=calls)
+    if w.lora is not None:  # a rank's parameters before sharding (memory_stage's): frozen, trained
+        rest, routed = lora.stage_params(w.shape, w.lora, mem.stage, c.pp, c.tp, c.ep)
+        record["lora_params"] = {"base": rest.frozen + routed.frozen,
+                                 "trainable": rest.trainable + routed.trainable}
     gpu = cluster.gpu
     if gpu is None:
         return record
@@ -70,7 +74,7 @@ def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
     if record["nvme_bytes"] > cluster.nvme_gb * GB:
         reasons.append(f"needs {record['nvme_bytes'] / GB:.0f} GB of NVMe per node > {cluster.nvme_gb:g} GB")
     t = step_time(w, c, cluster, comm, groups)
-    flops = w.tokens_per_step * w.shape.flops_per_token(w.seq_len)
+    flops = w.tokens_per_step * flops_per_token(w)  # under LoRA what it runs: no frozen weight's gradient
     record.update(fits=not reasons, why_not="; ".join(reasons) or None, step_time_s=t.total,
                   step_time_breakdown_s=t.to_dict(), tokens_per_s=w.tokens_per_step / t.total,
                   mfu=flops / (t.total * c.world * gpu.bf16_tflops * 1e12))
@@ -95,7 +99,7 @@ def enumerate_candidates(w: Workload, cluster: Cluster,
         eps = [1] + (experts.splits(shape, dp) if cp == 1 else [])
         for strategy in names:
             for shard in _shards(strategy, dp, tp, per_node, cluster.nodes, cp):
-                for offload, framework in _offloads(strategy, dp, tp, pp, host_tier, cp):
+                for offload, framework in _offloads(strategy, dp, tp, pp, host_tier, cp, w.lora is not None):
                     for ep in eps:
                         if ep > 1 and not experts.valid(shape, Candidate(strategy, dp, tp, pp, shard, offload,
                                                                          framework=framework, ep=ep)):
@@ -151,13 +155,13 @@ def _shards(strategy: str, dp: int, tp: int, per_node: int, nodes: int, cp: int 
 
 
 def _offloads(strategy: str, dp: int, tp: int, pp: int, host_tier: bool = True,
-              cp: int = 1) -> list[tuple[str, str]]:
+              cp: int = 1, lora: bool = False) -> list[tuple[str, str]]:
     """(offload, engine) pairs a strategy runs with. ZeRO-Offload takes stages 1-3 (the optimizer
     states); the parameters and NVMe need stage 3; hybrid sharding has FSDP2's CPUOffloadPolicy
     only. Sharding over one rank is no sharding: with dp = 1 only the simplest strategy that
     offers an offload tier is a candidate (zero3 tp8 is ddp tp8). loom's deepspeed engine runs
     ZeRO without TP or PP: those layouts are also priced on it. Nor does it split sequences: under
-    cp > 1 only the torch engine's tiers."""
+    cp > 1 only the torch engine's tiers; nor train LoRA adapters (`lora`): the torch engine's alone."""
     s = strategies.lookup(strategy)
     if s.zero_stage == 0:
         tiers = ("none",)
@@ -174,7 +178,7 @@ def _offloads(strategy: str, dp: int, tp: int, pp: int, host_tier: bool = True,
                    if other.zero_stage < s.zero_stage and other.dp_mesh != "hybrid"]
         taken = {tier for name in simpler for tier, _ in _offloads(name, 2, tp, pp, host_tier)}
         tiers = tuple(t for t in tiers if t not in taken)
-    if cp > 1:
+    if cp > 1 or lora:
         return [(tier, "torch") for tier in tiers if tier in ("none", "optimizer+params")]
     pairs = [(tier, "torch") for tier in tiers]
     if s.deepspeed_stage and tp == pp == 1 and dp > 1 and s.dp_mesh != "hybrid":
@@ -214,19 +218,33 @@ class Plan:
             model.update(active_params=shape.active_params, moe_experts=shape.moe_experts,
                          moe_top_k=shape.moe_top_k, moe_layers=shape.moe_layers,
                          moe_imbalance=self.workload.moe_imbalance)
+        spec = self.workload.lora
+        if spec is not None:
+            model["lora"] = {"rank": spec.rank, "targets": list(spec.targets),
+                             "expert_targets": list(spec.expert_targets),
+                             "shared_targets": list(spec.shared_targets),
+                             "train_embeddings": spec.train_embeddings, "train_norms": spec.train_norms,
+                             "base_bytes": spec.base_bytes,
+                             "adapter_params": lora.adapter_params(shape, spec),
+                             "trainable_params": lora.trainable_params(shape, spec)}
         return {
             "model": model,
             "cluster": {**dataclasses.asdict(self.cluster), "world_size": self.cluster.world_size},
             "assumptions": assumptions(self.cluster, shape, any(r.get("cp", 1) > 1 for r in self.candidates),
-                                       self.workload.moe_imbalance),
+                                       self.workload.moe_imbalance, self.workload.lora),
             "candidates": self.candidates, "recommended": self.recommended, "reason": self.reason,
             "recommendable": self.recommendable, "workload_origin": self.workload_origin,
         }
 
 
-def assumptions(cluster: Cluster, shape=None, cp: bool = False, imbalance: float = 1.0) -> list[str]:
+def assumptions(cluster: Cluster, shape=None, cp: bool = False, imbalance: float = 1.0,
+                spec: lora.LoRA | None = None) -> list[str]:
     gpu = cluster.gpu
     moe = []
+    lora_words = [] if spec is None else [
+        f"LoRA {spec.describe()}: the base frozen in {spec.base_bytes} bytes per parameter, what trains in "
+        f"fp32 with AdamW (16 bytes); no frozen weight's gradient (4 FLOPs per weight and token, not 6); the "
+        f"torch engine only"]
     if shape is not None and shape.moe:
         moe = [f"mixture of experts: FLOPs of the active parameters (top {shape.moe_top_k} of "
                f"{shape.moe_experts} experts); the MoE blocks whole on each TP rank; expert parallelism's "
@@ -236,7 +254,8 @@ def assumptions(cluster: Cluster, shape=None, cp: bool = False, imbalance: float
         return [f"compute, elementwise work and collectives at the rates measured on this machine "
                 f"({cluster.profile.describe()}; `loom plan --calibrate` remeasures)",
                 "on a CPU nothing overlaps: the cores that compute also run the collectives",
-                f"fragmentation margin {cluster.fragmentation:.0%} of allocated bytes; GB = 1e9 bytes"] + moe
+                f"fragmentation margin {cluster.fragmentation:.0%} of allocated bytes; "
+                "GB = 1e9 bytes"] + moe + lora_words
     fraction = cluster.achievable_fraction or compute_fraction(gpu, shape)
     efficiency = cluster.comm_efficiency or link_efficiency(gpu)
     return [
@@ -252,7 +271,7 @@ def assumptions(cluster: Cluster, shape=None, cp: bool = False, imbalance: float
                                                         "attention, its all_to_alls are exposed")),
         f"fragmentation margin {cluster.fragmentation:.0%} of allocated bytes; GB = 1e9 bytes",
         "offload traffic and host Adam are not overlapped",
-    ] + moe
+    ] + moe + lora_words
 
 
 def search(w: Workload, cluster: Cluster) -> Plan:
@@ -284,6 +303,8 @@ def search(w: Workload, cluster: Cluster) -> Plan:
     why = _reason(records, best, cluster, roomy or runnable, preference)
     if not roomy:
         why += f"; nothing loom runs fits under {TIGHT:.0%} of the {_unit(cluster)}'s memory"
+    if w.lora is not None:
+        why += ". " + _lora_reason(w, cluster, records)
     return Plan(w, cluster, records, best, why, _one_per_layout(records, band, best))
 
 
@@ -373,6 +394,41 @@ def _one_per_layout(records: list[dict], band: list[int], best: int) -> list[int
 def _layout(r: dict) -> tuple:
     return (r["strategy"], r["tp"], r["pp"], r["pp_schedule"], r["offload"], r["engine"] == "deepspeed",
             r.get("cp", 1), r.get("cp_mode", "ring"), r.get("ep", 1))
+
+
+def _lora_reason(w: Workload, cluster: Cluster, records: list[dict]) -> str:
+    """What LoRA holds before sharding, and, when only offload makes it fit, that plainly, with the fewest
+    GPUs on which it fits without."""
+    spec, shape = w.lora, w.shape
+    trained, adapters = lora.trainable_params(shape, spec), lora.adapter_params(shape, spec)
+    frozen = shape.num_params - (trained - adapters)
+    base = spec.base_bytes * frozen
+    words = (f"LoRA ({spec.describe()}): the frozen base is {size_text(base)} ({spec.base_bytes} bytes × "
+             f"{frozen / 1e9:.3g}B), what trains {size_text(16 * trained)} (16 bytes × {trained:,}), before "
+             f"sharding")
+    if any(r["fits"] and r["runs_in_loom"] and r["offload"] == "none" for r in records):
+        return words
+    unit = _unit(cluster)
+    words += (f"; without offload it does not fit {cluster.describe()}: the base alone is "
+              f"{size_text(base / cluster.world_size)} per {unit} even sharded over all "
+              f"{cluster.world_size}, and no layout's activations and buffers fit beside it in "
+              f"{size_text(cluster.gpu.memory_gb * GB)}, so the parameters go to the host "
+              f"(parallel.offload=cpu)")
+    smallest = _smallest_without_offload(w, cluster)
+    return words + (f"; without offload the fewest that fit are {smallest}" if smallest else "")
+
+
+def _smallest_without_offload(w: Workload, cluster: Cluster) -> str | None:
+    """The smallest cluster (GPUs per node doubled up to 8, then nodes) where a layout loom runs fits
+    without offload, in words with an example; None past 4096× this one."""
+    per_node, nodes = cluster.gpus_per_node, cluster.nodes
+    for _ in range(12):
+        per_node, nodes = (per_node * 2, nodes) if per_node < 8 else (per_node, nodes * 2)
+        bigger = dataclasses.replace(cluster, gpus_per_node=per_node, nodes=nodes)
+        for c in enumerate_candidates(w, bigger):
+            if c.offload == "none" and c.runs_in_loom and estimate(w, c, bigger)["fits"]:
+                return f"{bigger.describe()} (e.g. {c.label()}: --gpus-per-node {per_node} --nodes {nodes})"
+    return None
 
 
 def _unrunnable(record: dict) -> str:
@@ -480,7 +536,8 @@ def emit_config(base, record: dict):
         raise ConfigError(f"{record['label']} needs DeepSpeed's offload together with TP or PP, which loom's "
                           f"deepspeed engine does not run; pick a candidate with tp = pp = 1")
     cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel),
-                              train=dataclasses.replace(base.train))
+                              train=dataclasses.replace(base.train),
+                              lora=dataclasses.replace(base.lora, targets=list(base.lora.targets)))
     p, t = cfg.parallel, cfg.train
     p.strategy, p.tp, p.pp = record["strategy"], record["tp"], record["pp"]
     p.sequence_parallel = record["sequence_parallel"]
@@ -522,9 +579,10 @@ def loss_chunk_of(cfg, model: str | None = None) -> int:
 
 def config_workload(cfg, shape, recipe: str = "torch", moe_imbalance: float = 1.0) -> Workload:
     """The workload a loom config trains (`moe_imbalance`: an MoE model's busiest expert's tokens over
-    the mean, e.g. measured by a run; 1 is ideal routing)."""
+    the mean, e.g. measured by a run; 1 is ideal routing), its LoRA (lora.*) included."""
     return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe,
-                    loss_chunk_of(cfg), cfg.parallel.reduce_every_micro_step, moe_imbalance)
+                    loss_chunk_of(cfg), cfg.parallel.reduce_every_micro_step, moe_imbalance,
+                    lora.from_config(cfg))
 
 
 def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,

@@ -235,7 +235,8 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
         kernels += adapters
         floor = micro_steps(c) * kernels * gpu.kernel_launch_s
         if terms:
-            lora_sym, lora_num = (" + LoRA's 10 per adapted linear", f" + {adapters}") if adapters else ("", "")
+            lora_sym, lora_num = ((" + LoRA's 10 per adapted linear", f" + {adapters}") if adapters
+                                  else ("", ""))
             terms.item("kernel-launch floor", "micro-steps × (⌈L/p⌉ × kernels per block + L_m × (routing + "
                        f"E/ep × kernels per expert){lora_sym}) × launch",
                        f"{micro_steps(c)} × ({layers} × {KERNELS_PER_LAYER} + {moe} × ({KERNELS_PER_ROUTING} "
@@ -388,7 +389,8 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
         head = passes * tokens * d * vocab / head_rate
         head += LOSS_PASSES * 4 * tokens * vocab / bandwidth
         if terms:
-            terms.item("head + loss", f"{passes}·tokens·h·V/tp / rate + {LOSS_PASSES}·4·tokens·V/tp / bandwidth",
+            terms.item("head + loss",
+                       f"{passes}·tokens·h·V/tp / rate + {LOSS_PASSES}·4·tokens·V/tp / bandwidth",
                        f"{passes}·{tokens}·{d}·{num(vocab)} / {num(head_rate / 1e12)} TFLOP/s + "
                        f"{LOSS_PASSES}·4·{tokens}·{num(vocab)} / {num(bandwidth / 1e9)} GB/s", sec(head))
         embedding = 2 * 4 * shape.vocab_size * d / tp / bandwidth  # backward: a dense [V, d] gradient
@@ -533,7 +535,8 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-def ffn_seconds(profile, ranks: int, shape, tokens: int, tp: int, terms: Terms = NO_TERMS, spec=None) -> float:
+def ffn_seconds(profile, ranks: int, shape, tokens: int, tp: int, terms: Terms = NO_TERMS,
+                spec=None) -> float:
     """block_seconds' dense SwiGLU: gate, up and down at their measured rates and its elementwise share
     (BLOCK_ELEMENTWISE's f term): what an MoE block runs moe_ffn_seconds in place of (`spec`: LoRA's,
     no weight gradient; its adapters in block_seconds)."""
@@ -794,9 +797,11 @@ def _lora_offload(w, c, cluster, terms: Terms = NO_TERMS) -> float:
         terms.item("Ψ_base, Ψ_lora per GPU", "a rank's shard of the frozen base, of what trains", None,
                    f"{num(frozen)}, {num(trained)}")
         terms.item("host link", f"(4Ψ_lora + {b}Ψ_base + 4Ψ_lora)/host link (fp32 grads out; the base and "
-                   "what trains in)", f"(8 × {num(trained)} + {b} × {num(frozen)}) / {num(gpu.host_link_gbps)} GB/s",
+                   "what trains in)",
+                   f"(8 × {num(trained)} + {b} × {num(frozen)}) / {num(gpu.host_link_gbps)} GB/s",
                    sec(link))
         terms.item("host Adam", "Ψ_lora/(CPU Adam rate per node / GPUs per node)",
-                   f"{num(trained)} / ({num(cluster.cpu_adam_params_per_s)}/{cluster.gpus_per_node})", sec(adam))
+                   f"{num(trained)} / ({num(cluster.cpu_adam_params_per_s)}/{cluster.gpus_per_node})",
+                   sec(adam))
         terms.item("offload", "host link + host Adam", None, sec(link + adam))
     return link + adam
