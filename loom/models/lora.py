@@ -92,9 +92,9 @@ def _matches(name: str, targets: list[str]) -> bool:
 
 
 def _is_router(name: str) -> bool:
-    """MoE routers (loom's `router`, Hugging Face's `gate`/`shared_expert_gate`): all-linear leaves
-    them frozen; a pattern may still name them."""
-    return name.rsplit(".", 1)[-1] in ("router", "gate", "shared_expert_gate")
+    """MoE routers and gates (loom's `router`, `shared_gate`; Hugging Face's `gate`,
+    `shared_expert_gate`): all-linear leaves them frozen; a pattern may still name them."""
+    return name.rsplit(".", 1)[-1] in ("router", "shared_gate", "gate", "shared_expert_gate")
 
 
 def add_lora(model: nn.Module, blocks: list[nn.Module], spec: LoRASpec, targets: list[str]) -> list[str]:

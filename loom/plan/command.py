@@ -21,7 +21,7 @@ from loom.errors import ConfigError
 from loom.files import atomic_write
 from loom.hf_config import read_hf_config
 from loom.models.gpt.config import preset
-from loom.plan import device
+from loom.plan import device, lora
 from loom.plan.candidate import Workload
 from loom.plan.explain import explain
 from loom.plan.hardware import GPU, Cluster, lookup, with_overrides
@@ -62,9 +62,11 @@ def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
     million tokens per step, rounded to a multiple of the GPUs — rather than loom's CPU demo batch."""
     chosen = {item.partition("=")[0].strip() for item in args.set}
     chunk, every = loss_chunk_of(cfg, model), cfg.parallel.reduce_every_micro_step
+    adapters = lora.from_config(cfg, precision)  # LoRA: its base stored in the priced precision under auto
     own_batch = args.config is not None and not str(args.config).endswith(".json")
     if own_batch or args.gpu == "local":
-        w = Workload(shape, cfg.data.seq_len, cfg.train.batch_size, precision, args.recipe, chunk, every)
+        w = Workload(shape, cfg.data.seq_len, cfg.train.batch_size, precision, args.recipe, chunk, every,
+                     lora=adapters)
         return w, f"the config's batch: {w.global_batch} × {w.seq_len} tokens"
     if "data.seq_len" in chosen:
         seq, why = cfg.data.seq_len, "data.seq_len"
@@ -78,7 +80,7 @@ def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
     else:
         batch = max(1, math.ceil(TARGET_TOKENS / seq / world)) * world
         size = f"{batch} sequences ≈ {batch * seq / 1e6:.2f}M tokens, a multiple of {world} GPUs"
-    w = Workload(shape, seq, batch, precision, args.recipe, chunk, every)
+    w = Workload(shape, seq, batch, precision, args.recipe, chunk, every, lora=adapters)
     return w, (f"assumed workload: {size} × {seq} tokens ({why} sequence length); "
                f"change with --set train.batch_size=… --set data.seq_len=…")
 
@@ -127,15 +129,27 @@ def local_cluster(profile: device.DeviceProfile, ranks: int, nodes: int = 1) -> 
     return Cluster(gpu, ranks, nodes, profile=profile)
 
 
-def checked_config(cfg: Config, cluster: Cluster) -> ParallelDims:
+def checked_config(cfg: Config, cluster: Cluster, precision: str | None = None) -> ParallelDims:
     """The config's combinations, checked as `loom train` checks them (config.validate; load_config
     checked each value) for this cluster, except that its batch need not divide: the search prices
-    only the layouts that divide it, or the plan's own workload. Returns the config's own degrees."""
+    only the layouts that divide it, or the plan's own workload; and `precision`, when given, is the
+    one the plan prices and --emit writes (a LoRA base in bf16 planned from an fp32 config). Returns
+    the config's own degrees."""
     # a batch every layout of this world divides (dp divides the world size)
     per = cluster.world_size * cfg.train.grad_accum * pipeline_microbatches(cfg.parallel)
-    dividing = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=per))
+    train = dataclasses.replace(cfg.train, batch_size=per, precision=precision or cfg.train.precision)
+    dividing = dataclasses.replace(cfg, train=train)
     cuda = cluster.profile is None or cluster.profile.device == "cuda"
     return validate(dividing, cluster.world_size, cuda_available=cuda, this_machine=False)
+
+
+def planned_precision(cfg: Config, local: bool) -> str:
+    """The compute dtype a plan prices and --emit writes: GPUs train in 16-bit (bf16, or a LoRA base's
+    own 16-bit dtype), this machine in the config's precision."""
+    if cfg.train.precision != "fp32" or local:
+        return cfg.train.precision
+    base = cfg.lora.base_dtype if cfg.lora.rank is not None else "auto"
+    return base if base in ("bf16", "fp16") else "bf16"
 
 
 def run(args) -> tuple[Config, Plan, str | None]:
@@ -148,11 +162,10 @@ def run(args) -> tuple[Config, Plan, str | None]:
     if args.recipe not in RECIPES:
         raise ConfigError(f"--recipe {args.recipe!r} is not one of {', '.join(RECIPES)}")
     cluster = cluster_of(args, cfg)
-    dims = checked_config(cfg, cluster)
-    shape = model_shape(cfg, model, args.params)
     local = cluster.profile is not None
-    # GPUs train in 16-bit; this machine trains in the config's precision
-    precision = "bf16" if cfg.train.precision == "fp32" and not local else cfg.train.precision
+    precision = planned_precision(cfg, local)
+    dims = checked_config(cfg, cluster, precision if cfg.lora.rank is not None else None)
+    shape = model_shape(cfg, model, args.params)
     workload, origin = workload_of(args, cfg, shape, model, cluster.world_size, precision)
     if args.emit:  # a model --emit cannot write is refused before anything is printed
         planned_model(cfg, shape, model, workload.seq_len)
@@ -214,6 +227,9 @@ def emit_all(target: str, cfg, plan: Plan, cluster: Cluster, shape: ModelShape, 
                   f"tokens/s predicted\n# run: loom train {path} --nproc {cluster.gpus_per_node} "
                   f"--nnodes {cluster.nodes}\n# model: {_model_words(job)}, {plan.workload.precision}, "
                   f"batch {plan.workload.global_batch} × {plan.workload.seq_len} tokens\n")
+        if plan.workload.lora is not None:
+            header += (f"# LoRA: {plan.workload.lora.describe()}; the base frozen in "
+                       f"{plan.workload.lora.base_bytes} bytes per parameter\n")
         atomic_write(path, (header + to_toml(emitted)).encode())
     if not quiet:
         others = f" and {len(chosen) - 1} alternatives ({chosen[1][0].name} …)" if len(chosen) > 1 else ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from loom import strategies
 from loom.errors import ConfigError
+from loom.plan import lora
 from loom.plan import step as steps
 from loom.plan.candidate import Candidate
 from loom.plan.comm import comm_per_step
@@ -95,6 +96,9 @@ def _header(out: Terms, index: int, record: dict, w, c: Candidate, cluster) -> N
                      f"imbalance {w.moe_imbalance:g}")
     else:
         out.note("shape: parameter count only (activations, TP/PP and attention FLOPs are not modelled)")
+    if w.lora is not None:
+        out.note(f"LoRA {w.lora.describe()}: the base frozen in {w.lora.base_bytes} bytes per parameter, "
+                 f"{num(lora.adapter_params(shape, w.lora))} adapter parameters train in fp32 (lora.*)")
     if c.activation_checkpointing != "none":
         every = f" of every {c.ac_every} blocks" if c.activation_checkpointing == "selective" else ""
         out.note(f"activation checkpointing: {c.activation_checkpointing}{every}")
@@ -180,7 +184,7 @@ def _throughput(out: Terms, record: dict, w, c: Candidate, cluster) -> None:
     t = record["step_time_s"]
     out.item("tokens/s", "tokens per step / step time", f"{num(w.tokens_per_step)} / {sec(t)}",
              num(round(record["tokens_per_s"])))
-    flops = w.tokens_per_step * w.shape.flops_per_token(w.seq_len)
+    flops = w.tokens_per_step * steps.flops_per_token(w)  # under LoRA the FLOPs it runs
     peak = cluster.gpu.bf16_tflops
     out.item("MFU", "FLOPs per step / (step time × GPUs × peak)",
              f"{num(flops)} / ({sec(t)} × {c.world} × {num(peak)}e12)", f"{record['mfu']:.1%}")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from loom.plan import lora
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.memory import gpu_memory
 from loom.plan.search import GB, Plan, size_text
@@ -11,12 +12,15 @@ from loom.strategies import STRATEGIES
 
 def model_state_account(w: Workload, cluster) -> list[dict]:
     """Each strategy's model states per GPU and on the host, on the whole cluster without TP/PP:
-    the seeds' walk from DDP's full replica to ZeRO-3 with offload."""
+    the seeds' walk from DDP's full replica to ZeRO-3 with offload (under LoRA without ZeRO-Offload of the
+    optimizer alone, DeepSpeed's, which does not train adapters here)."""
     world = cluster.world_size
     rows = []
     unsharded_dp = [(name, "none") for name, s in STRATEGIES.items() if s.dp_mesh != "hybrid"]
     on_cpu = cluster.profile is not None and cluster.profile.device == "cpu"  # no host to offload to
     offloaded = [] if on_cpu else [("zero3", "optimizer"), ("zero3", "optimizer+params")]
+    if w.lora is not None:
+        offloaded = [(strategy, tier) for strategy, tier in offloaded if tier == "optimizer+params"]
     for strategy, offload in unsharded_dp + offloaded:
         c = Candidate(strategy, world, offload=offload)
         m = gpu_memory(w, c, 0.0)
@@ -25,6 +29,19 @@ def model_state_account(w: Workload, cluster) -> list[dict]:
                      "fits": m.model_states <= cluster.gpu.memory_gb * GB and
                      m.host * cluster.gpus_per_node <= cluster.host_memory_gb * GB})
     return rows
+
+
+def lora_line(w: Workload) -> str:
+    """LoRA in one line: what it adapts, what trains, and the bytes before sharding."""
+    spec, shape = w.lora, w.shape
+    trained, adapters = lora.trainable_params(shape, spec), lora.adapter_params(shape, spec)
+    frozen = shape.num_params - (trained - adapters)
+    stand_in = "" if shape.known else " (adapters counted on a Llama-style shape of that size)"
+    share = trained / shape.num_params
+    return (f"LoRA {spec.describe()}: {params_text(trained)} trainable parameters ({share:.2%} of "
+            f"{params_text(shape.num_params)}){stand_in}; the frozen base "
+            f"{size_text(spec.base_bytes * frozen)} ({spec.base_bytes} bytes each), what trains "
+            f"{size_text(16 * trained)} (16 bytes each), before sharding")
 
 
 def params_text(count: float) -> str:
@@ -58,6 +75,8 @@ def render_table(plan: Plan, top: int = 5) -> str:
     if not shape.known:
         out.append("  (parameter count only: activations, TP/PP and attention FLOPs are not modeled; "
                    "give a preset or config.json for those)")
+    if w.lora is not None:
+        out.append(f"  {lora_line(w)}")
     out.append("")
     account = model_state_account(w, cluster)
     name, scale = byte_unit(max(row["gpu_bytes"] + row["host_bytes_per_gpu"] for row in account))

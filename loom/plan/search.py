@@ -408,12 +408,13 @@ def _lora_reason(w: Workload, cluster: Cluster, records: list[dict]) -> str:
              f"sharding")
     if any(r["fits"] and r["runs_in_loom"] and r["offload"] == "none" for r in records):
         return words
-    unit = _unit(cluster)
-    words += (f"; without offload it does not fit {cluster.describe()}: the base alone is "
-              f"{size_text(base / cluster.world_size)} per {unit} even sharded over all "
-              f"{cluster.world_size}, and no layout's activations and buffers fit beside it in "
-              f"{size_text(cluster.gpu.memory_gb * GB)}, so the parameters go to the host "
-              f"(parallel.offload=cpu)")
+    share, memory, world = base / cluster.world_size, cluster.gpu.memory_gb * GB, cluster.world_size
+    alone = f"the base alone is {size_text(share)} per {_unit(cluster)}" + (
+        f" sharded over all {world}" if world > 1 else "")
+    alone += (f", more than its {size_text(memory)}" if share > memory else
+              f", and with any layout's activations and buffers more than its {size_text(memory)}")
+    words += (f"; without offload it does not fit {cluster.describe()}: {alone}; it fits only with the "
+              f"parameters on the host (parallel.offload=cpu)")
     smallest = _smallest_without_offload(w, cluster)
     return words + (f"; without offload the fewest that fit are {smallest}" if smallest else "")
 

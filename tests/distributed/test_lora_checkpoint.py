@@ -13,7 +13,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from optional import TEST_EXTRA, require_module
-from test_checkpoint import BASE, _check_bit_exact, _resume_pairs
+from test_checkpoint import _check_bit_exact, _resume_pairs
 
 from loom.config import load_config
 from loom.errors import LoomError
@@ -28,8 +28,9 @@ peft = require_module("peft", TEST_EXTRA)
 
 LORA = ["lora.rank=4", "lora.alpha=8"]
 UNITS = "parallel.fsdp_unit_mb=0"
-LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-5)
+LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+             tie_word_embeddings=False, rms_norm_eps=1e-5)
 
 
 def test_resume_is_bit_exact_and_the_checkpoint_holds_the_adapters_alone(tmp_path):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import loom.cli
 from bad_input import Ctx, case, cli
+
+import loom.cli
 
 _RUNS: dict[str, Path] = {}
 
