@@ -97,3 +97,9 @@ def cross_references() -> list[tuple[int, str, str]]:
     text = README.read_text(encoding="utf-8")
     return [(text.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split()), m.group(2) or "")
             for m in re.finditer(r'see "([^"]+)"\s*(above|below)?', text)]
+
+
+# The README's LoRA block, by its first command (run by tests/distributed/test_readme_commands.py).
+LORA_BLOCK = ("loom train --out runs/lora --set model.init_from=models/tiny-llama "
+              "--set data.source=data/sft.jsonl --set data.format=sft --set data.seq_len=64 "
+              "--set lora.rank=16 --set lora.alpha=32")

@@ -78,10 +78,12 @@ def optimizer_states(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
                 yield value
 
 
-def count_params(model: nn.Module) -> int:
-    """The whole model's parameter count, whatever the sharding (tied weights once)."""
+def count_params(model: nn.Module, trainable: bool = False) -> int:
+    """The whole model's parameter count, whatever the sharding (tied weights once); `trainable`:
+    only those that train (LoRA's adapters)."""
     # DTensor.numel() is the global size; DeepSpeed's ZeRO-3 keeps a partitioned one's in ds_numel.
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()
+               if p.requires_grad or not trainable)
 
 
 def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer,

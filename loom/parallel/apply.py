@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from loom import strategies
 from loom.config import Config, pipeline_microbatches
-from loom.models.lora import WithAdapters, has_adapters
 from loom.parallel.activation_checkpointing import apply_activation_checkpointing
 from loom.parallel.adapter import ModelAdapter
 from loom.parallel.context_parallel import SequenceSplit
@@ -84,9 +83,6 @@ def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdap
     if cfg.train.compile:
         for block in blocks:
             block.compile()  # in place: parameter names stay the same
-    if adapter.meta_init and has_adapters(model):  # LoRA: the adapters' own init, the base as it was
-        seed = cfg.train.seed
-        weights = WithAdapters(weights if weights is not None else adapter.weight_source(model, seed), seed)
     if uses_fsdp(p):
         apply_fsdp(model, blocks, p, cfg.train.precision, d, experts if d.ep is not None else [])
         if adapter.meta_init:

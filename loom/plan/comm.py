@@ -403,6 +403,7 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
                    gb(grad_bytes))
     elif terms:
         terms.item("Φ_g gradients", f"{gbytes}·Ψ_dp", f"{gbytes} × {num(local)}", gb(grad_bytes))
+    if terms:
         terms.item("Φ_p parameters", f"{per_param}·Ψ_dp (gathered dtype)", f"{per_param} × {num(local)}",
                    gb(param_bytes))
     dp_inter = c.grad_sync_size * c.tp > gpus_per_node

@@ -7,8 +7,9 @@ up, down (a SwiGLU's w1, w3, w2) — of the dense SwiGLU, of an MoE block's rout
 A [E, r, in], B [E, out, r]) and of its shared experts; never the router, the embedding or the head.
 Every other parameter is frozen in the base dtype (lora.base_dtype; auto: the compute dtype): no
 gradient, no optimizer state. lora.train_embeddings (the embedding and the head) and lora.train_norms
-(the norms' gains) train those too, in fp32. So before sharding a rank holds b·Ψ_base + 16·Ψ_train bytes
-of model states (b: the base's bytes per element; 16: fp32 param 4, grad 4, Adam's m and v 8).
+(the norms' gains) train those too, in fp32. So before sharding a rank holds b·Ψ_base + 16·Ψ_lora bytes
+of model states (Ψ_lora: what trains; b: the base's bytes per element; 16: fp32 param 4, grad 4, Adam's
+m and v 8).
 
 As loom lays the adapters out: TP keeps a column-split linear's A whole on each TP rank and splits its
 B (q, k, v, gate, up: r·(in + out/tp)), a row-split linear the other way (o, down: r·(in/tp + out)); an
@@ -42,8 +43,9 @@ def _names(loom: str, hf: str, roles: tuple[str, ...]) -> dict[str, tuple[str, s
 
 
 # Where a role's linear sits — the block (attention, the dense SwiGLU), an MoE block's routed experts, its
-# shared experts — and the module names it has there ({i}: the block's index), which a target pattern is
-# tried on (fnmatch, as loom/models/lora.py matches it)
+# shared experts — and the module names it has there, which a target pattern is tried on (fnmatch, as
+# loom/models/lora.py matches it). {i}: the block's index (and, for Hugging Face's experts, each a module of
+# its own, the expert's: a pattern naming one expert is priced as naming them all, or none)
 NAMES = {
     "block": {**_names("layers.{i}.attention", "model.layers.{i}.self_attn", ATTENTION),
               **_names("layers.{i}.feed_forward", "model.layers.{i}.mlp", SWIGLU)},
@@ -170,7 +172,7 @@ def block_adapters(shape: ModelShape, lora: LoRA, moe: bool, tp: int = 1, ep: in
     return rest, routed
 
 
-def _counted(shape: ModelShape) -> ModelShape:
+def counted_shape(shape: ModelShape) -> ModelShape:
     """The shape adapters are counted on: a parameter count's Llama-style stand-in (shapes.llama_like)."""
     return shape if shape.known else llama_like(shape.num_params)
 
@@ -208,7 +210,7 @@ def stage_params(shape: ModelShape, lora: LoRA, stage: int = 0, pp: int = 1, tp:
     data-parallel sharding (what ModelShape.stage_params and the TP and EP splits give a rank, the
     adapters added): the local counts memory.lora_state_bytes takes."""
     if not shape.known:  # a parameter count: adapters and trained parts of its Llama-style stand-in
-        counted = _counted(shape)
+        counted = counted_shape(shape)
         whole, _ = stage_params(counted, lora)
         trained = whole.trainable - adapter_params(counted, lora)
         return Params((shape.num_params - trained) / pp, whole.trainable / pp), Params()
@@ -225,7 +227,7 @@ def stage_params(shape: ModelShape, lora: LoRA, stage: int = 0, pp: int = 1, tp:
 def adapter_params(shape: ModelShape, lora: LoRA) -> int:
     """Ψ_lora: every adapter of the model (all routed experts' too); of a parameter count, of its
     Llama-style stand-in."""
-    shape = _counted(shape)
+    shape = counted_shape(shape)
     dense, _ = block_adapters(shape, lora, False)
     rest, routed = block_adapters(shape, lora, True) if shape.moe else (0, 0)
     moe = shape.moe_layers
@@ -277,7 +279,7 @@ def flops_per_token(shape: ModelShape, lora: LoRA, seq_len: int) -> tuple[float,
     through; backward: the input gradients through every linear (2N) and attention's (8·L·H·Q·T), the
     adapters' input and weight gradients (4 per adapter), a frozen weight's gradient never: 4N + 12·L·H·Q·T
     + 6·A against full fine-tuning's 6N + 12·L·H·Q·T. A trained head adds its weight gradient (2·V·h)."""
-    counted = _counted(shape)
+    counted = counted_shape(shape)
     full = shape.flops_per_token(seq_len)
     matmul = full / 6 if not shape.known else \
         shape.active_params - (0 if shape.tie_embeddings else shape.embedding_params)

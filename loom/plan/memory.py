@@ -457,6 +457,11 @@ def _record_states(terms: Terms, w, c, stage: int, stage_params: int, replicated
                f"{gb(params)} + {gb(grads)} + {gb(optimizer)}", gb(params + grads + optimizer))
 
 
+# Each role's linear (in, out) in symbols, as explanations write the adapters' r·(in + out)
+_SYMBOLS = {"q": ("h", "h"), "k": ("h", "kv"), "v": ("h", "kv"), "o": ("h", "h"), "gate": ("h", "f"),
+            "up": ("h", "f"), "down": ("f", "h")}
+
+
 def _record_lora_states(terms: Terms, w, c, stage: int, stage_params: int, states: ModelStateBytes,
                         on_gpu: tuple[float, float, float], offloaded: float,
                         expert: ModelStateBytes | None) -> None:
@@ -464,7 +469,7 @@ def _record_lora_states(terms: Terms, w, c, stage: int, stage_params: int, state
     rank's share of each before sharding, and the strategy's bytes: b·Ψ_base + 16·Ψ_lora, sharded."""
     shape, spec = w.shape, w.lora
     _record_params(terms, shape, stage, c.pp, stage_params)
-    counted = shape if shape.known else llama_like(shape.num_params)
+    counted = lora.counted_shape(shape)
     r = spec.rank
     shaped = lora.linears(counted)
     per_block = " + ".join(f"({_SYMBOLS[x][0]} + {_SYMBOLS[x][1]})" for x in spec.targets) or "0"
@@ -534,11 +539,6 @@ def _record_lora_states(terms: Terms, w, c, stage: int, stage_params: int, state
     params, grads, optimizer = on_gpu
     terms.item("model states on GPU", "params + grads + optimizer",
                f"{gb(params)} + {gb(grads)} + {gb(optimizer)}", gb(params + grads + optimizer))
-
-
-# Each role's linear (in, out) in symbols, as explanations write the adapters' r·(in + out)
-_SYMBOLS = {"q": ("h", "h"), "k": ("h", "kv"), "v": ("h", "kv"), "o": ("h", "h"), "gate": ("h", "f"),
-            "up": ("h", "f"), "down": ("f", "h")}
 
 
 def ddp_accumulates_apart(w, c) -> bool:

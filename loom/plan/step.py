@@ -157,15 +157,14 @@ def _lora_flops_per_token(w, terms: Terms = NO_TERMS) -> float:
     shape, t = w.shape, w.seq_len
     per_token, _ = lora.flops_per_token(shape, w.lora, t)
     if terms:
-        counted = shape if shape.known else "its Llama-style stand-in"
-        active = lora.active_adapters(shape if shape.known else lora._counted(shape), w.lora)
+        active = lora.active_adapters(lora.counted_shape(shape), w.lora)
         matmul = shape.active_params - (0 if shape.tie_embeddings else shape.embedding_params) \
             if shape.known else shape.num_params
         terms.item("N matmul weights", "Ψ" + ("_active" if shape.moe else "")
                    + ("" if shape.tie_embeddings or not shape.known else " − V·h"), None, num(matmul))
-        terms.item("A adapters per token", "the adapters a token passes through" + (
-            " (of the routed experts' its k)" if shape.moe else "") + (
-            "" if shape.known else f" ({counted})"), None, num(active))
+        where = " (of the routed experts' its k)" if shape.moe else "" if shape.known else \
+            " (on its Llama-style stand-in)"
+        terms.item("A adapters per token", f"the adapters a token passes through{where}", None, num(active))
         head = " + 2·V·h (the trained head's gradient)" if w.lora.train_embeddings else ""
         attention = f"12·{shape.n_layers}·{shape.n_heads}·{shape.head_dim}·{t}" if shape.known else "0"
         terms.item("FLOPs per token", f"4N + 12·L·H·Q·T + 6A{head} (LoRA: no frozen weight's gradient)",

@@ -30,7 +30,7 @@ from loom.errors import AgreedError
 from loom.files import atomic_write, claim_run_dir
 from loom.launch import srun_tasks
 from loom.models.gpt.moe import moe_modules
-from loom.models.lora import apply_lora, blocks_of
+from loom.models.lora import WithAdapters, apply_lora, blocks_of
 from loom.models.registry import adapter_for
 from loom.observe import core_wait, flight
 from loom.observe.collectives import CollectiveCounter
@@ -48,7 +48,7 @@ from loom.parallel.context_parallel import sequence_share, take_tally
 from loom.parallel.expert_parallel import take_tally as take_ep_tally
 from loom.parallel.mesh import Dist, init_distributed
 from loom.parallel.weights import TensorsSource
-from loom.plan.memory import deepspeed_states, model_state_bytes
+from loom.plan.memory import deepspeed_states, lora_state_bytes, model_state_bytes
 from loom.plan.step import bubble_fraction
 from loom.train import checkpoint, faults, moe_step, record
 from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
@@ -92,6 +92,7 @@ class Built:
     num_params: int  # of the whole model, tied weights once
     engine_config: dict | None = None  # the deepspeed engine's final config (written to the run directory)
     engine: str = "torch"  # "deepspeed": model is a DeepSpeedEngine, optimizer the AdamW it wraps
+    lora: str = ""  # what LoRA adapted, for the start line ("" without LoRA)
 
 
 def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = None) -> Built:
@@ -107,11 +108,19 @@ def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = Non
         user_model = task.model_fn()
     num_params = count_params(user_model)
     adapter = adapter_for(user_model)
+    weights, lora = task.weights, ""
     if cfg.lora.rank is not None:  # the base frozen, adapters added (loom/models/lora.py)
-        apply_lora(user_model, blocks_of(adapter.layers(user_model)), cfg.lora,
-                   precision.DTYPES[lora_base_dtype(cfg)], t.seed)
+        adapted = apply_lora(user_model, blocks_of(adapter.layers(user_model)), cfg.lora,
+                             precision.DTYPES[lora_base_dtype(cfg)], t.seed)
+        trains = count_params(user_model, trainable=True)
+        lora = (f"lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {len(adapted)} modules "
+                f"({', '.join(cfg.lora.targets)}): {trains / 1e6:.3f}M trainable params, "
+                f"{100 * trains / num_params:.2f}% of the model; the base frozen in {lora_base_dtype(cfg)}")
+        if adapter.meta_init:  # written after sharding: the adapters' own init, the base as it was
+            base = weights if weights is not None else adapter.weight_source(user_model, t.seed)
+            weights = WithAdapters(base, t.seed)
     split = sequence_split(d, task.document_eos)
-    parts = parallelize(user_model, cfg, d, adapter, task.weights, split)
+    parts = parallelize(user_model, cfg, d, adapter, weights, split)
     del user_model  # a pipeline stage keeps only its layers
     _release(task)
     model = parts[0] if len(parts) == 1 else nn.ModuleList(parts)  # interleaved: several stages
@@ -123,7 +132,7 @@ def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = Non
     scheduler = build_scheduler(optimizer, t)
     params = [q for q in model.parameters() if q.requires_grad]
     scaler = precision.grad_scaler(t.precision, uses_fsdp(p), d.device)
-    return Built(parts, model, pipe, optimizer, scheduler, scaler, params, num_params)
+    return Built(parts, model, pipe, optimizer, scheduler, scaler, params, num_params, lora=lora)
 
 
 def _build_deepspeed(cfg: Config, d: Dist, task: Task, swap_dir: Path | None) -> Built:
@@ -367,6 +376,8 @@ def _print_layout(cfg: Config, d: Dist, task: Task, b: Built, micro_batch: int) 
           f"× dp {dp}, {task.tokens_per_sample} tokens each"
           f"{f' split over cp {d.cp_size} ranks' if d.cp is not None else ''}, precision {t.precision}",
           flush=True)
+    if b.lora:
+        print(b.lora, flush=True)
     if b.pipe is not None:
         m = pipeline_microbatches(p)
         print(f"pipeline: {p.pp} stages × {p.pp_virtual_stages} virtual, {p.pp_schedule}, {m} micro-batches "
@@ -517,6 +528,11 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
                                                                 d.mesh["dp_shard"].size() // d.ep_size)
         expected += model_state_bytes(p.strategy, routed / d.ep_size, expert_shard).total
     formula = strategies.lookup(p.strategy).formula
+    if cfg.lora.rank is not None:  # the frozen base in its dtype, what trains at 16 bytes (plan/memory.py)
+        frozen = sum(q.numel() for part in b.parts for q in part.parameters() if not q.requires_grad)
+        base_bytes = precision.DTYPES[lora_base_dtype(cfg)].itemsize
+        expected = lora_state_bytes(p.strategy, frozen / p.tp, local_params / p.tp, shard, base_bytes).total
+        formula = f"LoRA {base_bytes}Ψ_base + 16Ψ_lora, by {p.strategy}"
     if b.engine == "deepspeed":
         act_bytes = 4 if cfg.train.precision == "fp32" else 2
         expected, formula = deepspeed_states(p.strategy, b.num_params, shard, act_bytes)
@@ -550,7 +566,9 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
                  if from_config else
                  f"run your script again with train(cfg, Path('{run_dir}'), task=..., resume='auto') and a "
                  f"higher train.steps")
-        print(f"checkpoint: {last}  (continue: {again}; weights: loom export {last} model.safetensors)")
+        weights = (f"adapter: loom export {last} {last.parents[1].name}-adapter --lora adapter"
+                   if cfg.lora.rank else f"weights: loom export {last} model.safetensors")
+        print(f"checkpoint: {last}  (continue: {again}; {weights})")
 
 
 def _full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from optional import TEST_EXTRA, require_module
-from test_checkpoint import _check_bit_exact, _resume_pairs
+from test_checkpoint import BASE, _check_bit_exact, _resume_pairs
 
 from loom.config import load_config
 from loom.errors import LoomError
@@ -113,3 +113,46 @@ def test_exports_load_in_peft_and_transformers_and_another_base_is_refused(tmp_p
     shutil.copytree(other, base)
     with pytest.raises(LoomError, match="trained on the base"):
         export(step, tmp_path / "merged2.safetensors", lora="merged")
+
+
+def test_a_hugging_face_decoder_run_as_itself_exports_an_adapter_peft_loads(tmp_path, corpus):
+    """Qwen2 (q/k/v biases: loom runs transformers' own modules) with adapters on q and v: the
+    adapter's names are the model's own, and peft's logits equal loom's model's."""
+    torch.manual_seed(1)
+    base = tmp_path / "qwen2"
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**LLAMA)).save_pretrained(base)
+    overrides = _overrides(corpus, base, 'lora.targets=["q", "v"]')
+    _, state = run_ranks(_train_lora, 2, overrides, str(tmp_path / "run"))[0]
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    cfg = load_config(None, overrides)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    apply_lora(ours, blocks_of(ours.model.layers), cfg.lora, torch.float32, cfg.train.seed)
+    ours.load_state_dict(state)
+    export(tmp_path / "run" / "checkpoints" / "step_3", tmp_path / "adapter", lora="adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == [
+        "q_proj", "v_proj"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        plain = hf(tokens).logits
+        want = ours.eval()(tokens).logits
+        got = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(tokens).logits
+    assert (want - plain).abs().max() > 1e-3
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+def _first_losses(overrides: list[str], root: str):
+    """A full fine-tune's checkpoint, then a full and a LoRA run from it (model.init_from)."""
+    full = _train_lora([*BASE, "parallel.strategy=zero3", "train.steps=2"], f"{root}/source")
+    assert not isinstance(full, str), full
+    start = f'model.init_from="{root}/source/checkpoints/step_2"'
+    plain = _train_lora([*BASE, start, *overrides], f"{root}/plain")
+    lora = _train_lora([*BASE, start, *overrides, *LORA], f"{root}/lora")
+    return plain[0], lora[0]
+
+
+def test_lora_from_a_loom_checkpoint_starts_from_its_weights(tmp_path):
+    """DCP reads the base from the checkpoint (the adapters keep their own init): step 1's loss is the
+    full run's from the same weights, and then they part."""
+    plain, lora = run_ranks(_first_losses, 2, ["parallel.strategy=zero3", "train.steps=3", UNITS],
+                            str(tmp_path))[0]
+    assert lora[0] == pytest.approx(plain[0], rel=1e-6) and lora[1] != plain[1], (plain, lora)

@@ -27,6 +27,9 @@ from test_strategies import (
 
 from loom.models.gpt.model import build_model
 from loom.models.lora import apply_lora, blocks_of, is_adapter
+from loom.plan.memory import lora_states
+from loom.plan.search import config_candidate, config_workload
+from loom.plan.shapes import from_preset
 from loom.train import moe_step
 from loom.train.task import load_data, model_config
 
@@ -94,17 +97,34 @@ CASES = [("ddp", 2, ()), ("zero1", 2, ()), ("zero2", 2, (UNITS,)),
 IDS = ["ddp", "zero1", "zero2-units", "zero3-units-ac", "hsdp", "zero2-tp2-sp", "pp2", "cp2-zero3"]
 
 
+def planned_states(cfg, strategy: str, world: int, preset: str = "tiny") -> list[float]:
+    """The planner's LoRA model states per rank (plan/memory.lora_states: the base in its dtype, the
+    adapters at 16 bytes, each as the strategy shards it), by pipeline stage."""
+    p = cfg.parallel
+    dp = world // (p.tp * p.pp * p.cp)
+    replicate = dp if strategy in ("ddp", "zero1") else p.dp_replicate
+    c = config_candidate(cfg, replicate, dp // replicate, p.tp, p.pp)
+    w = config_workload(cfg, from_preset(preset))
+    by_stage = [sum(s.total for s in lora_states(w, c, stage) if s is not None) for stage in range(p.pp)]
+    return [by_stage[rank // (world // p.pp)] for rank in range(world)]
+
+
 @pytest.mark.parametrize("strategy,world,extra", CASES, ids=IDS)
 def test_lora_matches_single_process(corpus, strategy, world, extra):
     results = _run(corpus, strategy, world, (*LORA, *extra))
     assert_lora_matches(results, corpus)
+    # Measured model states per rank: the planner's 2·Ψ_base (here fp32: 4) + 16·Ψ_lora, as sharded
+    planned = planned_states(make_config(corpus, strategy, *LORA, *extra), strategy, world)
+    for rank, m in enumerate(results[0][2]):
+        assert m["model_state_bytes"] == pytest.approx(planned[rank], rel=0.01), (rank, m, planned)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_gradient_collectives_carry_the_adapters_alone(corpus, strategy):
     """A step's gradient payload is the adapters' fp32 size: DDP all-reduces it once (+ the loss's
     4 bytes), FSDP2 reduce-scatters it on each micro-step (frozen weights have no gradient)."""
-    results = _run(corpus, strategy, 2, (*LORA, *((UNITS,) if strategy == "zero3" else ())))
+    results = _run(corpus, strategy, 2, (*LORA, *CASES[IDS.index("zero3-units-ac")][2]) if strategy == "zero3"
+                   else LORA)  # the runs of the cases above (checkpointing recomputes no collective)
     size = adapter_bytes(corpus)
     for rank, m in enumerate(results[0][2]):
         kinds = m["comm_by_kind"]
@@ -114,6 +134,18 @@ def test_gradient_collectives_carry_the_adapters_alone(corpus, strategy):
             assert kinds["reduce_scatter"]["payload_bytes"] == size * ACCUM, (rank, kinds)
 
 
+@pytest.mark.parametrize("strategy", ["zero2", "ddp"])
+def test_bf16_with_the_base_in_bf16_is_close_to_fp32(corpus, strategy):
+    """train.precision = bf16 freezes the base in bf16 (lora.base_dtype auto: 2 bytes per weight):
+    FSDP2 computes in its param dtype, DDP under autocast; the adapters stay fp32 and train."""
+    results = _run(corpus, strategy, 2, (*LORA, "train.precision=bf16"))
+    ref_losses = lora_reference(corpus)[0]
+    for losses, state, memory, _ in results:
+        assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 2e-2, (losses, ref_losses)
+        assert all(v.dtype == (torch.float32 if is_adapter(k) else torch.bfloat16) for k, v in state.items()
+                   if v.is_floating_point()), {k: v.dtype for k, v in state.items()}
+
+
 def test_moe_experts_adapted_under_ep(corpus):
     """The experts' stacked projections get per-expert adapters, split over ep with their experts;
     the router is frozen and balancing off (the base's routing)."""
@@ -121,3 +153,7 @@ def test_moe_experts_adapted_under_ep(corpus):
     results = _run(corpus, "zero3", 2, (*LORA, *extra, "parallel.ep=2", UNITS))
     assert any("experts.w1_lora_A" in k for k in results[0][1])
     assert_lora_matches(results, corpus, extra)
+    planned = planned_states(make_config(corpus, "zero3", *LORA, *extra, "parallel.ep=2", UNITS), "zero3", 2,
+                             "tiny-moe")
+    for rank, m in enumerate(results[0][2]):
+        assert m["model_state_bytes"] == pytest.approx(planned[rank], rel=0.01), (rank, m, planned)

@@ -70,4 +70,9 @@ def test_fine_tune_walkthrough_and_continued_pretraining(tmp_path):
     assert (tmp_path / "tiny-llama-sft" / "config.json").is_file()
     _run_block(PRETRAIN, tmp_path, env)
     assert _steps(tmp_path / "runs" / "pretrain") == [1, 2]
+    _run_block(readme.LORA_BLOCK, tmp_path, env)
+    assert _steps(tmp_path / "runs" / "lora") == [1, 2]
+    adapter = json.loads((tmp_path / "tiny-llama-lora" / "adapter_config.json").read_text())
+    assert adapter["r"] == 16 and adapter["peft_type"] == "LORA"
+    assert (tmp_path / "merged" / "config.json").is_file()
 

@@ -23,6 +23,7 @@ RUN = {
     "python examples/make_tiny_llama.py models/tiny-llama data": "the fine-tune walk-through",
     "loom data prepare data/corpus.jsonl data/prepared --tokenizer models/tiny-llama":
         "continued pre-training",
+    readme.LORA_BLOCK: "LoRA fine-tuning from the walk-through's Llama, exported both ways",
 }
 # Blocks run elsewhere, or by tools outside loom: first command → why it is not run here.
 ELSEWHERE = {
