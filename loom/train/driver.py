@@ -529,9 +529,18 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
         expected += model_state_bytes(p.strategy, routed / d.ep_size, expert_shard).total
     formula = strategies.lookup(p.strategy).formula
     if cfg.lora.rank is not None:  # the frozen base in its dtype, what trains at 16 bytes (plan/memory.py)
-        frozen = sum(q.numel() for part in b.parts for q in part.parameters() if not q.requires_grad)
         base_bytes = precision.DTYPES[lora_base_dtype(cfg)].itemsize
-        expected = lora_state_bytes(p.strategy, frozen / p.tp, local_params / p.tp, shard, base_bytes).total
+        experts = {id(q) for m in moe for q in m.experts.parameters()}
+        counts = {(expert, trains): 0 for expert in (False, True) for trains in (False, True)}
+        for q in {id(q): q for part in b.parts for q in part.parameters()}.values():  # tied: once
+            counts[id(q) in experts, q.requires_grad] += _split_numel(q, ("tp", "ep"))
+        expected = lora_state_bytes(p.strategy, counts[False, False], counts[False, True], shard,
+                                    base_bytes).total
+        if experts:
+            expert_shard = strategies.lookup(p.strategy).shard_size(d.mesh["dp_replicate"].size(),
+                                                                    d.mesh["dp_shard"].size() // d.ep_size)
+            expected += lora_state_bytes(p.strategy, counts[True, False], counts[True, True], expert_shard,
+                                         base_bytes).total
         formula = f"LoRA {base_bytes}Ψ_base + 16Ψ_lora, by {p.strategy}"
     if b.engine == "deepspeed":
         act_bytes = 4 if cfg.train.precision == "fp32" else 2
@@ -569,6 +578,21 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
         weights = (f"adapter: loom export {last} {last.parents[1].name}-adapter --lora adapter"
                    if cfg.lora.rank else f"weights: loom export {last} model.safetensors")
         print(f"checkpoint: {last}  (continue: {again}; {weights})")
+
+
+def _split_numel(param: torch.Tensor, dims: tuple[str, ...]) -> float:
+    """A parameter's elements on this rank after the splits over mesh `dims` (TP, EP), before the
+    data-parallel sharding (a DTensor's numel is the global one)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.numel()
+    mesh = param.device_mesh
+    split = 1
+    for name, placement in zip(mesh.mesh_dim_names or (), param.placements):
+        if placement.is_shard() and name in dims:
+            split *= mesh.size(mesh.mesh_dim_names.index(name))
+    return param.numel() / split
 
 
 def _full_state_dict(parts: list[nn.Module]) -> dict[str, torch.Tensor]:

@@ -25,15 +25,16 @@ from torch.distributed.tensor import _sharding_prop
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
 from loom import strategies
-from loom.config import Config, ParallelDims, validate
+from loom.config import Config, ParallelDims, lora_base_dtype, validate
 from loom.data.hf_tokenizer import HFTokenizer, resolve_tokenizer
 from loom.data.tokenizer import ByteTokenizer
 from loom.errors import ConfigError, LoomError
 from loom.models.gpt.config import GPTConfig
 from loom.models.gpt.model import build_model
-from loom.observe.rank_memory import global_peak_tracker, optimizer_states, storage_bytes
+from loom.observe.rank_memory import count_params, global_peak_tracker, optimizer_states, storage_bytes
 from loom.parallel.mesh import Dist, build_mesh, local_view
-from loom.plan.memory import model_state_bytes
+from loom.parallel.precision import DTYPES
+from loom.plan.memory import lora_state_bytes, model_state_bytes
 from loom.train.driver import build_training
 from loom.train.step import train_step
 from loom.train.task import Task, model_config, next_token_loss
@@ -99,6 +100,11 @@ def traced_vs_analytic(cfg: Config, world_size: int, micro_batch: int = 1) -> di
     strategy, n = traced["strategy"], traced["shard_size"]
     exact = model_state_bytes(strategy, traced["num_params"], n)
     padded = model_state_bytes(strategy, traced["local_numel"] * n, n)
+    if cfg.lora.rank is not None:  # the frozen base in its dtype, what trains at 16 bytes
+        base = DTYPES[lora_base_dtype(cfg)].itemsize
+        exact = lora_state_bytes(strategy, traced["frozen_params"], traced["trainable_params"], n, base)
+        padded = lora_state_bytes(strategy, traced["local_frozen_numel"] * n, traced["local_numel"] * n, n,
+                                  base)
     kinds = ("params", "grads", "optimizer")
 
     def as_dict(m) -> dict:
@@ -162,11 +168,16 @@ def _traced_step(cfg: Config, gpt: GPTConfig, d: Dist, micro_batch: int) -> dict
         for kind, nbytes in stats.items():
             name = str(getattr(kind, "value", kind))  # MemTracker's categories are an enum
             breakdown[name] = breakdown.get(name, 0) + int(nbytes)
-    params_bytes = storage_bytes(params)
+    frozen = [q for q in built.model.parameters() if not q.requires_grad]  # LoRA's base
+    params_bytes = storage_bytes([*params, *frozen])
     grads_bytes = storage_bytes(q.grad for q in params)
     optimizer_bytes = storage_bytes(optimizer_states(optimizer))
+    trainable = count_params(built.model, trainable=True)
     return {
         "num_params": built.num_params,
+        "trainable_params": trainable,
+        "frozen_params": count_params(built.model) - trainable,
+        "local_frozen_numel": sum(local_view(q).numel() for q in frozen),
         # rank 0's shard elements; rank 0 always gets a full first chunk, so this is the padded size
         "local_numel": sum(local_view(q).numel() for q in params),
         "params_bytes": params_bytes,
