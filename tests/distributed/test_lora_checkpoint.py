@@ -116,12 +116,14 @@ def test_exports_load_in_peft_and_transformers_and_another_base_is_refused(tmp_p
 
 
 def test_a_hugging_face_decoder_run_as_itself_exports_an_adapter_peft_loads(tmp_path, corpus):
-    """Qwen2 (q/k/v biases: loom runs transformers' own modules) with adapters on q and v: the
-    adapter's names are the model's own, and peft's logits equal loom's model's."""
+    """Qwen2 (q/k/v biases: loom runs transformers' own modules) with adapters on q, v (column-split)
+    and o, down (row-split) under tp 2: the adapter's names are the model's own, and peft's logits
+    equal loom's model's."""
     torch.manual_seed(1)
     base = tmp_path / "qwen2"
     transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**LLAMA)).save_pretrained(base)
-    overrides = _overrides(corpus, base, 'lora.targets=["q", "v"]')
+    overrides = _overrides(corpus, base, 'lora.targets=["q", "v", "o", "down"]', "parallel.strategy=zero2",
+                           "parallel.tp=2")
     _, state = run_ranks(_train_lora, 2, overrides, str(tmp_path / "run"))[0]
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
     cfg = load_config(None, overrides)
@@ -130,7 +132,7 @@ def test_a_hugging_face_decoder_run_as_itself_exports_an_adapter_peft_loads(tmp_
     ours.load_state_dict(state)
     export(tmp_path / "run" / "checkpoints" / "step_3", tmp_path / "adapter", lora="adapter")
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == [
-        "q_proj", "v_proj"]
+        "down_proj", "o_proj", "q_proj", "v_proj"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with torch.no_grad():
         plain = hf(tokens).logits
