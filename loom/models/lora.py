@@ -25,13 +25,11 @@ from torch import nn
 
 from loom.errors import ConfigError
 from loom.parallel.weights import WeightSource, block, plain_name
+from loom.plan.lora import ALL_LINEAR, LEAVES
 
-# The targets by role, and the leaf names each model family gives that linear.
-ROLES = {
-    "q": ("wq", "q_proj"), "k": ("wk", "k_proj"), "v": ("wv", "v_proj"), "o": ("wo", "o_proj"),
-    "gate": ("w1", "gate_proj"), "up": ("w3", "up_proj"), "down": ("w2", "down_proj"),
-}
-ALL_LINEAR = "all-linear"
+# The targets by role, and the leaf names each model family gives that linear (the planner's, which
+# prices the same ones).
+ROLES = LEAVES
 ADAPTER_SUFFIXES = ("lora_A", "lora_B")
 
 
@@ -58,9 +56,14 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, 
     return F.linear(F.linear(x, a) * scale, b)
 
 
+def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + (alpha / r) · B A, computed in fp32 and stored in W's dtype (stacked experts: per expert)."""
+    return (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
+
+
 class LoRALinear(nn.Linear):
     """A frozen linear plus its trainable low-rank update. Made from an nn.Linear by add_lora, never
-    constructed: under TP its A and B are split with the weight (loom/parallel/lora.py)."""
+    constructed: under TP its A and B are split with the weight (loom/parallel/tensor_parallel.py)."""
 
     lora_scale: float
     lora_dropout: float
@@ -68,9 +71,6 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + lora_delta(
             x, self.lora_A, self.lora_B, self.lora_scale, self.lora_dropout, self.training)
-
-    def merged_weight(self) -> torch.Tensor:
-        return self.weight + self.lora_scale * (self.lora_B @ self.lora_A).to(self.weight.dtype)
 
 
 def _adapt_linear(module: nn.Linear, spec: LoRASpec) -> None:
@@ -151,7 +151,7 @@ def freeze_base(model: nn.Module, dtype: torch.dtype, train_embeddings: bool, tr
             if param is None:
                 continue
             if id(param) not in done:
-                trains = key.endswith(ADAPTER_SUFFIXES) \
+                trains = is_adapter(key) \
                     or (train_norms and "norm" in type(module).__name__.lower()) \
                     or (train_embeddings and (isinstance(module, nn.Embedding) or id(param) in heads))
                 keep = torch.float32 if trains else dtype
@@ -189,10 +189,6 @@ class WithAdapters:
 
 def blocks_of(layers: nn.ModuleList | nn.ModuleDict) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
-
-
-def has_adapters(model: nn.Module) -> bool:
-    return any(is_adapter(n) for n, _ in model.named_parameters())
 
 
 @torch.no_grad()

@@ -17,9 +17,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from loom.errors import ConfigError
 
 
-def _distribute(module: nn.Module, mesh, placements: dict[str, Placement]) -> None:
+def _distribute(module: nn.Module, mesh, placements: dict[str, Placement], src_data_rank: int | None) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
-        dist = distribute_tensor(param, mesh, [placements[name]], src_data_rank=None)
+        dist = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
         module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
@@ -30,7 +30,7 @@ class ColwiseParallel(tp.ColwiseParallel):
 
     def _partition_linear_fn(self, name, module, device_mesh):
         _distribute(module, device_mesh, {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(),
-                                          "lora_B": Shard(0)})
+                                          "lora_B": Shard(0)}, self.src_data_rank)
 
 
 class RowwiseParallel(tp.RowwiseParallel):
@@ -40,7 +40,7 @@ class RowwiseParallel(tp.RowwiseParallel):
 
     def _partition_linear_fn(self, name, module, device_mesh):
         _distribute(module, device_mesh, {"weight": Shard(1), "bias": Replicate(), "lora_A": Shard(1),
-                                          "lora_B": Replicate()})
+                                          "lora_B": Replicate()}, self.src_data_rank)
 
 
 def check_tp_shapes(n_heads: int, n_kv_heads: int, ffn_hidden: int, vocab_size: int, tp: int) -> None:

@@ -172,9 +172,14 @@ def cp_payload_per_step(w, c) -> tuple[float, int]:
     """(payload bytes, operations) of the context-parallel exchange a rank sends per step: every
     micro-batch's forward and backward of each block, and the forward again of each recomputed one."""
     ex, layers, ckpt = cp_exchange(w, c)
-    m = c.grad_accum
-    payload = m * (layers * (ex.forward + ex.backward) + ckpt * ex.forward)
-    ops = m * (layers * (ex.forward_ops + ex.backward_ops) + ckpt * ex.forward_ops)
+    return _exchanges_per_step(ex, layers, ckpt, c.grad_accum)
+
+
+def _exchanges_per_step(ex, blocks: int, recomputed: int, micro_batches: int) -> tuple[float, int]:
+    """(payload, operations) of an exchange run in each block's forward and backward, and again in
+    each recomputed block's forward, per micro-batch."""
+    payload = micro_batches * (blocks * (ex.forward + ex.backward) + recomputed * ex.forward)
+    ops = micro_batches * (blocks * (ex.forward_ops + ex.backward_ops) + recomputed * ex.forward_ops)
     return payload, ops
 
 
@@ -239,10 +244,7 @@ def ep_payload_per_step(w, c) -> tuple[float, int]:
     if c.ep == 1 or not w.shape.moe:
         return 0.0, 0
     ex, moe, ckpt = ep_exchange(w, c)
-    m = c.grad_accum
-    payload = m * (moe * (ex.forward + ex.backward) + ckpt * ex.forward)
-    ops = m * (moe * (ex.forward_ops + ex.backward_ops) + ckpt * ex.forward_ops)
-    return payload, ops
+    return _exchanges_per_step(ex, moe, ckpt, c.grad_accum)
 
 
 def _expert_dispatch(w, c, gpus_per_node: int, acc: CommAccount, terms: Terms) -> float:

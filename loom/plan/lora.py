@@ -33,7 +33,7 @@ ATTENTION, SWIGLU = ROLES[:4], ROLES[4:]
 ALL_LINEAR = "all-linear"
 COLUMN, ROW = "column", "row"  # how TP splits a linear: its output (A whole) or its input (B whole)
 BASE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# Each role's leaf name in loom's GPT and in Hugging Face decoders (loom/models/lora.py's ROLES)
+# Each role's leaf name in loom's GPT and in Hugging Face decoders (loom/models/lora.py adapts by them too)
 LEAVES = {"q": ("wq", "q_proj"), "k": ("wk", "k_proj"), "v": ("wv", "v_proj"), "o": ("wo", "o_proj"),
           "gate": ("w1", "gate_proj"), "up": ("w3", "up_proj"), "down": ("w2", "down_proj")}
 

@@ -194,6 +194,10 @@ def read_meta(path: Path) -> dict:
         for key in ("next_global_batch", "samples_seen", "tokens_seen"):
             data.int(key, default=0, min=0)
         doc.section("model_config", default={})
+        if "lora_base" in doc:  # a LoRA run's base (loom/train/lora_base.py)
+            base = doc.section("lora_base")
+            base.str("path")
+            base.str("fingerprint", nonempty=True)
         doc.float("saved_at", default=0.0)
     return doc.raw
 

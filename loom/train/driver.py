@@ -515,33 +515,23 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
     # cp ranks shard (and reduce) with the dp ranks: N spans dp_shard × cp
     shard = strategies.lookup(p.strategy).shard_size(d.mesh["dp_replicate"].size(),
                                                      d.mesh["dp_shard"].size() * d.cp_size)
-    local_params = sum(q.numel() for q in b.params)  # this rank's stage(s), before TP/EP/FSDP splits
     moe = [m for part in b.parts for m in moe_modules(part)]
-    routed = sum(q.numel() for m in moe for q in m.experts.parameters())
-    # TP splits every matrix; the norms' gains and the MoE feed-forwards stay whole on each TP rank.
-    tp_replicated = sum(q.numel() for q in b.params if q.ndim == 1) \
-        + sum(q.numel() for m in moe for q in m.parameters()) if p.tp > 1 else 0
-    expected = model_state_bytes(p.strategy, local_params - routed, shard, tp=p.tp,
-                                 tp_replicated=tp_replicated - (routed if p.tp > 1 else 0)).total
-    if routed:  # the routed experts: split over ep, then sharded over the ranks holding the same ones
-        expert_shard = strategies.lookup(p.strategy).shard_size(d.mesh["dp_replicate"].size(),
-                                                                d.mesh["dp_shard"].size() // d.ep_size)
-        expected += model_state_bytes(p.strategy, routed / d.ep_size, expert_shard).total
-    formula = strategies.lookup(p.strategy).formula
-    if cfg.lora.rank is not None:  # the frozen base in its dtype, what trains at 16 bytes (plan/memory.py)
-        base_bytes = precision.DTYPES[lora_base_dtype(cfg)].itemsize
-        experts = {id(q) for m in moe for q in m.experts.parameters()}
-        counts = {(expert, trains): 0 for expert in (False, True) for trains in (False, True)}
-        for q in {id(q): q for part in b.parts for q in part.parameters()}.values():  # tied: once
-            counts[id(q) in experts, q.requires_grad] += _split_numel(q, ("tp", "ep"))
-        expected = lora_state_bytes(p.strategy, counts[False, False], counts[False, True], shard,
-                                    base_bytes).total
-        if experts:
-            expert_shard = strategies.lookup(p.strategy).shard_size(d.mesh["dp_replicate"].size(),
-                                                                    d.mesh["dp_shard"].size() // d.ep_size)
-            expected += lora_state_bytes(p.strategy, counts[True, False], counts[True, True], expert_shard,
-                                         base_bytes).total
-        formula = f"LoRA {base_bytes}Ψ_base + 16Ψ_lora, by {p.strategy}"
+    # the routed experts: split over ep, then sharded over the ranks holding the same ones
+    expert_shard = strategies.lookup(p.strategy).shard_size(d.mesh["dp_replicate"].size(),
+                                                            d.mesh["dp_shard"].size() // d.ep_size)
+    if cfg.lora.rank is not None:
+        expected, formula = _lora_states(cfg, b, moe, shard, expert_shard)
+    else:
+        local_params = sum(q.numel() for q in b.params)  # this rank's stage(s), before TP/EP/FSDP splits
+        routed = sum(q.numel() for m in moe for q in m.experts.parameters())
+        # TP splits every matrix; the norms' gains and the MoE feed-forwards stay whole on each TP rank.
+        tp_replicated = sum(q.numel() for q in b.params if q.ndim == 1) \
+            + sum(q.numel() for m in moe for q in m.parameters()) if p.tp > 1 else 0
+        expected = model_state_bytes(p.strategy, local_params - routed, shard, tp=p.tp,
+                                     tp_replicated=tp_replicated - (routed if p.tp > 1 else 0)).total
+        if routed:
+            expected += model_state_bytes(p.strategy, routed / d.ep_size, expert_shard).total
+        formula = strategies.lookup(p.strategy).formula
     if b.engine == "deepspeed":
         act_bytes = 4 if cfg.train.precision == "fp32" else 2
         expected, formula = deepspeed_states(p.strategy, b.num_params, shard, act_bytes)
@@ -578,6 +568,23 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
         weights = (f"adapter: loom export {last} {last.parents[1].name}-adapter --lora adapter"
                    if cfg.lora.rank else f"weights: loom export {last} model.safetensors")
         print(f"checkpoint: {last}  (continue: {again}; {weights})")
+
+
+def _lora_states(cfg: Config, b: Built, moe: list, shard: int, expert_shard: int) -> tuple[float, str]:
+    """LoRA's model states on this rank by the planner's formula (plan/memory.py): the frozen base in
+    its dtype, what trains at 16 bytes, each counted after this rank's TP/EP splits; the routed
+    experts sharded over expert_shard."""
+    strategy = cfg.parallel.strategy
+    base_bytes = precision.DTYPES[lora_base_dtype(cfg)].itemsize
+    experts = {id(q) for m in moe for q in m.experts.parameters()}
+    counts = {(expert, trains): 0 for expert in (False, True) for trains in (False, True)}
+    for q in {id(q): q for part in b.parts for q in part.parameters()}.values():  # tied: once
+        counts[id(q) in experts, q.requires_grad] += _split_numel(q, ("tp", "ep"))
+    expected = lora_state_bytes(strategy, counts[False, False], counts[False, True], shard, base_bytes).total
+    if experts:
+        expected += lora_state_bytes(strategy, counts[True, False], counts[True, True], expert_shard,
+                                     base_bytes).total
+    return expected, f"LoRA {base_bytes}Ψ_base + 16Ψ_lora, by {strategy}"
 
 
 def _split_numel(param: torch.Tensor, dims: tuple[str, ...]) -> float:

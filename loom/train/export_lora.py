@@ -11,7 +11,6 @@ it is read.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ from loom.config import Config, load_config_text
 from loom.errors import LoomError
 from loom.models.gpt.config import GPTConfig
 from loom.models.gpt.llama_layout import hf_name, rope_heads, to_halves
-from loom.models.lora import is_adapter
+from loom.models.lora import is_adapter, merged
 from loom.train import checkpoint as ckpt
 from loom.train import lora_base
 
@@ -70,8 +69,7 @@ def merged_tensors(meta: dict, path: Path, tensors: dict[str, torch.Tensor],
             continue
         weight, which = _owner(name)
         if which == "lora_A":
-            a, b = t.float(), tensors[name[:-1] + "B"].float()
-            base[weight] = (base[weight].float() + scale * (b @ a)).to(base[weight].dtype)
+            base[weight] = merged(base[weight], t, tensors[name[:-1] + "B"], scale)
     return base
 
 
@@ -135,7 +133,3 @@ def adapter_files(meta: dict, path: Path, tensors: dict[str, torch.Tensor], gpt:
         "base_model_name_or_path": saved.get("path") or None,
     }
     return out, config
-
-
-def write_json(doc: dict) -> bytes:
-    return (json.dumps(doc, indent=2) + "\n").encode()

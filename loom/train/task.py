@@ -153,8 +153,9 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
         pretrained.gpt = checkpoint_gpt(checkpoint)
     if pretrained.gpt is not None:
         gpt = model_config(cfg, data_vocab, pretrained.gpt)
-        pretrained.check(build_model(gpt, device="meta"))
-        check_lora_targets(cfg, build_model(gpt, device="meta"))
+        model = build_model(gpt, device="meta")
+        pretrained.check(model)
+        check_lora_targets(cfg, model)  # (adds adapters to the meta model: after the files' check)
         return ConfigModel(gpt, pretrained if checkpoint is None else None,
                            from_gpt_config(gpt, pretrained.path.name),
                            f"GPT {gpt.n_layers}L d{gpt.d_model} from {pretrained.path}", checkpoint)
@@ -177,8 +178,9 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
     _check_layout(cfg, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads,
                   hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings or cfg.data.seq_len,
                   hf.tie_word_embeddings)
-    pretrained.check(pretrained.hf_model("meta"))
-    check_lora_targets(cfg, pretrained.hf_model("meta"))
+    model = pretrained.hf_model("meta")
+    pretrained.check(model)
+    check_lora_targets(cfg, model)
     description = f"{hf.model_type} {hf.num_hidden_layers}L d{hf.hidden_size} from {pretrained.path}"
     return ConfigModel(None, pretrained, from_hf(hf, hf.model_type), description)
 

@@ -285,9 +285,11 @@ def top_field_edited(draw, valid: dict) -> dict:
     """meta.json with one of the fields loom reads deleted, replaced or perturbed inside."""
     doc = copy.deepcopy(valid)
     key = draw(st.sampled_from(["step", "world_size", "config", "scheduler", "layout", "data", "model_config",
-                                "saved_at"]))
+                                "saved_at", "lora_base"]))
     op = draw(st.sampled_from(["delete", "replace", "perturb"]))
-    if op == "delete":
+    if key not in doc:  # a LoRA run's base, absent from this full run's meta.json: added, hostile
+        doc[key] = draw(hostile())
+    elif op == "delete":
         del doc[key]
     else:
         doc[key] = draw(hostile() if op == "replace" else perturbed(doc[key]))

@@ -31,6 +31,7 @@ from loom.models.lora import (
     blocks_of,
     freeze_base,
     is_adapter,
+    merged,
 )
 from loom.parallel.weights import block
 from loom.train import lora_base
@@ -67,7 +68,8 @@ def test_adapted_linear_is_the_base_plus_the_scaled_low_rank_update():
         linear.lora_B.normal_()
     want = base + 3.0 * x @ linear.lora_A.T @ linear.lora_B.T  # alpha / r = 3
     torch.testing.assert_close(linear(x), want, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(linear.merged_weight(), linear.weight + 3.0 * linear.lora_B @ linear.lora_A)
+    torch.testing.assert_close(merged(linear.weight, linear.lora_A, linear.lora_B, 3.0),
+                               linear.weight + 3.0 * linear.lora_B @ linear.lora_A)
     # dropout acts on the adapters' input in training only
     linear.lora_dropout = 0.5
     assert not torch.allclose(linear.train()(x), want)

@@ -69,10 +69,11 @@ class Experts(nn.Module):
         def local(name: str) -> tuple[torch.Tensor, ...]:
             return scale_grad(local_view(getattr(self, name)), grad_scale).unbind(0)
 
-        w1, w3, w2 = (local(w) for w in EXPERT_WEIGHTS)
+        weights = {w: local(w) for w in EXPERT_WEIGHTS}
         if self.lora is not None:
             adapters = {w: (local(f"{w}_lora_A"), local(f"{w}_lora_B")) for w in self.lora_weights}
-            return self._forward_lora(rows, counts, {w: local(w) for w in EXPERT_WEIGHTS}, adapters)
+            return self._forward_lora(rows, counts, weights, adapters)
+        w1, w3, w2 = (weights[w] for w in EXPERT_WEIGHTS)
         # Every expert runs, on no rows too: its gradient is then zero, not missing (the engines
         # reduce every parameter's gradient).
         return torch.cat([swiglu_down(F.linear(part, w1[e]), F.linear(part, w3[e]), w2[e])
