@@ -27,11 +27,21 @@ def corpus(tmp_path_factory) -> Path:
 os.environ.setdefault("LOOM_DEVICE_PROFILE", str(Path(__file__).parent / "data" / "device_cpu.json"))
 
 
+def smoke_set() -> list[str]:
+    """tests/smoke.txt's node ids (a file's path stands for all of its tests)."""
+    lines = (Path(__file__).parent / "smoke.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     here = Path(__file__).parent / "distributed"
+    smoke = set(smoke_set())
     for item in items:
         if here in Path(item.fspath).parents:
             item.add_marker(pytest.mark.distributed)
+        if item.nodeid in smoke or item.nodeid.split("::")[0] in smoke or \
+                item.nodeid.split("[")[0] in smoke:
+            item.add_marker(pytest.mark.smoke)
 
 
 @pytest.fixture(autouse=True)

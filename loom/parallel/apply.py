@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -86,13 +87,25 @@ def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdap
     if uses_fsdp(p):
         apply_fsdp(model, blocks, p, cfg.train.precision, d, experts if d.ep is not None else [])
         if adapter.meta_init:
-            model.to_empty(device="cpu" if p.offload == "cpu" else d.device)
+            materialize(model, d.device, offload=p.offload == "cpu")
             adapter.init_weights(model, cfg.train.seed, weights)
         return model
     if adapter.meta_init:
-        model.to_empty(device=d.device)
+        materialize(model, d.device)
         adapter.init_weights(model, cfg.train.seed, weights)
     return apply_ddp(model, p, d)  # zero1 shards the optimizer, not the model
+
+
+def materialize(model: nn.Module, device: torch.device, offload: bool = False) -> None:
+    """Give a model built on the meta device its storage (uninitialized: init_weights writes it).
+    Under CPU offload the parameters live in host memory (FSDP2 copies each unit in for its
+    compute), but the buffers (RoPE tables, routing biases) are read by forward as they are: they
+    go to the compute device, else the first step mixes cuda and cpu tensors."""
+    model.to_empty(device="cpu" if offload else device)
+    if offload:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = torch.empty_like(buffer, device=device)
 
 
 def uses_fsdp(p) -> bool:

@@ -20,7 +20,9 @@ holds the document index of every position of the whole sequence (`Sequence.docs
 every cp rank reads), so each rank builds any piece's mask itself: only k/v travel.
 
 Each piece runs a fused kernel that returns its logsumexp: CPU's flash kernel, CUDA's
-memory-efficient kernel (which takes a mask; not yet run on a GPU here).
+memory-efficient kernel (fp32, bf16 and fp16, with a bias for documents). What the CUDA kernel
+assumes of its inputs beyond their shapes is written down in `_Efficient`, and
+tests/unit/test_cp_kernels.py holds an emulation of that contract that runs on a CPU.
 """
 
 from __future__ import annotations
@@ -206,43 +208,101 @@ def _document_mask(docs: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor)
 
 # ---- one piece: queries of one chunk against keys of one chunk, with the logsumexp ----
 
-def _piece_forward(q, k, v, causal: bool, mask: torch.Tensor | None):
-    """(out, lse, aux) of one piece; rows that see no key get lse −inf (and out 0), so merging drops
-    them. `aux`: what the CUDA kernel's backward needs of its forward (its RNG state, its logsumexp's
-    padded length); None on CPU."""
-    bias = _bias(mask, q)
-    if q.device.type == "cpu":
+class _CpuFlash:
+    """CPU's flash kernel: takes the mask as a bias and grouped k/v heads as they are."""
+
+    def output(self, q: torch.Tensor) -> torch.Tensor:
+        """The fp32 buffer the pieces' outputs merge into."""
+        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+    def forward(self, q, k, v, causal: bool, mask: torch.Tensor | None):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                              attn_mask=bias)
-        aux = None
-    else:
+                                                                              attn_mask=_bias(mask, q))
+        return out, lse, None
+
+    def backward(self, grad, q, k, v, out, lse, causal: bool, mask: torch.Tensor | None, aux):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q))
+
+
+class _Efficient:
+    """CUDA's memory-efficient kernel (fp32, bf16, fp16; takes a bias). Its contract beyond shapes:
+    - its half-precision backward computes rowsum(dO·O) itself and reads `out` as if each query row
+      were H·D elements after the last, the layout of its own forward's output ([B, T, H, D] in
+      memory), whatever out's strides say; fp32 computes that sum outside, by strides. So the
+      merged output is kept in that layout, and any other is copied into it;
+    - the bias's rows start 16-byte aligned (padded here, then sliced);
+    - its logsumexp has its rows padded (to 32), and its backward takes them padded again;
+    - k/v have as many heads as q.
+    `forward_op`/`backward_op` are the aten ops (a test gives an emulation of the same contract)."""
+
+    def __init__(self, forward_op=None, backward_op=None):
+        self.forward_op = forward_op or torch.ops.aten._scaled_dot_product_efficient_attention
+        self.backward_op = backward_op or torch.ops.aten._scaled_dot_product_efficient_attention_backward
+
+    def output(self, q: torch.Tensor) -> torch.Tensor:
+        b, h, t, d = q.shape
+        return torch.zeros(b, t, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+
+    def forward(self, q, k, v, causal: bool, mask: torch.Tensor | None):
         k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
-        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, _expanded(bias, q), True, 0.0, causal)
-        aux = (seed, offset, lse.shape[-1])  # the kernel may pad the logsumexp's rows
-        lse = lse[..., : q.shape[2]]
+        out, lse, seed, offset = self.forward_op(q, k, v, self._bias(mask, q), True, 0.0, causal)
+        aux = (seed, offset, lse.shape[-1])  # its RNG state, and its logsumexp's padded length
+        return out, lse[..., : q.shape[2]], aux
+
+    def backward(self, grad, q, k, v, out, lse, causal: bool, mask: torch.Tensor | None, aux):
+        seed, offset, lse_len = aux
+        groups = q.shape[1] // k.shape[1]
+        kx, vx = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+        padded = torch.zeros((*lse.shape[:-1], lse_len), dtype=torch.float32, device=lse.device)
+        padded[..., : lse.shape[-1]] = lse
+        dq, dk, dv, _ = self.backward_op(grad, q, kx, vx, self._bias(mask, q), _rows_packed(out), padded,
+                                         seed, offset, 0.0, [True, True, True, False], causal)
+        if groups > 1:  # the repeated heads' gradients summed back onto their kv head
+            dk, dv = (t.unflatten(1, (k.shape[1], groups)).sum(2) for t in (dk, dv))
+        return dq, dk, dv
+
+    @staticmethod
+    def _bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+        if mask is None:
+            return None
+        keys = mask.shape[-1]
+        aligned = -(-keys // 16) * 16  # 16 elements: 16-byte rows in every dtype
+        bias = torch.zeros((*mask.shape[:-1], aligned), dtype=q.dtype, device=q.device)[..., :keys]
+        bias.masked_fill_(~mask, float("-inf"))
+        return bias.expand(q.shape[0], q.shape[1], -1, -1)
+
+
+def _rows_packed(t: torch.Tensor) -> torch.Tensor:
+    """t [B, H, T, D] whose query rows lie H·D elements apart in memory (a view of [B, T, H, D]),
+    as the efficient kernel's backward reads its output: t itself when they already do."""
+    if t.stride(-1) == 1 and t.stride(1) == t.shape[3] and t.stride(2) == t.shape[1] * t.shape[3]:
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+_KERNELS = {"cpu": _CpuFlash()}  # by device type; anything else: CUDA's efficient kernel
+_EFFICIENT = _Efficient()
+
+
+def _kernel(device: torch.device):
+    return _KERNELS.get(device.type, _EFFICIENT)
+
+
+def _piece_forward(q, k, v, causal: bool, mask: torch.Tensor | None):
+    """(out, lse, aux) of one piece; rows that see no key get lse −inf and out 0, so merging drops
+    them whatever the kernel wrote there. `aux`: what the kernel's backward needs of its forward."""
+    out, lse, aux = _kernel(q.device).forward(q, k, v, causal, mask)
     if mask is not None:
-        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+        seen = mask.any(-1)  # [B, 1, Tq]
+        lse = lse.masked_fill(~seen, float("-inf"))
+        out = out.masked_fill(~seen[..., None], 0.0)
     return out, lse, aux
 
 
 def _piece_backward(grad, q, k, v, out, lse, causal: bool, mask: torch.Tensor | None, aux):
     """(dq, dk, dv) of one piece, given the merged output and logsumexp of the whole row."""
-    bias = _bias(mask, q)
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias)
-    seed, offset, lse_len = aux
-    groups = q.shape[1] // k.shape[1]
-    kx, vx = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
-    padded = torch.zeros((*lse.shape[:-1], lse_len), dtype=torch.float32, device=lse.device)
-    padded[..., : lse.shape[-1]] = lse
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad, q, kx, vx, _expanded(bias, q), out, padded, seed, offset, 0.0, [True, True, True, False],
-        causal)
-    if groups > 1:  # the repeated heads' gradients summed back onto their kv head
-        dk, dv = (t.unflatten(1, (k.shape[1], groups)).sum(2) for t in (dk, dv))
-    return dq, dk, dv
+    return _kernel(q.device).backward(grad, q, k, v, out, lse, causal, mask, aux)
 
 
 def _bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
@@ -250,10 +310,6 @@ def _bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
     if mask is None:
         return None
     return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-
-
-def _expanded(bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    return None if bias is None else bias.expand(q.shape[0], q.shape[1], -1, -1)
 
 
 def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -303,10 +359,10 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, seq: Sequence):
         cp, c = seq.cp, seq.chunk
         with torch.autocast(q.device.type, enabled=False):
-            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            out = _kernel(q.device).output(q)
             lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
             kv = [k.contiguous(), v.contiguous()]
-            aux = []  # per piece, in order: what a CUDA kernel's backward needs of its forward
+            aux = []  # per piece, in order: what the kernel's backward needs of its forward
             for step in range(cp.size):
                 source = (cp.rank - step) % cp.size
                 exchange = _Exchange(cp, kv, tag=0) if step < cp.size - 1 else None

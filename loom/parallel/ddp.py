@@ -3,11 +3,20 @@ bucket) and the model side of zero1, whose optimizer states loom/parallel/zero1.
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from loom.config import ParallelConfig
 from loom.parallel.mesh import Dist
+
+# loom's buffers (RoPE tables) are computed, never trained: no broadcast of them before each forward.
+# torch 2.12 renamed the switch (forward_sync_buffers; broadcast_buffers deprecated) and torch 2.11
+# knows only the old name: no form is common to both, so the name is read off DDP's signature.
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                  if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                  else {"broadcast_buffers": False})
 
 
 def apply_ddp(model: nn.Module, p: ParallelConfig, d: Dist) -> nn.Module:
@@ -17,7 +26,7 @@ def apply_ddp(model: nn.Module, p: ParallelConfig, d: Dist) -> nn.Module:
         process_group=d.grad_mesh.get_group(),  # dp × cp
         bucket_cap_mb=p.ddp_bucket_mb,
         gradient_as_bucket_view=True,  # grads live in the buckets: no second 4Ψ copy
-        forward_sync_buffers=False,  # loom's buffers (RoPE tables) are computed, never trained
+        **NO_BUFFER_SYNC,
         static_graph=p.ddp_static_graph,
     )
     if p.pp > 1:

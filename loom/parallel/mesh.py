@@ -96,18 +96,20 @@ def pick_device(requested: str) -> torch.device:
 
 
 def init_distributed(dims_for_world, device_request: str = "auto", timeout_s: float = 600.0,
-                     cp_mode: str = "ring") -> Dist:
+                     cp_mode: str = "ring", host_collectives: bool = False) -> Dist:
     """Join (or, run alone, create) the process group and build the mesh.
 
     `dims_for_world(world_size) -> ParallelDims` chooses the layout once the world size is
-    known. A plain `python` run without torchrun becomes a world of one.
+    known. A plain `python` run without torchrun becomes a world of one. `host_collectives`
+    (CPU offload): on a GPU, collectives of host tensors too (the gradient norm of offloaded
+    gradients), by gloo beside NCCL.
     """
     if "RANK" not in os.environ:  # not under torchrun/srun: a single-process world
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     device = pick_device(device_request)
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = "gloo" if device.type != "cuda" else "cpu:gloo,cuda:nccl" if host_collectives else "nccl"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **_attempt_store(timeout_s))
     world = dist.get_world_size()
     dims: ParallelDims = dims_for_world(world)

@@ -188,7 +188,7 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
         resume = "auto"
     flight.enable(run_dir)
     d = init_distributed(lambda world: validate(cfg, world), t.device, timeout_s=t.collective_timeout_s,
-                         cp_mode=cfg.parallel.cp_mode)
+                         cp_mode=cfg.parallel.cp_mode, host_collectives=cfg.parallel.offload == "cpu")
     watcher = flight.Watcher(run_dir, d) if run_dir is not None and d.world_size > 1 else None
     try:
         return _train(cfg, d, run_dir, return_state, quiet, task or config_task(cfg), resume)

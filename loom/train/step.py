@@ -227,7 +227,9 @@ def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t,
     """
     if scaler:
         scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(params, t.grad_clip, pipe.group if pipe is not None else None)
+    # Under CPU offload the gradients, so their norm, are in host memory: the norm joins the loss's
+    # device (one stacked read per step), the skip flag the parameters' (a fused step's found_inf).
+    grad_norm = clip_grad_norm(params, t.grad_clip, pipe.group if pipe is not None else None).to(loss.device)
     lr = scheduler.get_last_lr()[0]
     finite = torch.isfinite(loss) if scaler else torch.isfinite(loss) & torch.isfinite(grad_norm)
     skipped = (~finite).float()
@@ -236,7 +238,7 @@ def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t,
             scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
         scaler.update()
     elif (fused := _fused_adamw(optimizer)) is not None:
-        fused.found_inf = skipped
+        fused.found_inf = skipped.to(params[0].device)
         try:
             optimizer.step()
         finally:

@@ -10,6 +10,7 @@ MATCH = "tests/distributed/test_context_parallel.py::test_context_parallel_match
 RING2, A2A2, RING4 = f"{MATCH}[cp2-ring-units]", f"{MATCH}[cp2-a2a-units]", f"{MATCH}[cp4-ring]"
 PACKED = "tests/distributed/test_context_parallel.py::test_packed_documents_under_cp_equal_one_rank"
 UNIT = "tests/unit/test_document_packing.py"
+KERNELS = "tests/unit/test_cp_kernels.py::test_cp_pieces_equal_one_attention_under_the_cuda_kernels_contract"
 
 BUGS = [
     Bug("cp-unbalanced-split", "each rank takes two neighbouring chunks, not a chunk and its mirror", CP,
@@ -66,6 +67,14 @@ BUGS = [
         "    return torch.cumsum(ends, dim=1) - ends\n", "    return torch.cumsum(ends, dim=1)\n",
         (f"{UNIT}::test_document_ids_and_positions",
          f"{UNIT}::test_packed_window_equals_its_documents_alone")),
+    Bug("cp-cuda-output-rows-strided", "the efficient kernel's backward gets the merged output with its rows "
+        "D apart (as the first GPU run did: bf16 dq/dk wrong)", CP,
+        "self._bias(mask, q), _rows_packed(out), padded", "self._bias(mask, q), out[:, :, :].contiguous(), padded",
+        (KERNELS,)),
+    Bug("cp-cuda-bias-unaligned", "the documents' bias rows are not padded to 16 bytes", CP,
+        "aligned = -(-keys // 16) * 16", "aligned = keys", (KERNELS,)),
+    Bug("cp-cuda-masked-rows-kept", "rows a piece masks whole keep the kernel's NaN output", CP,
+        "        out = out.masked_fill(~seen[..., None], 0.0)\n", "", (KERNELS,)),
     Bug("cp-seq-len-unchecked", "a sequence that 2·cp does not divide is let through", "loom/config.py",
         "        if seq % split:\n", "        if False:\n",
         ("tests/unit/test_bad_input.py::test_bad_input[parallel-cp-seq-len]",)),

@@ -121,6 +121,24 @@ def test_meta_to_empty_matches_cpu() -> None:
         assert torch.equal(ref(tokens), meta(tokens))
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_offload_keeps_buffers_on_the_compute_device(name) -> None:
+    """Under CPU offload the parameters live in host memory (FSDP2 copies each unit in), but forward
+    reads the buffers (RoPE tables, MoE routing biases) as they are: they belong on the compute
+    device, else a GPU's first step mixes cuda and cpu tensors. The meta device stands in for a GPU."""
+    from loom.parallel.apply import materialize
+
+    model = build_model(preset(name), device="meta")
+    materialize(model, torch.device("meta"), offload=True)
+    model.init_weights(3)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    buffers = dict(model.named_buffers())
+    assert "rope" in buffers and (name == "tiny" or any(k.endswith("expert_bias") for k in buffers))
+    assert {n: b.device.type for n, b in buffers.items()} == {n: "meta" for n in buffers}
+    materialize(model := build_model(preset(name), device="meta"), torch.device("meta"))
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+
+
 def test_tied_embeddings() -> None:
     model = _tiny_model(tie_embeddings=True)
     assert model.output.weight is model.tok_embeddings.weight
