@@ -57,8 +57,9 @@ def ring(q, k, v, grad, docs, cp: int):
         out[:, :, where[r]] = merged.float()
         for source, rows, keys, causal, mask, aux in done:
             kl, vl = k[:, :, where[source]], v[:, :, where[source]]
-            dq_p, dk_p, dv_p = C._piece_backward(gl[:, :, rows], ql[:, :, rows], kl[:, :, keys], vl[:, :, keys],
-                                                 merged[:, :, rows], lse[:, :, rows], causal, mask, aux)
+            dq_p, dk_p, dv_p = C._piece_backward(gl[:, :, rows], ql[:, :, rows], kl[:, :, keys],
+                                                 vl[:, :, keys], merged[:, :, rows], lse[:, :, rows], causal,
+                                                 mask, aux)
             dq[:, :, where[r][rows]] += dq_p.float()
             dk[:, :, where[source][keys]] += dk_p.float()
             dv[:, :, where[source][keys]] += dv_p.float()
@@ -78,7 +79,8 @@ def check(device: str = "cuda", small: bool = False, dtypes=(torch.float32, torc
             for documents in (False, True):
                 total = 2 * cp * (20 if small else 256)  # 20 keys a chunk: bias rows that need padding
                 q = torch.randn(batch, heads, total, head_dim, device=device, dtype=dtype)
-                k, v = (torch.randn(batch, kv_heads, total, head_dim, device=device, dtype=dtype) for _ in "kv")
+                k, v = (torch.randn(batch, kv_heads, total, head_dim, device=device, dtype=dtype)
+                        for _ in "kv")
                 grad = torch.randn(batch, heads, total, head_dim, device=device, dtype=dtype)
                 docs = None
                 if documents:  # three documents, one of which starts inside the first chunk of batch 0

@@ -69,7 +69,8 @@ BUGS = [
          f"{UNIT}::test_packed_window_equals_its_documents_alone")),
     Bug("cp-cuda-output-rows-strided", "the efficient kernel's backward gets the merged output with its rows "
         "D apart (as the first GPU run did: bf16 dq/dk wrong)", CP,
-        "self._bias(mask, q), _rows_packed(out), padded", "self._bias(mask, q), out[:, :, :].contiguous(), padded",
+        "self._bias(mask, q), _rows_packed(out), padded",
+        "self._bias(mask, q), out[:, :, :].contiguous(), padded",
         (KERNELS,)),
     Bug("cp-cuda-bias-unaligned", "the documents' bias rows are not padded to 16 bytes", CP,
         "aligned = -(-keys // 16) * 16", "aligned = keys", (KERNELS,)),

@@ -194,7 +194,8 @@ BUGS = [
         "deepspeed.zero.Init(config_dict_or_path=fp32)",
         "deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.float32)",
         ("tests/distributed/test_deepspeed.py::test_zero3_builds_in_fp32_where_the_device_has_no_fp16",)),
-    Bug("offload-buffers-on-host", "under CPU offload the RoPE tables stay in host memory with the parameters "
-        "(the first GPU run's crash)", "loom/parallel/apply.py", "    if offload:\n", "    if False:\n",
+    Bug("offload-buffers-on-host", "under CPU offload the RoPE tables stay in host memory with the "
+        "parameters (the first GPU run's crash)", "loom/parallel/apply.py",
+        "    if offload:\n", "    if False:\n",
         ("tests/unit/test_model.py::test_offload_keeps_buffers_on_the_compute_device",)),
 ]

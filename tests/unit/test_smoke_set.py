@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_smoke_entry_names_a_test():
     files = sorted({entry.split("::")[0] for entry in smoke_set()})
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "smoke", *files],
-                               cwd=ROOT, capture_output=True, text=True).stdout.splitlines()
+    argv = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "smoke", *files]
+    collected = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True).stdout.splitlines()
     ids = [line for line in collected if "::" in line]
     for entry in smoke_set():
         assert any(i == entry or i.startswith(entry + "::") or i.startswith(entry + "[") for i in ids), entry
@@ -26,6 +26,7 @@ def test_the_smoke_set_covers_every_capability():
     text = "\n".join(smoke_set())
     for strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp"):
         assert f"test_strategy_matches_single_process[{strategy}]" in text
-    for piece in ("tensor_parallel", "pipeline_parallel", "context_parallel", "test_moe_ranks", "test_lora_ranks",
-                  "test_deepspeed", "test_resume", "test_export", "test_plan", "test_profile", "test_compile"):
+    for piece in ("tensor_parallel", "pipeline_parallel", "context_parallel", "test_moe_ranks",
+                  "test_lora_ranks", "test_deepspeed", "test_resume", "test_export", "test_plan",
+                  "test_profile", "test_compile"):
         assert piece in text, piece
