@@ -15,7 +15,7 @@ import statistics
 import sys
 
 import plan_time
-from suite import HERE, Context, bench, ledger_text
+from harness import HERE, Context, bench, ledger_text
 
 MIB = 2**20
 NAMES = [
@@ -28,7 +28,6 @@ NAMES = [
     "observability",
     "checkpoint",
     "compile",
-    "gpu",
 ]
 
 
@@ -58,7 +57,6 @@ def planned_runs(name: str, quick: bool) -> int:
         "observability": 4 * pairs + 1,
         "checkpoint": 1,
         "compile": 2 * (1 if quick else pairs),
-        "gpu": 8,
     }.get(name, 1)
 
 
@@ -653,88 +651,6 @@ def compile_(ctx: Context) -> None:
     )
     ctx.note(
         "Correctness: tests/distributed/test_compile.py (compiled training equals eager within tolerance)."
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# 10. GPU
-
-
-GPU_WORKLOAD = [  # the GPU benchmark's run (tests/distributed/test_bench_gpu.py runs it small on a CPU)
-    "model.preset=1b",
-    "train.precision=bf16",
-    "train.device=cuda",
-    "train.batch_size=8",
-    "data.seq_len=1024",
-    "train.steps=20",
-    "train.eval_batches=0",
-    "parallel.strategy=ddp",
-    "train.optimizer_impl=fused",
-    "data.num_workers=2",
-]
-
-
-@bench(
-    "gpu",
-    "GPU: a ~1B GPT on one NVIDIA GPU",
-    "runs in < 8 min; MFU, memory vs plan, ledger, trace, checkpoint",
-    gpu=True,
-)
-def gpu(ctx: Context) -> None:
-    """World size 1 (NCCL): a ~1B GPT in bf16 with fused AdamW, eager vs compile, AC none vs full;
-    a profiled run analyzed from its CUDA trace; an async checkpoint from CUDA memory, resumed."""
-    base = list(GPU_WORKLOAD)
-    for label, sets in (
-        ("eager", []),
-        ("compile", ["train.compile=true"]),
-        ("AC full", ["parallel.activation_checkpointing=full"]),
-    ):
-        run = ctx.train(base + sets, 1, label)
-        rank = run.summary["measured_vs_planned"][0]
-        act, planned_act = rank["activation_peak_bytes"]
-        step, planned = run.summary["step_time_vs_planned"]["step_time_s"]
-        planned_mfu, planned_tps = run.plan.get("mfu"), run.plan.get("tokens_per_s")
-        ctx.row(
-            setting=label,
-            tokens_per_s=run.tokens_per_s,
-            mfu=planned_mfu * run.tokens_per_s / planned_tps if planned_mfu and planned_tps else None,
-            step_s=step,
-            planned_step_s=planned,
-            peak_gib=run.memory["ranks"]["0"]["peak_bytes"] / 2**30,
-            activation_vs_planned=act / planned_act if planned_act else None,
-            ledger=ledger_text(run.ledger()),
-            command=run.command,
-        )
-    prof = ctx.train(base + ["train.steps=8"], 1, "profile", command="profile")
-    from loom.observe.analyze import analyze, render_table
-
-    ctx.note(
-        "A profiled step on a real CUDA trace, `loom analyze`:\n\n```\n"
-        + render_table(analyze(prof.out / "traces"))
-        + "\n```"
-    )
-    saved = ctx.train(
-        base + ["train.steps=10", "train.ckpt_async=true", "train.ckpt_every=5"], 1, "async checkpoint"
-    )
-    resume = [
-        sys.executable,
-        "-m",
-        "loom.cli",
-        "train",
-        "--nproc",
-        "1",
-        "--out",
-        str(saved.out),
-        "--resume",
-        "auto",
-        *[x for v in base + ["train.steps=12"] for x in ("--set", v)],
-    ]
-    ctx.command(resume, "resume from the async checkpoint")
-    losses = [json.loads(line)["loss"] for line in (saved.out / "metrics.jsonl").read_text().splitlines()]
-    ctx.row(
-        setting="async checkpoint from CUDA memory, resumed",
-        resumed_steps=len(losses),
-        command=saved.command,
     )
 
 

@@ -40,8 +40,8 @@ import tempfile
 from pathlib import Path
 
 from context_parallel import profile_run  # bench/context_parallel.py (run from bench/, its folder)
+from harness import Context, Progress
 from provenance import describe, provenance
-from suite import Context, Progress
 
 HERE = Path(__file__).resolve().parent
 MIB = 2**20

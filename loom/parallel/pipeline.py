@@ -181,7 +181,7 @@ def pipeline_step(schedule, inputs: torch.Tensor | None, targets: torch.Tensor |
         raise ValueError("the first pipeline stage needs the input tokens")
     if is_last and targets is None:
         raise ValueError("the last pipeline stage needs the targets")
-    args = (inputs,) if is_first else ()
+    args = (inputs.contiguous(),) if is_first else ()  # torch 2.11 checks the strides the stage saw first
     losses: list[torch.Tensor] | None = [] if is_last else None
     # return_outputs=False: the last stage would otherwise concatenate every micro-batch's logits.
     schedule.step(*args, target=targets if is_last else None, losses=losses, return_outputs=False)

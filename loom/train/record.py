@@ -142,6 +142,8 @@ def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:
             "comm_by_kind": by_kind,
             "comm_modelled_wire_bytes": [m["comm_modelled_wire_bytes"], plan["comm_bytes_per_step"]],
             "nvme_bytes": [m.get("nvme_bytes"), planned.get("nvme", 0.0)],  # offloaded (deepspeed engine)
+            # offloaded to host memory: the process's resident memory beside the plan's host bytes
+            "host_bytes": [m.get("resident_bytes"), planned.get("host", 0.0)],
         })
     return rows
 
@@ -165,6 +167,8 @@ def print_measured_vs_planned(rows: list[dict], offload: tuple[str, ...] = ()) -
         print(f"  rank {row['rank']:<18}" + "   ".join(cell(*row[k]) for k in keys))
         if row["nvme_bytes"][0] or row["nvme_bytes"][1]:
             print(f"    {'on NVMe':<15} {'':>13}{cell(*row['nvme_bytes'])}")
+        if (row.get("host_bytes") or [None, 0])[1]:  # states offloaded to host memory (measured: RSS)
+            print(f"    {'in host memory':<15} {'':>13}{cell(*row['host_bytes'])}  (measured: resident memory)")
         for kind, pair in (row.get("comm_by_kind") or {}).items():
             got_n, want_n = pair["count"]
             counts = f"×{'n/a' if got_n is None else got_n} / {'?' if want_n is None else want_n}"

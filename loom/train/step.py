@@ -271,7 +271,7 @@ def evaluate(model: nn.Module, loader, d: Dist, cfg: Config, loss_fn,
             else:
                 losses: list[torch.Tensor] | None = [] if pipe.last else None
                 inputs, targets = split_batch(batch)
-                pipe.schedule.eval(*((inputs,) if pipe.first else ()),
+                pipe.schedule.eval(*((inputs.contiguous(),) if pipe.first else ()),
                                    target=targets if pipe.last else None, losses=losses)
                 if losses:  # each was divided by micro-batches × grad_accum (see build_pipeline)
                     total += (local_view(torch.stack([x.detach() for x in losses]).sum())

@@ -1,44 +1,64 @@
-"""`loom bench --gpu`'s benchmark, run small on a CPU: its runs (eager, compiled, checkpointed
-activations, profiled, an async checkpoint resumed) and the rows it writes. This machine has no GPU,
-so what this proves is the benchmark's own code, ready for a GPU; CUDA itself is not exercised."""
+"""`loom bench --gpu`'s benchmark (bench/gpu.py), run small on a CPU: every case, in order, each a
+subprocess, and the row each writes. This machine has no GPU, so what this proves is the
+benchmark's own code, ready for a GPU (CUDA itself is not exercised: CPU offload is refused here,
+and its row says so)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import benchmarks  # noqa: E402
-import suite  # noqa: E402
+import gpu  # noqa: E402
+import harness  # noqa: E402
 
 SMALL = {"model.preset": "tiny", "train.device": "cpu", "data.seq_len": "64", "train.batch_size": "4",
          "data.num_workers": "0"}
 
 
 def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypatch):
-    workload = [f"{k}={SMALL.get(k, v)}" for k, v in (s.split("=", 1) for s in benchmarks.GPU_WORKLOAD)]
+    workload = [f"{k}={SMALL.get(k, v)}" for k, v in (s.split("=", 1) for s in gpu.WORKLOAD)]
     assert sum(s.startswith(tuple(SMALL)) for s in workload) == len(SMALL)  # every one replaced
-    monkeypatch.setattr(benchmarks, "GPU_WORKLOAD", workload)
+    monkeypatch.setattr(gpu, "WORKLOAD", workload)
+    monkeypatch.setattr(gpu, "SCRIPTS", {"preset": "tiny", "batch": 4, "seq": 64, "device": "cpu",
+                                         "matmul": 256, "small": True})
+    monkeypatch.setattr(gpu, "BUDGET_S", 3600.0)
     bench = {"rows": [], "notes": [], "missed": [], "plots": []}
-    ctx = suite.Context(True, tmp_path, {"benches": {"gpu": bench}}, suite.Progress(8), tmp_path)
+    saved = []
+    ctx = harness.Context(True, tmp_path, {"benches": {"gpu": bench}}, harness.Progress(14), tmp_path,
+                          save=lambda: saved.append(len(bench["rows"])))
     ctx.bench = "gpu"
-    benchmarks.gpu(ctx)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    gpu.gpu(ctx)
 
-    rows = {r["setting"]: r for r in bench["rows"]}
-    assert list(rows) == ["eager", "compile", "AC full", "async checkpoint from CUDA memory, resumed"]
-    for setting in ("eager", "compile", "AC full"):
-        row = rows[setting]
-        assert row["tokens_per_s"] > 0 and row["peak_gib"] > 0 and row["step_s"] > 0
-        assert 0.5 < row["activation_vs_planned"] < 2.0, row
-        assert "train.precision=bf16" in row["command"] and "train.optimizer_impl=fused" in row["command"]
-    # full AC frees activations: its peak is below eager's
-    assert rows["AC full"]["peak_gib"] < rows["eager"]["peak_gib"]
-    assert "compute" in bench["notes"][0]  # the profiled step's `loom analyze` table
-    saved = Path(rows["async checkpoint from CUDA memory, resumed"]["command"].split("--out ")[1].split()[0])
-    assert saved.name == "RUN"  # the command is reproducible in any fresh folder
-    resumed = sorted(tmp_path.glob("*-async-checkpoint"))[-1]
-    steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
-    assert steps[-1] == 12 and rows["async checkpoint from CUDA memory, resumed"]["resumed_steps"] >= 12
+    rows = {r["case"]: r for r in bench["rows"]}
+    assert list(rows) == ["bf16 matmul 256³", "eager", "CP attention pieces vs one SDPA",
+                          "zero3 + CPU offload", "hand-written loop (loom's GPT)",
+                          "Hugging Face LlamaForCausalLM", "compile", "AC op", "AC full", "fp16",
+                          "LoRA rank 16",
+                          "MoE 8×64 top 2", "loom profile + loom analyze",
+                          "async checkpoint from CUDA memory, resumed"]
+    assert saved == list(range(1, 15))  # the results written after every case
+    assert "accelerator" in rows["zero3 + CPU offload"]["error"]  # refused on a CPU, in one line
+    for name in ("eager", "compile", "AC op", "AC full", "fp16", "LoRA rank 16", "MoE 8×64 top 2"):
+        row = rows[name]
+        assert "error" not in row, row
+        assert row["measured"] > 0 and row["peak_gib"] > 0 and row["unit"] == "tokens/s", row
+        assert row["planned_peak_gib"] > 0, row  # measured beside planned
+        assert "train.optimizer_impl=fused" in row["command"]
+    assert "train.precision=bf16" in rows["eager"]["command"]
+    assert "train.precision=fp16" in rows["fp16"]["command"]
+    assert rows["AC full"]["peak_gib"] < rows["eager"]["peak_gib"]  # full AC frees activations
+    assert "dense twin (eager)" in rows["MoE 8×64 top 2"]["detail"]
+    assert rows["bf16 matmul 256³"]["measured"] > 0
+    cp = rows["CP attention pieces vs one SDPA"]
+    assert cp["detail"].startswith("12/12 cases within tolerance") and cp["measured"] <= cp["planned"]
+    for name in ("hand-written loop (loom's GPT)", "Hugging Face LlamaForCausalLM"):
+        assert rows[name]["measured"] > 0 and "loom eager" in rows[name]["detail"], rows[name]
+    profiled = rows["loom profile + loom analyze"]
+    assert 0 < profiled["measured"] <= 1 and "compute" in bench["notes"][0]
+    resumed = rows["async checkpoint from CUDA memory, resumed"]
+    assert resumed["resumed_steps"] == 12 and "error" not in resumed
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # every run folder deleted once read

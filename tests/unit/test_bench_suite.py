@@ -16,11 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import benchmarks  # noqa: E402
+import harness  # noqa: E402
 import suite  # noqa: E402
 
 
 def test_a_pair_is_the_median_of_pairwise_ratios_not_of_the_medians():
-    pair = suite.Pair(a=[10.0, 30.0, 20.0], b=[10.0, 20.0, 40.0])
+    pair = harness.Pair(a=[10.0, 30.0, 20.0], b=[10.0, 20.0, 40.0])
     fig = pair.figure()
     assert pair.ratios == [1.0, 1.5, 0.5]
     assert fig["ratio"] == 1.0 and (fig["ratio_min"], fig["ratio_max"]) == (0.5, 1.5)
@@ -30,10 +31,10 @@ def test_a_pair_is_the_median_of_pairwise_ratios_not_of_the_medians():
 
 def test_alternate_runs_the_sides_in_turn(tmp_path):
     order = []
-    ctx = suite.Context(False, tmp_path, {"benches": {}}, suite.Progress(1), tmp_path)
+    ctx = harness.Context(False, tmp_path, {"benches": {}}, harness.Progress(1), tmp_path)
     ctx.alternate(lambda: order.append("a") or 1.0, lambda: order.append("b") or 1.0, pairs=3)
     assert order == ["a", "b", "a", "b", "a", "b"]
-    assert ctx.pairs == 5 and suite.Context(True, tmp_path, {}, suite.Progress(1), tmp_path).pairs == 2
+    assert ctx.pairs == 5 and harness.Context(True, tmp_path, {}, harness.Progress(1), tmp_path).pairs == 2
 
 
 def _results() -> dict:
@@ -135,9 +136,35 @@ def test_the_plot_is_svg_with_a_line_per_series():
 
 
 def test_every_benchmark_is_registered_and_planned():
-    assert list(suite.REGISTRY) == benchmarks.NAMES
-    assert [n for n, b in suite.REGISTRY.items() if b.gpu] == ["gpu"]
-    assert all(benchmarks.planned_runs(n, q) >= 1 for n in benchmarks.NAMES for q in (True, False))
+    assert sorted(harness.REGISTRY) == sorted(suite.NAMES) and suite.NAMES[-1] == "gpu"
+    assert [n for n, b in harness.REGISTRY.items() if b.gpu] == ["gpu"]
+    assert all(suite.planned_runs(n, q) >= 1 for n in suite.NAMES for q in (True, False))
+
+
+def test_bench_imports_go_one_way():
+    """suite → benchmarks, gpu → harness: no benchmark module imports the runner."""
+    for name in ("benchmarks.py", "gpu.py", "harness.py", "lora.py", "gpu_baselines.py", "cp_pieces.py"):
+        text = (ROOT / "bench" / name).read_text()
+        assert "import suite" not in text and "from suite" not in text, name
+    assert "import benchmarks" not in (ROOT / "bench" / "harness.py").read_text()
+
+
+def test_results_are_written_after_every_row(tmp_path):
+    """A run cut short (a lease ending, a case hanging) still reports the rows it measured."""
+    saved = []
+    bench = {"rows": [], "notes": [], "missed": [], "plots": []}
+    ctx = harness.Context(True, tmp_path, {"benches": {"gpu": bench}}, harness.Progress(1), tmp_path,
+                          save=lambda: saved.append(len(bench["rows"])))
+    ctx.bench = "gpu"
+    ctx.row(case="a")
+    ctx.row(case="b")
+    assert saved == [1, 2]
+
+
+def test_a_command_past_its_time_limit_fails_with_one_line(tmp_path):
+    ctx = harness.Context(True, tmp_path, {"benches": {}}, harness.Progress(1), tmp_path)
+    with pytest.raises(RuntimeError, match=r"did not finish in 1 s"):
+        ctx.command([sys.executable, "-c", "import time; time.sleep(30)"], "sleep", timeout=1)
 
 
 def test_loom_bench_rejects_an_unknown_name(capsys):

@@ -150,6 +150,10 @@ def test_offload_figures_are_labelled(capsys):
     assert "on a CPU device they are in this rank's memory" in out
     record.print_measured_vs_planned([row])
     assert "CPU device" not in capsys.readouterr().out  # no offload: no offload note
+    record.print_measured_vs_planned([{**row, "host_bytes": [12 * 2**20, 8 * 2**20]}])
+    assert "in host memory" in (out := capsys.readouterr().out) and "12.00 /     8.00  1.50" in out
+    record.print_measured_vs_planned([{**row, "host_bytes": [12 * 2**20, 0.0]}])
+    assert "in host memory" not in capsys.readouterr().out  # nothing planned off the device
 
 
 # ---------------------------------------------------------------------------------------------
