@@ -53,7 +53,10 @@ def _rotate(x: torch.Tensor, rope: torch.Tensor, sign: float) -> torch.Tensor:
     cos, sin = (r.float()[None, :, None, :] if r.dim() == 2 else r.float()[:, :, None, :] for r in rope)
     sin = sin * sign
     rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    rotated = rotated.flatten(-2)
+    # Cast only when x is not fp32: under torch.compile, torch 2.11 loses the gradient of a Function
+    # whose forward returns a no-op `.to` of its result (wq and wk trained on zeros in fp32).
+    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
 
 
 class _Rope(torch.autograd.Function):
