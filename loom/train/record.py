@@ -168,7 +168,7 @@ def print_measured_vs_planned(rows: list[dict], offload: tuple[str, ...] = ()) -
         if row["nvme_bytes"][0] or row["nvme_bytes"][1]:
             print(f"    {'on NVMe':<15} {'':>13}{cell(*row['nvme_bytes'])}")
         if (row.get("host_bytes") or [None, 0])[1]:  # states offloaded to host memory (measured: RSS)
-            print(f"    {'in host memory':<15} {'':>13}{cell(*row['host_bytes'])}  (measured: resident memory)")
+            print(f"    {'in host memory':<15} {'':>13}{cell(*row['host_bytes'])}  (measured: resident)")
         for kind, pair in (row.get("comm_by_kind") or {}).items():
             got_n, want_n = pair["count"]
             counts = f"×{'n/a' if got_n is None else got_n} / {'?' if want_n is None else want_n}"
