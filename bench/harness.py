@@ -9,9 +9,11 @@ them and writes what they found. Imports go one way: suite â†’ benchmarks, gpu â
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -222,11 +224,20 @@ class Context:
 
 
 def _run(argv: list[str], env: dict, timeout: float | None, shown: list[str]) -> subprocess.CompletedProcess:
-    """argv in a subprocess of its own; one that outlives `timeout` seconds is stopped, and fails."""
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{shlex.join(shown)} did not finish in {timeout:.0f} s") from None
+    """argv in a process group of its own; one that outlives `timeout` seconds is stopped with all
+    it started (torchrun's ranks, data workers: nothing left holding a GPU), and fails."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                          start_new_session=True) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except BaseException as e:  # the time limit, or Ctrl-C of the bench itself
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise RuntimeError(f"{shlex.join(shown)} did not finish in {timeout:.0f} s") from None
+            raise
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
 
 
 def _command(args: list[str], env: dict | None) -> str:
