@@ -260,14 +260,15 @@ def build_loaders(cfg: Config, train_set: torch.utils.data.Dataset, eval_set: to
     # Whole batches for every dp rank (and, under a pipeline, for each of its micro-batches).
     unit = dp_size * (pipeline_microbatches(cfg.parallel) if cfg.parallel.pp > 1 else 1)
     eval_batch = min(t.batch_size, len(eval_set) // unit * unit) if eval_set else 0
+    accum = 1
     if cfg.parallel.pp > 1:
-        # A pipeline's stages keep the shapes of the first micro-batch they ran: the later stages'
-        # receive buffers have them, and torch 2.11 refuses first-stage inputs of any other. So eval
-        # batches have a training step's shape, or there is no eval.
-        step_batch = t.batch_size // t.grad_accum
-        eval_batch = step_batch if eval_set is not None and len(eval_set) >= step_batch else 0
+        # A pipeline's stages keep the shapes of the first micro-batch they ran (the later stages'
+        # receive buffers; torch 2.11 also refuses first-stage inputs of any other): eval batches
+        # are whole global batches in training's micro-steps, or there is no eval.
+        eval_batch = t.batch_size if eval_set is not None and len(eval_set) >= t.batch_size else 0
+        accum = t.grad_accum
     if eval_batch >= unit and t.eval_batches > 0:
-        eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, 1, t.seed,
+        eval_sampler = GlobalBatchSampler(len(eval_set), eval_batch, dp_rank, dp_size, accum, t.seed,
                                           num_steps=min(t.eval_batches, len(eval_set) // eval_batch))
         eval_loader = make_loader(eval_set, eval_sampler, 0, None, pin_memory)
     return Loaders(train_loader, eval_loader, micro)

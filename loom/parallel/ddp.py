@@ -12,8 +12,8 @@ from loom.config import ParallelConfig
 from loom.parallel.mesh import Dist
 
 # loom's buffers (RoPE tables) are computed, never trained: no broadcast of them before each forward.
-# torch 2.12 renamed the switch (forward_sync_buffers; broadcast_buffers deprecated) and torch 2.11
-# knows only the old name: no form is common to both, so the name is read off DDP's signature.
+# torch 2.13 names the switch forward_sync_buffers (broadcast_buffers deprecated) and torch 2.11 knows
+# only broadcast_buffers: no form is common to both, so the name is read off DDP's signature.
 NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
                   if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
                   else {"broadcast_buffers": False})
