@@ -358,6 +358,25 @@ def cases(gpus: int) -> list[Case]:
     return [c for c in one + two if c.gpus <= gpus]
 
 
+COLUMNS = (
+    "case",
+    "measured",
+    "planned",
+    "measured_vs_planned",
+    "unit",
+    "peak_gib",
+    "planned_peak_gib",
+    "detail",
+)
+
+
+def _columns(row: dict) -> dict:
+    """The row in the table's column order, with measured ÷ planned where both are known."""
+    if row.get("measured") and row.get("planned"):
+        row["measured_vs_planned"] = row["measured"] / row["planned"]
+    return {**{k: row[k] for k in COLUMNS if k in row}, **row}
+
+
 @bench(
     "gpu",
     "GPU: loom's CUDA paths on an NVIDIA GPU, measured beside the planner",
@@ -374,7 +393,9 @@ def gpu(ctx: Context) -> None:
             ctx.row(case=case.name, error=f"not started: the bench's {BUDGET_S:.0f} s were spent")
             continue
         try:
-            ctx.row(**{**case.run(ctx, min(case.timeout_s, left)), "case": case.name})
+            row = {**case.run(ctx, min(case.timeout_s, left)), "case": case.name}
+            row.pop("losses", None)  # kept for the comparisons (offload's), not for the table
+            ctx.row(**_columns(row))
         except (RuntimeError, OSError, ValueError, KeyError) as e:
             ctx.row(case=case.name, error=str(e).splitlines()[-1] if str(e) else type(e).__name__)
             print(f"   {case.name} failed: {e}", flush=True)

@@ -46,7 +46,8 @@ def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypa
         row = rows[name]
         assert "error" not in row, row
         assert row["measured"] > 0 and row["peak_gib"] > 0 and row["unit"] == "tokens/s", row
-        assert row["planned_peak_gib"] > 0, row  # measured beside planned
+        assert row["planned_peak_gib"] > 0 and row["measured_vs_planned"] > 0, row  # measured beside planned
+        assert list(row)[:4] == ["case", "measured", "planned", "measured_vs_planned"]  # the table's columns
         assert "train.optimizer_impl=fused" in row["command"]
     assert "train.precision=bf16" in rows["eager"]["command"]
     assert "train.precision=fp16" in rows["fp16"]["command"]

@@ -517,7 +517,8 @@ def test_a_template_past_a_bound_is_one_line_naming_its_file_and_the_record(temp
     message = str(info.value)
     assert message.startswith("/m/tokenizer_config.json: the chat template ") and "\n" not in message
     assert "/d/chat.jsonl line 3" in message and said in message, message
-    assert time.perf_counter() - start < 1.5  # refused before the work, not after it
+    # refused before the work, not after it (2^40 items would take hours; 5 s leaves room for a loaded host)
+    assert time.perf_counter() - start < 5
 
 
 def test_a_runaway_template_is_stopped_and_a_callers_timer_survives(monkeypatch: pytest.MonkeyPatch):
