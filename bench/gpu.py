@@ -206,9 +206,9 @@ def cases(gpus: int) -> list[Case]:
         )
         results = json.loads(out.read_text())
         wrong = [c for c, r in results.items() if not r["ok"]]
-        half = {c: r for c, r in results.items() if "float32" not in c}
+        sixteen_bit = {c: r for c, r in results.items() if "float32" not in c}
         worst = max(
-            half.values(), key=lambda r: max(r[k] / r["tolerance"] for k in ("out", "dq", "dk", "dv"))
+            sixteen_bit.values(), key=lambda r: max(r[k] / r["tolerance"] for k in ("out", "dq", "dk", "dv"))
         )
         return {
             "case": "CP attention pieces vs one SDPA",

@@ -54,7 +54,7 @@ def merge_results(path: Path, results: dict) -> dict:
         return results
     ran = results["benches"]
     benches = {**before.get("benches", {}), **ran}
-    order = [n for n in REGISTRY if n in benches] + [n for n in benches if n not in REGISTRY]
+    order = [n for n in NAMES if n in benches] + [n for n in benches if n not in NAMES]  # the suite's order
     # The page's header stays the run that measured most of it; the others say what measured them.
     return {**results, "meta": before["meta"], "benches": {n: benches[n] for n in order}}
 
@@ -200,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE, help="where results.json and results.md go (bench/)")
     a = ap.parse_args(argv)
     names = a.only or [n for n in NAMES if REGISTRY[n].gpu == a.gpu]
-    unknown = [n for n in names if n not in REGISTRY]
+    unknown = [n for n in names if n not in NAMES]
     if unknown:
         print(
-            f"loom: error: unknown benchmark {', '.join(unknown)}; choose from {', '.join(REGISTRY)}",
+            f"loom: error: unknown benchmark {', '.join(unknown)}; choose from {', '.join(NAMES)}",
             file=sys.stderr,
         )
         return 2

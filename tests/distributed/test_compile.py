@@ -43,11 +43,8 @@ def test_compiled_blocks_train_like_eager():
         assert compiled["grad_norms"] == pytest.approx(eager["grad_norms"], rel=1e-5, abs=0)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
-def test_compiled_blocks_give_every_parameter_eager_gradient(name):
-    """One process, fp32: each parameter's gradient through compiled blocks equals eager's. Under
-    torch 2.11, RoPE's Function returning a no-op `.to` of its result gave wq and wk zero gradients
-    when compiled (the losses above moved by only 5e-5)."""
+def _gradient_gaps(name: str) -> dict[str, float]:
+    """Per parameter: |compiled grad − eager grad| / |eager grad| (inf where one is missing or zero)."""
     import copy
 
     import torch
@@ -65,7 +62,18 @@ def test_compiled_blocks_give_every_parameter_eager_gradient(name):
     for model in (eager, compiled):
         model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
     grads = dict(compiled.named_parameters())
+    gaps = {}
     for param_name, p in eager.named_parameters():
         got = grads[param_name].grad
-        assert got is not None and p.grad.norm() > 0, param_name
-        assert (got - p.grad).norm() <= 1e-5 * p.grad.norm(), param_name
+        ok = got is not None and p.grad.norm() > 0
+        gaps[param_name] = ((got - p.grad).norm() / p.grad.norm()).item() if ok else float("inf")
+    return gaps
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_compiled_blocks_give_every_parameter_eager_gradient(name):
+    """One process (spawned: dynamo's state stays there), fp32: each parameter's gradient through
+    compiled blocks equals eager's. Under torch 2.11, RoPE's Function returning a no-op `.to` of its
+    result gave wq and wk zero gradients when compiled (the losses above moved by only 5e-5)."""
+    (gaps,) = run_ranks(_gradient_gaps, 1, name, timeout=400)
+    assert {k: v for k, v in gaps.items() if not v <= 1e-5} == {}
