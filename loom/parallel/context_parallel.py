@@ -248,6 +248,8 @@ class _Efficient:
         k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
         out, lse, seed, offset = self.forward_op(q, k, v, self._bias(mask, q), True, 0.0, causal)
         aux = (seed, offset, lse.shape[-1])  # its RNG state, and its logsumexp's padded length
+        if mask is not None:  # rows that see no key: whatever the kernel wrote there, 0
+            out = out.masked_fill(~mask.any(-1)[..., None], 0.0)
         return out, lse[..., : q.shape[2]], aux
 
     def backward(self, grad, q, k, v, out, lse, causal: bool, mask: torch.Tensor | None, aux):
@@ -264,13 +266,8 @@ class _Efficient:
 
     @staticmethod
     def _bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-        if mask is None:
-            return None
-        keys = mask.shape[-1]
-        aligned = -(-keys // 16) * 16  # 16 elements: 16-byte rows in every dtype
-        bias = torch.zeros((*mask.shape[:-1], aligned), dtype=q.dtype, device=q.device)[..., :keys]
-        bias.masked_fill_(~mask, float("-inf"))
-        return bias.expand(q.shape[0], q.shape[1], -1, -1)
+        bias = _bias(mask, q, row_multiple=16)  # 16 elements: 16-byte rows in every dtype
+        return None if bias is None else bias.expand(q.shape[0], q.shape[1], -1, -1)
 
 
 def _rows_packed(t: torch.Tensor) -> torch.Tensor:
@@ -290,13 +287,11 @@ def _kernel(device: torch.device):
 
 
 def _piece_forward(q, k, v, causal: bool, mask: torch.Tensor | None):
-    """(out, lse, aux) of one piece; rows that see no key get lse −inf and out 0, so merging drops
-    them whatever the kernel wrote there. `aux`: what the kernel's backward needs of its forward."""
+    """(out, lse, aux) of one piece; rows that see no key get lse −inf (and out 0), so merging drops
+    them. `aux`: what the kernel's backward needs of its forward."""
     out, lse, aux = _kernel(q.device).forward(q, k, v, causal, mask)
     if mask is not None:
-        seen = mask.any(-1)  # [B, 1, Tq]
-        lse = lse.masked_fill(~seen, float("-inf"))
-        out = out.masked_fill(~seen[..., None], 0.0)
+        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
     return out, lse, aux
 
 
@@ -305,11 +300,15 @@ def _piece_backward(grad, q, k, v, out, lse, causal: bool, mask: torch.Tensor | 
     return _kernel(q.device).backward(grad, q, k, v, out, lse, causal, mask, aux)
 
 
-def _bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    """A boolean mask as the additive bias the fused kernels take (0 or −inf, in q's dtype)."""
+def _bias(mask: torch.Tensor | None, q: torch.Tensor, row_multiple: int = 1) -> torch.Tensor | None:
+    """A boolean mask as the additive bias the fused kernels take (0 or −inf, in q's dtype), its rows
+    starting `row_multiple` elements apart (the storage padded, the view not)."""
     if mask is None:
         return None
-    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    keys = mask.shape[-1]
+    padded = -(-keys // row_multiple) * row_multiple
+    bias = torch.zeros((*mask.shape[:-1], padded), dtype=q.dtype, device=q.device)[..., :keys]
+    return bias.masked_fill_(~mask, float("-inf"))
 
 
 def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
