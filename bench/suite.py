@@ -199,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="the GPU benchmark (an NVIDIA GPU; bench/gpu.py)")
     ap.add_argument("--out", type=Path, default=HERE, help="where results.json and results.md go (bench/)")
     a = ap.parse_args(argv)
+    from loom.cli import not_a_folder
+
+    if problem := not_a_folder(a.out):  # before any calibration or benchmark runs
+        print(f"loom: error: {problem}", file=sys.stderr)
+        return 2
     names = a.only or [n for n in NAMES if REGISTRY[n].gpu == a.gpu]
     unknown = [n for n in names if n not in NAMES]
     if unknown:

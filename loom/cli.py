@@ -38,13 +38,15 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from loom.config import validate
+    from loom.config import inert_settings, validate
     from loom.launch import LaunchSpec, check_spec, default_nproc, under_launcher
 
     if args.out is not None:
         args.out = _out_dir(args.out)
-    cfg, run_config, note = _run_config(args)
     launching = args.nproc is not None or args.nnodes > 1 or args.rdzv_endpoint is not None
+    if args.resume == "auto" and args.out is not None and not under_launcher(launching):
+        _check_continued_dir(args.out)  # before its config.toml is read as the run's
+    cfg, run_config, note = _run_config(args)
     if under_launcher(launching):  # a rank started by torchrun/srun: join and train
         return _train_rank(cfg, args)
 
@@ -56,7 +58,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                       node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
     check_spec(spec)
-    validate(cfg, spec.world_size)
+    for inert in inert_settings(cfg, validate(cfg, spec.world_size)):
+        print(f"loom: note: {inert}", flush=True)
     from loom.plan import device
 
     device.load(required=False)  # plan.json prices the run on it: a damaged profile fails here, not in ranks
@@ -86,7 +89,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     forwarded = ([args.config] if args.config else []) + [a for s in args.set for a in ("--set", s)]
     if args.resume:
         forwarded += ["--resume", args.resume]
-    ended, launch = _relaunch(spec, ["train", *forwarded, "--out", str(run_dir)], preempt_signal(cfg))
+    ended, launch = _relaunch(spec, ["train", *forwarded, "--out", str(run_dir)], preempt_signal(cfg),
+                              run_dir / "logs")
     stopped = _stop_record(run_dir, launch)
     if stopped is not None:
         return _stopped(stopped["signal"], run_dir, again, stopped.get("note"))
@@ -109,8 +113,17 @@ def _train_rank(cfg, args: argparse.Namespace) -> int:
     own); under srun, rank 0 prints it and every rank exits with its code. Any other LoomError
     (one rank's, or each rank's on its own) is left for the launcher too, which then ends torchrun
     before it reports a failed rank (launch.end_launch): the user sees one line either way."""
+    import traceback
+
     from loom.errors import AgreedError
-    from loom.launch import STOP_FILE_ENV, adopt_slurm_env, die_with_parent, end_launch, report_to_launcher
+    from loom.launch import (
+        STOP_FILE_ENV,
+        adopt_slurm_env,
+        die_with_parent,
+        end_launch,
+        keep_for_restart,
+        report_to_launcher,
+    )
     from loom.parallel.mesh import shutdown
     from loom.train.driver import train
     from loom.train.stop import Stopped, listen, preempt_signal
@@ -137,13 +150,18 @@ def _train_rank(cfg, args: argparse.Namespace) -> int:
         end_launch(str(e))  # under loom's launcher, does not return
         print(f"loom: error: {e}", file=sys.stderr)
         return 1
+    except Exception:  # (a peer died: a broken collective) torchrun restarts the group, which says so
+        if keep_for_restart(traceback.format_exc()):
+            return 1
+        raise
     finally:
         shutdown()
     return 0
 
 
-def _relaunch(spec, loom_args: list[str], preempt: int):
-    """The ranks under torchrun, told this launch's id (which rank 0 writes into stopped.json)."""
+def _relaunch(spec, loom_args: list[str], preempt: int, log_dir: Path):
+    """The ranks under torchrun, told this launch's id (which rank 0 writes into stopped.json);
+    torchrun's log, and the ranks' that fail with a restart left, in `log_dir`."""
     import uuid
 
     from loom.launch import relaunch
@@ -152,7 +170,7 @@ def _relaunch(spec, loom_args: list[str], preempt: int):
     launch, before = uuid.uuid4().hex, os.environ.get(LAUNCH_ENV)
     os.environ[LAUNCH_ENV] = launch
     try:
-        return relaunch(spec, loom_args, preempt), launch
+        return relaunch(spec, loom_args, preempt, log_dir), launch
     finally:
         if before is None:
             os.environ.pop(LAUNCH_ENV, None)
@@ -336,6 +354,38 @@ def _check_run_dir(cfg, run_dir: Path, args: argparse.Namespace, spec) -> bool:
     return True
 
 
+def _check_continued_dir(run_dir: Path) -> None:
+    """`--resume auto` writes the run's files (summary.json, metrics.jsonl, checkpoints/ …) into
+    --out: only into a run directory loom made, a new or empty folder, never the working or home
+    directory (or above them), and only where its checkpoints folder is this run's."""
+    from loom.files import RUN_ENTRIES, RUN_MARKER, is_loom_run
+    from loom.train.checkpoint import check_checkpoints_dir
+
+    if not (run_dir.exists() or run_dir.is_symlink()):
+        return
+    if not run_dir.is_dir():
+        raise LoomError(f"--out {run_dir} is a file, not a run directory; pick another --out")
+    held = sorted(p.name for p in run_dir.iterdir() if p.name != RUN_MARKER)
+    if not held:
+        return
+    target = run_dir.resolve()
+    # A working folder an earlier `--out .` made holds only loom's entries: that run continues.
+    # An older loom marked folders of the user's too, so the marker alone does not make it loom's.
+    only_loom = is_loom_run(run_dir) and set(held) <= RUN_ENTRIES
+    for what, place in _never_removed():
+        if not only_loom and (target == place or place.is_relative_to(target)):
+            which = what if target == place else f"a folder holding {what} ({place})"
+            raise LoomError(f"--resume auto would write loom's run files into {run_dir}, which is {which}; "
+                            f"loom continues only a run directory of its own: pick another --out, e.g. "
+                            f"--out runs/NAME")
+    if not is_loom_run(run_dir):  # what it holds is the user's
+        shown = ", ".join(held[:3]) + (", …" if len(held) > 3 else "")
+        raise LoomError(f"--resume auto --out {run_dir}: it is not a run directory loom made (no "
+                        f"{RUN_MARKER} marker) and holds {shown}, which loom would write among; pick a new "
+                        f"or empty --out")
+    check_checkpoints_dir(run_dir)
+
+
 def _never_removed() -> list[tuple[str, Path]]:
     """Folders --overwrite never removes, nor any folder above them."""
     places = [("the working directory", Path.cwd().resolve())]
@@ -373,7 +423,11 @@ def _take_run_dir(run_dir: Path, replace: bool) -> None:
 
     if replace:
         shutil.rmtree(run_dir)
-    claim_run_dir(run_dir)
+    try:
+        claim_run_dir(run_dir)
+    except OSError as e:  # an unwritable folder (or one on the way to it)
+        raise LoomError(f"cannot write the run directory {run_dir}: {e.strerror} ({e.filename}); pick an "
+                        f"--out you can write to") from None
 
 
 def _check_resume(cfg, run_dir: Path, resume: str | None, model) -> None:
@@ -391,9 +445,23 @@ def _check_resume(cfg, run_dir: Path, resume: str | None, model) -> None:
         check_resumable(meta, cfg, path)
         _check_same_model(meta, cfg, model, path)
         check_rng_files(path, meta)
-        expected = safe_load.adamw_entries(model.build("meta"))
+        expected = safe_load.adamw_entries(_as_trained(cfg, model.build("meta")))
         safe_load.check_entries(path, safe_load.read_metadata(path), expected)
         kept_metrics(run_dir / "metrics.jsonl", meta["step"])
+
+
+def _as_trained(cfg, built):
+    """The meta model as training holds it: under LoRA, adapters added and the base frozen (its
+    checkpoint holds the adapters, what else trains and the buffers; loom/train/driver.py)."""
+    if cfg.lora.rank is not None:
+        from loom.config import lora_base_dtype
+        from loom.models.lora import apply_lora, blocks_of
+        from loom.models.registry import adapter_for
+        from loom.parallel import precision
+
+        apply_lora(built, blocks_of(adapter_for(built).layers(built)), cfg.lora,
+                   precision.DTYPES[lora_base_dtype(cfg)], cfg.train.seed)
+    return built
 
 
 def _check_same_model(meta: dict, cfg, model, path: Path) -> None:
@@ -450,13 +518,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """Train with the profiler on its schedule, then analyze the traces the ranks wrote."""
     from loom.launch import under_launcher
 
+    # decided before training: a world of one trained in this process sets RANK itself
+    launching = args.nproc is not None or args.nnodes > 1 or args.rdzv_endpoint is not None
+    a_rank = under_launcher(launching)  # (then the launcher that started it analyzes the traces)
     args.set = [*args.set, "profile.enabled=true"]
     if args.out is None:
         args.out = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-profile"
     rc = cmd_train(args)
-    if rc != 0 or under_launcher():
+    if rc != 0 or a_rank:
         return rc
     return _analyze_and_print(args.out / "traces", "table", None)
+
+
+def not_a_folder(path: Path) -> str | None:
+    """Why `path` cannot be (made) a folder: it, or a folder above it, is an existing file."""
+    for part in (path, *path.parents):
+        if part.exists() and not part.is_dir():
+            return f"--out {path}: {part} is a file, not a folder; pass a folder (new or existing)"
+    return None
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
@@ -465,10 +544,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             raise LoomError("--out is empty (an unset variable, as in --out \"$OUT\"?); name the folder, "
                             "or leave --out out to write beside the traces")
         args.out = Path(args.out)
+        if problem := not_a_folder(args.out):  # before the traces are read
+            raise LoomError(problem)
     if args.compare is None:
         if args.trace_dir is None:
             raise LoomError("loom analyze needs traces: pass TRACE_DIR or --compare RUN_A RUN_B")
-        return _analyze_and_print(args.trace_dir, args.format, args.out)
+        return _analyze_and_print(args.trace_dir, args.format, args.out, args.overwrite)
     import json
 
     from loom.observe.compare import compare_runs, render_compare, write_compare
@@ -490,16 +571,17 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def _analyze_and_print(trace_dir: Path, fmt: str, out: Path | None) -> int:
+def _analyze_and_print(trace_dir: Path, fmt: str, out: Path | None, overwrite: bool = False) -> int:
     import json
 
-    from loom.observe.analyze import analyze, render_table, write_outputs
+    from loom.observe.analyze import analyze, check_outputs, render_table, write_outputs
 
     if not trace_dir.is_dir():
         raise LoomError(f"{trace_dir} is not a directory; pass the folder holding the per-rank traces "
                         f"(a loom run's RUN_DIR/traces)")
-    analysis = analyze(trace_dir)
     out_dir = out or (trace_dir.parent if trace_dir.name == "traces" else trace_dir)
+    check_outputs(out_dir, overwrite)  # before the traces are read: nothing of the user's is replaced
+    analysis = analyze(trace_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ledger, report = write_outputs(analysis, out_dir)
     if fmt == "json":
@@ -583,7 +665,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     if args.format == "sft":
         raise LoomError("loom data prepare makes text shards only; SFT data is tokenized at the start of the "
                         "run: set data.source to the records and data.format = 'sft'")
-    shard_tokens = None if args.shard_docs else (args.shard_tokens or DEFAULT_SHARD_TOKENS)
+    shard_tokens = None if args.shard_docs is not None else (args.shard_tokens or DEFAULT_SHARD_TOKENS)
     index = prepare(args.source, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
                     shard_tokens=shard_tokens, shard_docs=args.shard_docs, workers=args.workers,
                     cache_dir=args.cache_dir)
@@ -627,6 +709,8 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--out",
                          help="where ledger.json and report.html go (default: the run directory); with "
                               "--compare: compare.json and compare.html, written only when given")
+    analyze.add_argument("--overwrite", action="store_true",
+                         help="replace a ledger.json or report.html there that loom analyze did not write")
     analyze.set_defaults(func=cmd_analyze)
     export = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
     export.add_argument("checkpoint", type=Path,
@@ -636,8 +720,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="parameter names: loom's, or Hugging Face Llama's (+ config.json and the "
                              "run's tokenizer files beside the file)")
     export.add_argument("--overwrite", action="store_true",
-                        help="replace an existing output (--layout hf: the model folder's files, all of "
-                             "them, so that no file of the old model is left beside the new one)")
+                        help="replace an existing output (--layout hf: the old model's files too, so that "
+                             "none is left beside the new one; files loom does not write stay)")
     export.add_argument("--lora", choices=("adapter", "merged"), default=None,
                         help="a LoRA run's checkpoint: adapter = a PEFT adapter folder "
                              "(adapter_model.safetensors + adapter_config.json); merged = the base with the "

@@ -474,7 +474,9 @@ def _typed_example(hint: type) -> str:
     return {bool: "true", int: "2", float: "0.5", str: "value"}[hint]
 
 
-def _apply(cfg: Config, path: str, value: Any) -> None:
+def _apply(cfg: Config, path: str, value: Any, raw: str | None = None) -> None:
+    """Set `path` to `value`, checked; `raw`: the `--set` text it was parsed from, taken as written
+    by a str-typed key (`data.source=2024` names a file called 2024, not the number)."""
     section, _, key = path.partition(".")
     sections = {f.name: _hints(type(getattr(cfg, f.name))) for f in dataclasses.fields(Config)}
     if section not in sections or not key:
@@ -487,6 +489,10 @@ def _apply(cfg: Config, path: str, value: Any) -> None:
             elsewhere = [f"{section}.{k}" for k in difflib.get_close_matches(key, list(hints), n=1)]
         hint = f"; did you mean '{elsewhere[0]}'?" if elsewhere else f"; known: {', '.join(hints)}"
         raise ConfigError(f"unknown config key '{path}'{hint}")
+    kind = hints[key]
+    if raw is not None and isinstance(value, (bool, int, float)) and typing.get_origin(kind) is not list \
+            and str in (typing.get_args(kind) or (kind,)):
+        value = raw  # a str-typed key takes the text as written
     value = _coerce(path, value, hints[key])
     _check_rule(path, value)
     setattr(getattr(cfg, section), key, value)
@@ -514,7 +520,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set '{item}' must look like section.key=value, e.g. --set train.steps=10")
-        _apply(cfg, key.strip(), _parse_value(text.strip()))
+        _apply(cfg, key.strip(), _parse_value(text.strip()), text.strip())
     cfg.parallel.strategy = strategies.ALIASES.get(cfg.parallel.strategy, cfg.parallel.strategy)
     return cfg
 
@@ -526,12 +532,19 @@ def load_config_text(text: str, origin: str = "the saved config") -> Config:
     return cfg
 
 
+_SECTION_NAMES = frozenset(f.name for f in dataclasses.fields(Config))
+
+
 def _apply_toml(cfg: Config, text: str, origin: str) -> None:
+    # Editors (Notepad, some Windows tools) write a UTF-8 byte-order mark that TOML does not allow.
+    text = text.removeprefix("\ufeff")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{origin} is not valid TOML ({e}); fix the syntax at that position") from None
     for section, table in data.items():
+        if isinstance(table, list) and section in _SECTION_NAMES and all(isinstance(t, dict) for t in table):
+            raise ConfigError(f"{origin}: [[{section}]] is an array of tables; write [{section}]")
         if not isinstance(table, dict):
             owners = [f.name for f in dataclasses.fields(Config)
                       if section in _hints(type(getattr(cfg, f.name)))]
@@ -687,6 +700,9 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
                           f"tokenizer.json); give the path of a Hugging Face tokenizer.json or of a model "
                           f"folder holding one, or auto, byte or bpe")
     _check_mix(d.mix)
+    if d.mix and d.source != DataConfig.source:  # data.mix replaces data.source: one would be ignored
+        raise ConfigError(f"data.source = {_shown(d.source)} and data.mix both name the training data; "
+                          f"keep data.mix (add this source as an entry) or remove it")
     prof = cfg.profile
     if prof.enabled and prof.wait + prof.warmup + prof.active > t.steps:
         raise ConfigError(f"the profiler needs profile.wait + warmup + active = "
@@ -892,16 +908,27 @@ def _cuda() -> tuple[bool, str]:
                                                  else "")
 
 
+# Bytes a trained parameter holds (the planner's "torch" recipe): fp32 weight and grad, Adam's m and v.
+TRAINING_BYTES = ((strategies.PARAMS, 4), (strategies.GRADS, 4), (strategies.OPTIMIZER, 8))
+
+
 def _check_model_size(cfg: Config, world_size: int, gpu: bool) -> None:
-    """A model whose fp32 weights alone, sharded over every rank, cannot fit this machine's memory is
-    refused now, not after a build that tries to allocate them. The shape is the preset's with the
+    """A model whose training state (weights, grads and AdamW's, 16 bytes a parameter as the planner
+    counts it; a LoRA base's fp32 weights alone), sharded as the strategy shards it over every rank,
+    cannot fit this machine's memory is refused now, not after a build that tries to allocate them.
+    The shape is the preset's with the
     config's overrides (a pretrained folder's is checked where it is read); the vocabulary may
     still grow to the tokenizer's, so this is a lower bound."""
     p = cfg.parallel
     if cfg.model.init_from or "nvme" in (p.offload_params, p.offload_optimizer):
         return
     params = preset(cfg.model.preset, **shape_overrides(cfg.model)).num_params()
-    per_rank = 4 * params / world_size
+    if cfg.lora.rank is None:  # training holds weights, grads and AdamW's states, as the planner counts
+        sharded = strategies.lookup(p.strategy).sharded
+        per_rank = sum(n * params / (world_size if kind in sharded else 1) for kind, n in TRAINING_BYTES)
+        what = f"of weights, grads and AdamW states ({p.strategy})"
+    else:  # a frozen base: its weights alone
+        per_rank, what = 4 * params / world_size, "of fp32 weights"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if per_rank > memory and gpu:
         import torch
@@ -909,7 +936,7 @@ def _check_model_size(cfg: Config, world_size: int, gpu: bool) -> None:
         if torch.cuda.is_available():  # (a caller may say there is CUDA where this host has none)
             memory += torch.cuda.get_device_properties(0).total_memory
     if per_rank > memory:
-        raise ConfigError(f"the model has {params:,} parameters, {per_rank / 1e9:,.0f} GB of fp32 weights "
+        raise ConfigError(f"the model has {params:,} parameters, {per_rank / 1e9:,.0f} GB {what} "
                           f"per rank even sharded over all {world_size} rank(s): more than this machine's "
                           f"{memory / 1e9:,.0f} GB of memory; shrink model.d_model, n_layers, ffn_hidden or "
                           f"vocab_size, or add ranks")
@@ -1044,3 +1071,24 @@ def shape_overrides(m: ModelConfig) -> dict[str, Any]:
 def pipeline_microbatches(p: ParallelConfig) -> int:
     """Micro-batches a pipeline step splits each rank's micro-batch into (0 means pp)."""
     return p.microbatches or p.pp
+
+
+def inert_settings(cfg: Config, dims: ParallelDims) -> list[str]:
+    """Keys set away from their defaults that the chosen layout never reads: a run is accepted, but
+    a user who set one expected something of it (a note each, said once before launch)."""
+    p, default = cfg.parallel, ParallelConfig()
+    inert = []
+    if p.strategy != "hsdp":
+        inert += [f"parallel.{k} = {getattr(p, k)} has no effect with parallel.strategy = {p.strategy} "
+                  f"(only hsdp splits the data-parallel ranks into replicas and shards)"
+                  for k in ("dp_replicate", "dp_shard") if getattr(p, k) != getattr(default, k)]
+    if dims.pp == 1:
+        inert += [f"parallel.{k} = {getattr(p, k)!r} has no effect with parallel.pp = 1 (no pipeline)"
+                  for k in ("microbatches", "pp_schedule") if getattr(p, k) != getattr(default, k)]
+    if dims.tp == 1 and p.sequence_parallel:
+        inert.append("parallel.sequence_parallel = true has no effect with parallel.tp = 1 (it splits "
+                     "tensor parallelism's norms and residuals)")
+    if dims.cp == 1 and p.cp_mode != default.cp_mode:
+        inert.append(f"parallel.cp_mode = {p.cp_mode!r} has no effect with parallel.cp = 1 (no context "
+                     f"parallelism)")
+    return inert

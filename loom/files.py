@@ -15,6 +15,10 @@ from loom.errors import LoomError
 
 # In every run directory loom makes: `--overwrite` replaces only a directory that carries it.
 RUN_MARKER = ".loom-run"
+# What a run directory holds besides the marker: every entry `loom train` writes there.
+RUN_ENTRIES = frozenset({"checkpoints", "config.toml", "memory.json", "metrics.jsonl", "plan.json",
+                         "summary.json", "stopped.json", "logs", "traces", "tensorboard",
+                         "deepspeed_config.json"})
 
 _UMASK = os.umask(0)  # read once (os.umask can only be read by setting it), then restored
 os.umask(_UMASK)

@@ -14,10 +14,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from loom.errors import LoomError
+from loom.files import atomic_write
 
 
 @dataclass
@@ -133,7 +135,7 @@ def free_port() -> int:
 
 
 def torchrun_command(spec: LaunchSpec, loom_args: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={spec.nproc}",
+    cmd = [sys.executable, "-m", "loom.train.torchrun", f"--nproc-per-node={spec.nproc}",
            f"--max-restarts={spec.max_restarts}"]
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
         cmd.append("--standalone")  # local rendezvous on a free port
@@ -147,8 +149,14 @@ def torchrun_command(spec: LaunchSpec, loom_args: list[str]) -> list[str]:
     return cmd + ["-m", "loom.cli", *loom_args]
 
 
+def torchrun_log(log_dir: Path, spec: LaunchSpec) -> Path:
+    """This node's torchrun agent's log (loom/train/torchrun.py): one per node when nodes share the run."""
+    return log_dir / ("torchrun.log" if spec.nnodes == 1 else f"torchrun.{socket.gethostname()}.log")
+
+
 STOP_FILE_ENV = "LOOM_STOP_FILE"  # the launcher's stop request to its ranks: the signal's number
 REPORT_FILE_ENV = "LOOM_REPORT_FILE"  # an error every rank agreed on, for the launcher to print once
+AGENT_LOG_ENV = "LOOM_TORCHRUN_LOG"  # torchrun's agent's log (loom/train/torchrun.py); the ranks' beside it
 PR_SET_PDEATHSIG = 1
 
 
@@ -160,6 +168,18 @@ class Ended:
     code: int
     asked: int
     report: str | None
+
+
+# One Ctrl-C can reach a process twice, within milliseconds: the terminal sends it to the whole
+# process group and `timeout` (or `uv run` and the like) passes on the copy it got. Within this many
+# seconds of the first stop signal, a Ctrl-C is that one again; later, a person pressed it again.
+SAME_CTRL_C_S = 1.0
+
+
+def aborts(signum: int, first_at: float, now: float) -> bool:
+    """Whether `signum`, received at `now` after a stop signal received at `first_at` (monotonic
+    seconds), is a second Ctrl-C: abort at once."""
+    return signum == signal.SIGINT and now - first_at >= SAME_CTRL_C_S
 
 
 def exit_code(signum: int) -> int:
@@ -197,15 +217,37 @@ def end_launch(message: str) -> bool:
     the one line. Does not return when it does that. False when there is no such launcher (srun
     started the rank) or torchrun has a restart left, which it uses: the rank prints the error."""
     path = os.environ.get(REPORT_FILE_ENV)
-    restarts_left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-                     - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    if not path or restarts_left > 0:
+    if not path or restarts_left() > 0:
         return False
     _leave(Path(path), message)
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getppid(), signal.SIGKILL)  # torchrun, which started this rank
     os._exit(1)
+
+
+def restarts_left() -> int:
+    """How many times torchrun may still restart this rank's group (0: none, or not under torchrun)."""
+    return (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+            - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+def keep_for_restart(details: str) -> bool:
+    """A rank's failure (`details`: its traceback) while torchrun has a restart left: the group
+    restarts from the latest checkpoint and the launcher says so in one line, so the details go to
+    the run's log folder (rank<R>.attempt<K>.log beside torchrun's log), not the console. False
+    when no restart is left or there is no such folder: the caller shows the failure as it is."""
+    agent_log = os.environ.get(AGENT_LOG_ENV)
+    if not agent_log or restarts_left() <= 0:
+        return False
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    path = Path(agent_log).parent / f"rank{os.environ.get('RANK', '0')}.attempt{attempt}.log"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, details.encode())  # replaces a planted link, never follows it
+    except (LoomError, OSError):
+        return False
+    return True
 
 
 def _leave(path: Path, message: str) -> None:
@@ -215,14 +257,17 @@ def _leave(path: Path, message: str) -> None:
     tmp.replace(path)
 
 
-def relaunch(spec: LaunchSpec, loom_args: list[str], preempt: int = signal.SIGUSR1) -> Ended:
+def relaunch(spec: LaunchSpec, loom_args: list[str], preempt: int = signal.SIGUSR1,
+             log_dir: Path | None = None) -> Ended:
     """Run the same loom command on every rank under torchrun.
 
     torchrun runs in its own session, so a terminal's Ctrl-C reaches this launcher only: SIGINT,
     SIGTERM, SIGHUP or the preemption signal write the stop file the ranks read at each step
-    (they checkpoint and leave together); a second Ctrl-C kills torchrun, and the ranks die with
-    it. torchrun ignores the preemption signal (a scheduler may send it to every process of the
-    job: by default it would end torchrun, and the ranks with it); the ranks keep their handler."""
+    (they checkpoint and leave together); a second Ctrl-C (not the first one delivered twice:
+    SAME_CTRL_C_S) kills torchrun, and the ranks die with it. torchrun ignores the preemption
+    signal (a scheduler may send it to every process of the job: by default it would end torchrun,
+    and the ranks with it); the ranks keep their handler. `log_dir`: where torchrun's agent and the
+    ranks that fail while a restart is left write their logs (loom/train/torchrun.py)."""
     env = dict(os.environ)
     # One rank per core share: avoids oversubscribing CPU threads (and torchrun's warning).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc)))
@@ -230,7 +275,9 @@ def relaunch(spec: LaunchSpec, loom_args: list[str], preempt: int = signal.SIGUS
     folder = Path(tempfile.mkdtemp(prefix="loom-launch-"))
     stop_file, report_file = folder / "stop", folder / "report"
     env[STOP_FILE_ENV], env[REPORT_FILE_ENV] = str(stop_file), str(report_file)
-    asked = 0
+    if log_dir is not None:
+        env[AGENT_LOG_ENV] = str(torchrun_log(log_dir, spec))
+    asked, asked_at = 0, 0.0
 
     def start_torchrun() -> None:
         die_with_parent()
@@ -240,11 +287,12 @@ def relaunch(spec: LaunchSpec, loom_args: list[str], preempt: int = signal.SIGUS
                             preexec_fn=start_torchrun)
 
     def ask(signum, frame) -> None:
-        nonlocal asked
-        if asked and signum == signal.SIGINT:
-            os.killpg(proc.pid, signal.SIGKILL)  # abort: the ranks die with torchrun
+        nonlocal asked, asked_at
+        if asked:
+            if aborts(signum, asked_at, time.monotonic()):
+                os.killpg(proc.pid, signal.SIGKILL)  # abort: the ranks die with torchrun
             return
-        asked = asked or signum
+        asked, asked_at = signum, time.monotonic()
         tmp = folder / "stop.tmp"
         tmp.write_text(str(asked))
         tmp.replace(stop_file)

@@ -122,6 +122,38 @@ def resolve_source(source: str, max_bytes: int = 8_000_000) -> list[Path] | Path
     return files
 
 
+_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
+         b"\xfe\xff": "UTF-16"}
+_SAMPLE = 1 << 16  # bytes of a file looked at to tell text from binary
+
+
+def _looks_utf16(sample: bytes) -> bool:
+    """NUL bytes in every other place: ASCII text written as UTF-16 (without a byte-order mark)."""
+    nuls = sorted((sample[0::2].count(0), sample[1::2].count(0)))
+    return len(sample) >= 4 and nuls[1] > 0.4 * (len(sample) // 2) and nuls[0] < 0.05 * (len(sample) // 2)
+
+
+def read_text(path: Path) -> str:
+    """A text source's file as UTF-8 text. UTF-16 or binary bytes (an image, a .npy, random bytes)
+    would train as byte soup, NUL being the byte tokenizer's EOS: refused in one line."""
+    data = path.read_bytes()
+    sample = data[:_SAMPLE]
+    encoding = next((name for bom, name in _BOMS.items() if sample.startswith(bom)), None)
+    if encoding is None and b"\0" in data and _looks_utf16(sample):
+        encoding = "UTF-16"
+    if encoding:
+        raise LoomError(f"{path} is {encoding} text, which loom would train on as bytes with NULs between "
+                        f"the letters; convert it to UTF-8 (e.g. iconv -f {encoding} -t UTF-8 FILE > NEW)")
+    nul = data.find(b"\0")
+    text = sample.decode("utf-8", errors="replace")
+    if nul >= 0 or text.count("\ufffd") > 0.1 * max(len(text), 1):
+        where = f"a NUL byte at byte {nul + 1}" if nul >= 0 else "most of its first bytes are not UTF-8"
+        raise LoomError(f"{path} is not text ({where}): an image, an array or other binary file; a text "
+                        f"source must be UTF-8 text: remove it, or name only the text files (a glob such as "
+                        f"'*.txt')")
+    return data.decode("utf-8", errors="replace")
+
+
 def load_bin(path: Path, bin_dtype: str, vocab_size: int) -> np.ndarray:
     """A .bin file of token ids, memory-mapped, checked to hold only ids below vocab_size."""
     if bin_dtype not in _BIN_DTYPES:
@@ -158,7 +190,7 @@ def load_tokens(source: str, tokenizer_kind: str = "byte", vocab_size: int = 256
     if isinstance(resolved, Path):
         return load_bin(resolved, bin_dtype, vocab_size), vocab_size
 
-    text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in resolved)
+    text = "\n".join(read_text(p) for p in resolved)
     if not text.strip():
         raise LoomError(f"data.source '{source}' is empty (no text in {len(resolved)} file(s)); "
                         f"{_WHAT_TO_GIVE} with some content")

@@ -23,6 +23,7 @@ import numpy as np
 from loom.checked import BadFile, Fields, read_json
 from loom.data import sft
 from loom.data.chat_template import ChatTemplate
+from loom.data.corpus import read_text
 from loom.data.records import RecordFields, json_kind, open_records, record_batches, record_places
 from loom.data.sources import Source
 from loom.data.stream import TokenStream
@@ -31,7 +32,7 @@ from loom.data.tokenizer import DocumentTokenizer, token_dtype
 from loom.errors import LoomError
 from loom.files import atomic_write
 
-_CACHE_FORMAT = "loom-docs-v1"  # bump when the layout or the tokenizing rules change
+_CACHE_FORMAT = "loom-docs-v2"  # bump when the layout or the tokenizing rules change
 TEXT_FILES_PER_BATCH = 64
 
 Document = tuple[np.ndarray, np.ndarray | None]  # ids ending in EOS; SFT: 1 where the loss applies
@@ -114,6 +115,33 @@ def encode_batches(batches: Iterable[dict[str, list]], tokenizer: DocumentTokeni
         index += n
 
 
+class NonEmpty:
+    """Documents of a text source without its empty ones: an empty text is a lone EOS, and 200 of
+    them would train the model to stop at once. `skipped` counts them; if every one is empty, one
+    line (a source of nothing but empty texts is a mistake, such as the wrong text_field)."""
+
+    def __init__(self, docs: Iterable[Document], where: str, field: str) -> None:
+        self.docs, self.where, self.field, self.skipped = docs, where, field, 0
+
+    def __iter__(self) -> Iterator[Document]:
+        kept = 0
+        for ids, mask in self.docs:
+            if mask is None and len(ids) == 1:  # the EOS alone
+                self.skipped += 1
+                continue
+            kept += 1
+            yield ids, mask
+        if self.skipped and not kept:
+            raise LoomError(f"data.source '{self.where}': all {self.skipped} records have an empty "
+                            f"'{self.field}', nothing to train on; give records with text there (or set "
+                            f"data.text_field)")
+
+    def note(self) -> str | None:
+        if not self.skipped:
+            return None
+        return f"data.source '{self.where}': skipped {self.skipped} records with an empty '{self.field}'"
+
+
 def _segments(batch: dict[str, list], i: int, fields: RecordFields, where: _Where,
               template: ChatTemplate | None) -> sft.Segments:
     if fields.messages in batch:
@@ -132,7 +160,7 @@ def text_file_batches(files: Iterable[Path], fields: RecordFields) -> Iterator[d
     """Text files as records: each file one document."""
     batch: list[str] = []
     for path in files:
-        batch.append(path.read_text(encoding="utf-8", errors="replace"))
+        batch.append(read_text(path))
         if len(batch) == TEXT_FILES_PER_BATCH:
             yield {fields.text: batch}
             batch = []
@@ -179,6 +207,20 @@ def cache_key(source: Source, tokenizer: DocumentTokenizer, fields: RecordFields
     return h.hexdigest()[:24]
 
 
+def cache_folder(value: str | Path, name: str = "data.cache_dir") -> Path:
+    """The folder loom keeps its data caches in, refused in one line if a file stands in its way
+    (the cache itself, or a folder above it): writing there would fail deep inside as a traceback."""
+    path = Path(value).expanduser()
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                what = "is a file" if folder == path else f"is under {folder}, a file"
+                raise LoomError(f"{name} '{value}' {what}, not a folder; set {name} to a folder loom may "
+                                f"keep its caches in (e.g. ~/.cache/loom)")
+            break
+    return path
+
+
 def _save_npy(path: Path, array: np.ndarray) -> None:
     buf = io.BytesIO()
     np.save(buf, array)
@@ -217,8 +259,11 @@ def tokenize_source(source: Source, tokenizer: DocumentTokenizer, fields: Record
         tokens, starts, mask = _cached(folder, key, tokenizer, fields.format == "sft")
         return Documents(name, tokens, starts, mask, tokenizer.vocab_size, tokenizer.fingerprint)
     batches = source_batches(source, fields, cache_dir)
-    docs = encode_batches(batches, tokenizer, fields, record_places(source), chat_template(tokenizer, fields))
+    docs = NonEmpty(encode_batches(batches, tokenizer, fields, record_places(source),
+                                   chat_template(tokenizer, fields)), source.spec, fields.text)
     tokens, starts, mask = collect(docs, tokenizer.vocab_size, source.spec)
+    if docs.note():
+        print(f"note: {docs.note()}")  # on stdout, as the run's other news
     _save_npy(folder / f"{key}.docs.npy", starts)
     if mask is not None:
         _save_npy(folder / f"{key}.mask.npy", mask)

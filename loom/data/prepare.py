@@ -28,7 +28,7 @@ import numpy as np
 
 from loom.checked import BadFile, Fields, inside, read_json
 from loom.data import sources
-from loom.data.documents import Documents, cache_key, encode_batches, text_file_batches
+from loom.data.documents import Documents, cache_folder, cache_key, encode_batches, text_file_batches
 from loom.data.hf_tokenizer import load_document_tokenizer, resolve_tokenizer
 from loom.data.records import BATCH, RecordFields, open_records, record_places
 from loom.data.token_files import check_ids, check_starts, open_npy
@@ -312,7 +312,7 @@ def prepare(source: str, out: Path, tokenizer: str = "byte", text_field: str = "
                         ("--workers", workers)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} = {value} must be at least 1")
-    out, cache_dir = Path(out).expanduser(), Path(cache_dir).expanduser()
+    out, cache_dir = Path(out).expanduser(), cache_folder(cache_dir, "--cache-dir")
     choice = resolve_tokenizer(tokenizer)
     tok = load_document_tokenizer(choice)
     src = sources.resolve(source)

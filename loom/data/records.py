@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from loom.checked import cause
 from loom.data.sources import Source
 from loom.errors import ConfigError, LoomError
@@ -110,15 +112,75 @@ def _bare_null_in(path: Path, size: int, mtime_ns: int) -> int | None:
                 return None
 
 
+# pyarrow's JSON reader (26) overflows its stack (a segfault) on a record nested ~20,000 deep; real
+# records nest a few levels.
+MAX_DEPTH = 1000
+_STRING = re.compile(rb'"(?:[^"\\\n]|\\.)*"')  # a JSON string, whose brackets are text
+
+
+def _depth(line: bytes) -> int:
+    """How deep a JSON line nests lists and objects (brackets inside strings left out)."""
+    codes = np.frombuffer(_STRING.sub(b"", line), dtype=np.uint8)
+    steps = np.isin(codes, (ord("["), ord("{"))).astype(np.int64) - np.isin(codes, (ord("]"), ord("}")))
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def _whole_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(lines before, a chunk of whole lines) of a file, 16 MiB at a time."""
+    before, carry = 0, b""
+    with _open(path) as f:
+        while True:
+            chunk = f.read(1 << 24)
+            data = carry + chunk
+            cut = data.rfind(b"\n") + 1 if chunk else len(data)
+            head, carry = data[:cut], data[cut:]
+            yield before, head
+            before += head.count(b"\n")
+            if not chunk:
+                return
+
+
+@functools.lru_cache(maxsize=4096)
+def _too_deep_in(path: Path, size: int, mtime_ns: int) -> int | None:
+    """The number of the first line of a JSON file nested deeper than MAX_DEPTH, or None; only a
+    line with that many brackets is measured (a chunk with fewer is passed over at once)."""
+    for before, head in _whole_lines(path):
+        if head.count(b"[") + head.count(b"{") < MAX_DEPTH:
+            continue
+        for number, line in enumerate(head.split(b"\n"), before + 1):
+            if line.count(b"[") + line.count(b"{") > MAX_DEPTH and _depth(line) > MAX_DEPTH:
+                return number
+    return None
+
+
 def _check_json(source: Source) -> None:
     for path in source.files:
         try:
             st = path.stat()
             line = _bare_null_in(path, st.st_size, st.st_mtime_ns)
+            deep = _too_deep_in(path, st.st_size, st.st_mtime_ns) if line is None else None
         except (OSError, EOFError) as e:  # gzip's BadGzipFile is an OSError
             raise LoomError(f"{path} is not a readable json file ({cause(e)}); fix or remove it") from None
         if line is not None:
             raise LoomError(f"{path} line {line} is null, not a JSON object (a record); fix or remove it")
+        if deep is not None:
+            raise LoomError(f"{path} line {deep} nests lists or objects more than {MAX_DEPTH} deep, which "
+                            f"the JSON reader cannot take (it would crash); fix or remove the record")
+
+
+def _check_parquet(source: Source) -> None:
+    """Every file of a Parquet source gives each column one type: `datasets` would cast another
+    file's integers to the first file's strings and train on them as text."""
+    import pyarrow.parquet as pq
+
+    first: dict[str, tuple[Any, Path]] = {}
+    for path in source.files:
+        for column in pq.read_schema(path):
+            seen = first.setdefault(column.name, (column.type, path))
+            if seen[0] != column.type:
+                raise LoomError(f"{path}: column '{column.name}' is {column.type}, but {seen[1]} has it as "
+                                f"{seen[0]}; every file of a source must give a column one type: fix or "
+                                f"remove {path.name}")
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -190,6 +252,8 @@ def open_records(source: Source, cache_dir: Path, streaming: bool = False) -> An
     try:
         if source.record_format == "json":
             _check_json(source)
+        if source.record_format == "parquet" and source.kind == "records":
+            _check_parquet(source)
         if source.kind == "records" and _no_records(source):
             raise LoomError(f"data.source '{source.spec}' is empty (its files hold no records); give a "
                             f"dataset with at least one record")

@@ -25,6 +25,8 @@ from loom.data.corpus import load_bin, load_tokens
 from loom.data.documents import (
     Document,
     Documents,
+    NonEmpty,
+    cache_folder,
     chat_template,
     encode_batches,
     source_batches,
@@ -75,7 +77,7 @@ def build_run_data(cfg: Config, model_dir: Path | None = None) -> RunData:
     d = cfg.data
     entries = _entries(d)
     choice = resolve_tokenizer(d.tokenizer, model_dir)
-    cache_dir = Path(d.cache_dir).expanduser()
+    cache_dir = cache_folder(d.cache_dir)
     if d.streaming:
         return _packed(cfg, _streaming(cfg, entries, choice, cache_dir))
     only = entries[0].source if len(entries) == 1 else None
@@ -189,7 +191,8 @@ def _documents(cfg: Config, entries: list[_Entry], choice: str | Path, cache_dir
 def _stream_documents(source: sources.Source, tokenizer: DocumentTokenizer, fields: RecordFields,
                       cache_dir: Path) -> Iterator[Document]:
     batches = source_batches(source, fields, cache_dir, streaming=True)
-    return encode_batches(batches, tokenizer, fields, record_places(source), chat_template(tokenizer, fields))
+    docs = encode_batches(batches, tokenizer, fields, record_places(source), chat_template(tokenizer, fields))
+    return iter(NonEmpty(docs, source.spec, fields.text))
 
 
 def _streaming(cfg: Config, entries: list[_Entry], choice: str | Path, cache_dir: Path) -> RunData:

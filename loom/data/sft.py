@@ -37,6 +37,35 @@ def prompt_completion(prompt: Any, completion: Any, fields: Any, where: str) -> 
     return [(prompt, False), (completion, True)]
 
 
+def _content(content: Any, at: str) -> str:
+    """A message's content: a string, or a list of parts (OpenAI's and Hugging Face's format) whose
+    text parts are joined; an image or other part has no text to train on."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                what = f"a '{kind}' part" if isinstance(kind, str) else json_kind(part)
+                raise LoomError(f"{at}: content[{j}] is {what}, not a text part "
+                                f"{{\"type\": \"text\", \"text\": ...}}; loom trains on text only: remove "
+                                f"the part or the record")
+            texts.append(part["text"])
+        return "".join(texts)
+    what = "no content" if content is None else f"{json_kind(content)} as its content"
+    raise LoomError(f"{at} has {what}; give it a string, or a list of text parts")
+
+
+def _message(m: dict, i: int, name: str, where: str) -> dict:
+    """Message i of a record, its role checked and its content made a string (for any template)."""
+    at = f"{where}: {name}[{i}]"
+    if not isinstance(m["role"], str) or not m["role"]:
+        raise LoomError(f"{at} has {json_kind(m['role'])} {m['role']!r} as its role; a role is a name "
+                        f"such as 'user' or 'assistant'")
+    return {**m, "content": _content(m.get("content"), at)}
+
+
 def chat(messages: Any, template: ChatTemplate | None, fields: Any, where: str) -> Segments:
     if template is None:
         raise ConfigError(f"{where} has '{fields.messages}', which needs the tokenizer's chat_template, and "
@@ -44,6 +73,7 @@ def chat(messages: Any, template: ChatTemplate | None, fields: Any, where: str) 
                           f"one, or records with '{fields.prompt}'/'{fields.completion}'")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise LoomError(f"{where}: '{fields.messages}' must be a list of {{role, content}} objects")
+    messages = [_message(m, i, fields.messages, where) for i, m in enumerate(messages)]
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         raise LoomError(f"{where} has no assistant message in '{fields.messages}', so there is no completion "

@@ -21,6 +21,7 @@ from pathlib import Path
 import loom
 from loom.checked import Fields, parse_json, read_json, read_text, read_toml
 from loom.config import CP_MODES, MAX_EXPERTS
+from loom.errors import LoomError
 from loom.files import atomic_write
 from loom.observe.diagnose import diagnose, moe_config, try_text
 from loom.observe.ledger import analyze_dir
@@ -355,6 +356,38 @@ def render_table(analysis: dict) -> str:
                   f"   {'try:   ' if f.get('knob') else 'do:    '}   {try_text(f)}",
                   f"   expect:   {f['expected_effect']}"]
     return "\n".join(lines)
+
+
+OUTPUTS = ("ledger.json", "report.html")
+
+
+def check_outputs(out_dir: Path, overwrite: bool) -> None:
+    """ledger.json and report.html replace only loom analyze's own earlier ones (or, under
+    --overwrite, any): a file of those names that is the user's stays, and the command says so (a
+    symbolic link there is replaced, its target untouched, as every write of loom's does)."""
+    for name in () if overwrite else OUTPUTS:
+        path = out_dir / name
+        if path.exists() and not path.is_symlink() and not _written_by_analyze(path):
+            raise LoomError(f"{path} exists and is not one loom analyze wrote; loom analyze writes "
+                            f"{' and '.join(OUTPUTS)} there: pass --overwrite to replace it, or --out a "
+                            f"folder for them")
+
+
+def _written_by_analyze(path: Path) -> bool:
+    """Recognisably loom analyze's: its page's title, or a ledger's top-level record."""
+    if not path.is_file():
+        return False
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096)
+        if path.name == "report.html":
+            return head.startswith(b"<!DOCTYPE html>") and b"<title>loom step ledger " in head
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            return False
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and {"ranks", "collectives", "stragglers", "findings"} <= doc.keys()
 
 
 def write_outputs(analysis: dict, out_dir: Path) -> tuple[Path, Path]:

@@ -64,7 +64,14 @@ from pathlib import Path
 import numpy as np
 
 from loom.errors import LoomError
-from loom.observe.trace_events import MAX_NS, BadTrace, TraceStream, distributed_info, find_traces
+from loom.observe.trace_events import (
+    MAX_NS,
+    BadTrace,
+    TraceStream,
+    distributed_info,
+    find_traces,
+    refuse_copies,
+)
 
 # Interval classes kept per CPU thread.
 IO, COMM, CPU, WORK, SYNC = "io", "comm", "cpu", "work", "sync"
@@ -802,6 +809,7 @@ def analyze_file(path: str, rank: int | None = None) -> dict:
     rank = rank if rank is not None else stream.distributed_rank
     ledger = _ledger(col, rank, stream.base_ns, str(path), stream.header, list(stream.warnings))
     ledger["_distributed_rank"] = stream.distributed_rank
+    ledger["_world_size"] = distributed_info(stream.header, path).get("world_size")
     return ledger
 
 
@@ -826,10 +834,12 @@ def analyze_dir(path, workers: int | None = None) -> dict:
 
     Ranks come from the file name (rank0, rank_1, rank-2), else the trace's distributedInfo,
     else file order; several traces of one rank are merged in time order. Files that are not
-    traces are skipped with a warning, unless none is one; a damaged trace is refused (BadTrace).
+    traces are skipped with a warning, unless none is one; a damaged trace is refused (BadTrace), and
+    so are a file with another's bytes (a copy) and traces recording different world sizes.
     Several files: one process each (`workers`, default one per core).
     """
     files = find_traces(path)
+    refuse_copies(files)
     jobs = [(str(f.path), f.name_rank) for f in files]
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     results = None
@@ -849,11 +859,17 @@ def analyze_dir(path, workers: int | None = None) -> dict:
         raise LoomError(errors[0] if len(errors) == 1 else
                         f"no readable trace among {len(errors)} files in {path}: {errors[0]}")
     warnings = [f"skipped: {e}" for e in errors]
-    ranked = []
+    ranked, worlds = [], {}
     for f, r in zip(files, results):
         if not isinstance(r, str):
             dist_rank = r.pop("_distributed_rank")
             ranked.append((f.name_rank if f.name_rank is not None else dist_rank, r))
+            worlds.setdefault(r.pop("_world_size"), f.path)
+    worlds.pop(None, None)
+    if len(worlds) > 1:  # one run's ranks agree on its world: these are several runs' traces
+        (a, pa), (b, pb) = list(worlds.items())[:2]
+        raise LoomError(f"{pa} records world size {a} but {pb} records {b}: traces of different runs; "
+                        "analyze one run's traces at a time (a folder each)")
     known = {rank for rank, _ in ranked}
     free = (i for i in itertools.count() if i not in known)  # no rank anywhere: file order
     by_rank: dict[int, list[dict]] = {}

@@ -16,8 +16,11 @@ header value of the wrong type — is damage: `BadTrace`, one line naming the fi
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
+import os
 import re
+import stat
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,8 +72,24 @@ def _natural_key(path: Path) -> list:
 
 
 def _trace_files(folder: Path) -> list[Path]:
-    return sorted((p for p in folder.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz"))),
-                  key=_natural_key)
+    named = [p for p in folder.iterdir() if p.name.endswith((".json", ".json.gz"))]
+    for p in named:
+        _own_regular_file(folder, p)
+    return sorted((p for p in named if p.is_file()), key=_natural_key)
+
+
+def _own_regular_file(folder: Path, path: Path) -> None:
+    """A trace of the folder is a regular file in it: a link out of it (to /etc/passwd, say) or a
+    FIFO or device is refused before anything is read from it (a folder is skipped)."""
+    if path.is_symlink():
+        target = Path(os.path.realpath(path))
+        if not target.is_relative_to(folder.resolve()):
+            raise LoomError(f"{path} is a symbolic link to {target}, outside {folder}; loom reads only the "
+                            f"trace files in the folder itself: copy the trace in, or remove the link")
+    mode = path.stat().st_mode if path.exists() else 0
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise LoomError(f"{path} is not a regular file (a FIFO, a device or a broken link); loom reads "
+                        f"traces only from regular files: remove it, or analyze a folder of traces alone")
 
 
 def find_traces(path: str | Path) -> list[TraceFile]:
@@ -89,6 +108,23 @@ def find_traces(path: str | Path) -> list[TraceFile]:
     else:
         raise LoomError(f"{path} does not exist: give the directory holding the profiler traces")
     return [TraceFile(p, rank_from_name(p.name)) for p in files]
+
+
+def refuse_copies(files: list[TraceFile]) -> None:
+    """Each rank's trace is its own: a file with the same bytes as another is a copy, which would be
+    analyzed as one more rank. Only files of equal size are read (traces of real ranks never are)."""
+    by_size: dict[int, list[Path]] = {}
+    for f in files:
+        by_size.setdefault(f.path.stat().st_size, []).append(f.path)
+    for same in (paths for paths in by_size.values() if len(paths) > 1):
+        seen: dict[str, Path] = {}
+        for path in same:
+            with path.open("rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            if digest in seen:
+                raise LoomError(f"{path} is a copy of {seen[digest]} (the same bytes), not another rank's "
+                                "trace; remove the copy and give each rank's own trace")
+            seen[digest] = path
 
 
 class TraceStream:

@@ -10,6 +10,7 @@ from pathlib import Path
 from loom.config import (
     Config,
     ModelConfig,
+    ParallelConfig,
     ParallelDims,
     load_config,
     pipeline_microbatches,
@@ -158,6 +159,9 @@ def run(args) -> tuple[Config, Plan, str | None]:
     config, model = args.config, args.model
     if config is not None and str(config).endswith(".json"):  # a Hugging Face config.json in place of a TOML
         config, model = None, model or str(config)
+    if model is not None and args.params is not None:  # --params would win and --model be ignored
+        raise ConfigError(f"--params {args.params:g} and --model {model} both give the model's size; "
+                          f"pass only one of them")
     cfg = load_config(config, args.set)
     if args.recipe not in RECIPES:
         raise ConfigError(f"--recipe {args.recipe!r} is not one of {', '.join(RECIPES)}")
@@ -171,11 +175,21 @@ def run(args) -> tuple[Config, Plan, str | None]:
         planned_model(cfg, shape, model, workload.seq_len)
     plan = search(workload, cluster)
     plan.workload_origin = origin
-    yours = None  # the config's own layout, priced on its own batch (not on an assumed workload)
-    own = workload.global_batch == cfg.train.batch_size
-    if own and workload.global_batch % (dims.dp * cfg.train.grad_accum) == 0:
-        yours = estimate(workload, config_candidate(cfg, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp),
-                         cluster)
+    # The config's own layout, priced beside the search: on its own batch, or on the plan's batch when
+    # --set pins parallel keys (the user asked about that layout; the table alone would ignore it).
+    yours, pinned = None, sorted({item.partition("=")[0].strip() for item in args.set} & _PARALLEL_KEYS)
+    priced = cfg
+    if pinned and workload.global_batch != cfg.train.batch_size:
+        batch = dataclasses.replace(cfg.train, batch_size=workload.global_batch)
+        priced = dataclasses.replace(cfg, train=batch)
+    split = dims.dp * cfg.train.grad_accum
+    if workload.global_batch == priced.train.batch_size and workload.global_batch % split == 0:
+        yours = estimate(workload, config_candidate(priced, dims.dp_replicate, dims.dp_shard, dims.tp,
+                                                    dims.pp), cluster)
+    elif pinned and args.format != "json" and args.explain is None:
+        print(f"your layout ({', '.join(pinned)}) is not priced: the plan's batch of "
+              f"{workload.global_batch} sequences does not split over dp × grad_accum = {split}; "
+              f"pass --set train.batch_size=N with N a multiple of {split} to price it", flush=True)
     if args.explain is not None:
         print(explain(plan, args.explain))
     elif args.format == "json":
@@ -236,6 +250,7 @@ def emit_all(target: str, cfg, plan: Plan, cluster: Cluster, shape: ModelShape, 
         print(f"wrote {target}{others}")
 
 
+_PARALLEL_KEYS = frozenset(f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig))
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings")
 EMIT_PARAMS_TOLERANCE = 0.10  # a Llama-style shape for --params must be this close to the count
 

@@ -67,6 +67,9 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 META = "meta.json"
+# In a checkpoints folder: the run directory whose checkpoints it holds (the folder may be a link to a
+# scratch disk, where loom must never write over, or clean up, another run's checkpoints).
+OWNER = ".loom-owner"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Settings that decide which sequences step k trains on, or the model's shapes: a resume must keep them.
 RESUME_FIXED = ("data.source", "data.tokenizer", "data.bpe_vocab_size", "data.seq_len", "data.eval_fraction",
@@ -132,6 +135,53 @@ def _not_a_link(path: Path) -> None:
         raise LoomError(f"checkpoint {path} is a symbolic link (to {os.readlink(path)}); loom resumes only "
                         f"a step_N folder inside the run's checkpoints/, never a link out of it: pass the "
                         f"folder it points to to --resume if you trust it, or remove the link")
+
+
+def check_checkpoints_dir(run_dir: Path) -> None:
+    """Before a run writes into RUN_DIR/checkpoints (and removes stale writes and old steps there):
+    it is a folder, and where it is a symbolic link (a scratch disk) the folder it leads to is this
+    run's, empty or marked by loom with this run's directory. A folder inside the run is its own."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not os.path.lexists(root):
+        return
+    if root.is_symlink() and not root.exists():
+        raise LoomError(f"{root} is a symbolic link to {os.readlink(root)}, which does not exist; create "
+                        f"that folder (loom writes the run's checkpoints there) or remove the link")
+    if not root.is_dir():
+        raise LoomError(f"{root} is a file, not the run's checkpoints folder; move it aside (loom writes its "
+                        f"checkpoints there), or pick another --out")
+    if not root.is_symlink():
+        return
+    owner = _checkpoints_owner(root)
+    if owner == str(Path(run_dir).resolve()):
+        return
+    if owner is None and not any(p.name != OWNER for p in root.iterdir()):
+        return
+    whose = f"the checkpoints of the run {owner}" if owner else "files loom did not write for this run"
+    raise LoomError(f"{root} links to {root.resolve()}, which holds {whose}; loom writes and cleans up only "
+                    f"this run's checkpoints: link checkpoints to an empty folder of its own, e.g. "
+                    f"{root.resolve() / Path(run_dir).resolve().name}")
+
+
+def claim_checkpoints_dir(run_dir: Path) -> None:
+    """Make RUN_DIR/checkpoints (if need be); a linked one is marked as this run's
+    (check_checkpoints_dir). A folder inside the run is its own by where it is: never marked."""
+    check_checkpoints_dir(run_dir)
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    me = str(Path(run_dir).resolve())
+    if root.is_symlink() and _checkpoints_owner(root) != me:
+        atomic_write(root / OWNER, f"{me}\n".encode())
+
+
+def _checkpoints_owner(root: Path) -> str | None:
+    marker = root / OWNER
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        return read_text(marker, max_bytes=4096).strip()
+    except BadFile:
+        return "(unreadable)"
 
 
 def resolve_resume(resume: str | None, run_dir: Path | None) -> Path | None:
@@ -385,7 +435,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if async_save else None
         self.stall_s: list[float] = []  # training time spent in each save call
         if d.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
+            claim_checkpoints_dir(run_dir)  # a linked folder of another run's: refused, never cleaned up
             for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a killed writer (a link: only itself)
                 if stale.is_dir() and not stale.is_symlink():
                     shutil.rmtree(stale, ignore_errors=True)

@@ -11,18 +11,22 @@ group and writes them as one `.safetensors` file:
     hash at save; never a path read from meta.json).
 
 Nothing is replaced without `overwrite`: not an existing output file, nor (layout "hf") a folder
-that already holds a model. With it, an hf export replaces the model folder's files together: the
-new files are written beside them first, then every file of the old model (its shard index,
-shards, tokenizer) is removed and the new ones renamed into place, config.json last, so that no
-file of the old model is left beside the new one. Each file is written to a temporary name and
-renamed, so a crash never leaves half a file under the output's name.
+that already holds a model. With it, an export replaces only files of the names it writes (an hf
+export: config.json, generation_config.json, the tokenizer files loom carries, and the old model's
+shard index and `model-NNNNN-of-NNNNN` shards, which would be read beside the new weights); any
+other file in the folder is the user's and stays. The new files are written beside the old first,
+then renamed into place, config.json last. A folder export (hf, a LoRA adapter) never writes into
+the working or home directory. Each file is written to a temporary
+name and renamed, so a crash never leaves half a file under the output's name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -121,7 +125,8 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom",
     # A folder transformers (and model.init_from) can use whole; config.json last: it completes it.
     generation = {GENERATION_CONFIG: _json(special)} if "eos_token_id" in special else {}
     files = {output.name: write, **tokenizer, **generation, HF_CONFIG: _json(config)}
-    return _write_model_folder(output.parent, files, overwrite)
+    replaced = _replaced_model_files(output.parent) if overwrite else []
+    return _write_model_folder(output.parent, files, replaced)
 
 
 def _write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict,
@@ -132,7 +137,7 @@ def _write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict,
         safetensors.torch.save_file(_standalone(tensors), str(tmp), metadata={"format": "pt"})
 
     files = {export_lora.ADAPTER_FILE: write, export_lora.ADAPTER_CONFIG: _json(config)}
-    return _write_model_folder(folder, files, overwrite)
+    return _write_model_folder(folder, files, [])  # the adapter's two files replace their own names only
 
 
 def _recorded_gpt(meta: dict, path: Path) -> GPTConfig:
@@ -158,23 +163,33 @@ def _json(doc: dict) -> bytes:
     return (json.dumps(doc, indent=2) + "\n").encode()
 
 
-def _write_model_folder(folder: Path, files: dict, overwrite: bool) -> list[Path]:
+def _write_model_folder(folder: Path, files: dict, replaced: list[Path]) -> list[Path]:
     """`files` (name -> bytes, or a function writing a path) into `folder`, staged beside it first;
-    under `overwrite`, every file of the model it held goes as the new ones take their place."""
+    the `replaced` files (an old model's, under --overwrite) go as the new ones take their place."""
     stage = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=folder))
     try:
         for name, data in files.items():
             atomic_write(stage / name, data, durable=True)
-        if overwrite:
-            for old in _model_files(folder):
-                if old.name not in files:
-                    old.unlink()
+        for old in replaced:
+            if old.name not in files:
+                old.unlink()
         for name in files:
             os.replace(stage / name, folder / name)
         fsync_dir(folder)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return [folder / name for name in files]
+
+
+def _replaced_model_files(folder: Path) -> list[Path]:
+    """Of the model in `folder`, the files an hf export replaces: of the names it writes, and the
+    old weights' index and shards (by Hugging Face's shard names); never another file."""
+    return [p for p in _model_files(folder) if p.name in _HF_WRITES or _OLD_WEIGHTS.match(p.name)]
+
+
+_HF_WRITES = (HF_CONFIG, GENERATION_CONFIG, *tokenizer_copy.NAMES)
+_OLD_WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d{5}-of-\d{5}\.(safetensors|bin)"
+                          r"|\.safetensors\.index\.json|\.bin\.index\.json|\.bin)$")
 
 
 def _model_files(folder: Path) -> list[Path]:
@@ -184,6 +199,18 @@ def _model_files(folder: Path) -> list[Path]:
 
 # ---------------------------------------------------------------------------------------------
 # Paths
+
+
+def _not_a_shared_folder(folder: Path, writes: str) -> None:
+    """A folder export writes several files (config.json, tokenizer.json …) that are everyday names:
+    never into the working or home directory, where the user's own files of those names live."""
+    places = [("the working directory", Path.cwd().resolve())]
+    with contextlib.suppress(RuntimeError):  # no $HOME and no user entry
+        places.append(("your home directory", Path.home().resolve()))
+    for what, place in places:
+        if folder.resolve() == place:
+            raise LoomError(f"{writes} writes a whole folder of files (config.json and others), and {folder} "
+                            f"is {what}; export into a folder of its own, e.g. {folder / 'model'}")
 
 
 def _check_output(output: Path, layout: str, overwrite: bool) -> None:
@@ -197,6 +224,8 @@ def _check_output(output: Path, layout: str, overwrite: bool) -> None:
     if layout == "hf" and output.name in (HF_CONFIG, *tokenizer_copy.NAMES):
         raise LoomError(f"output {output}: --layout hf writes {output.name} itself beside the weights; "
                         f"name the weights file model.safetensors")
+    if layout == "hf":
+        _not_a_shared_folder(parent, "--layout hf")
     if overwrite:
         return
     if output.exists() or output.is_symlink():
@@ -217,6 +246,8 @@ def _check_adapter_output(folder: Path, overwrite: bool) -> None:
     if folder.exists() and not folder.is_dir():
         raise LoomError(f"--lora adapter writes a folder (adapter_model.safetensors + adapter_config.json), "
                         f"and {folder} is a file; name a folder, e.g. {folder.with_suffix('')}-adapter")
+    if folder.is_dir():
+        _not_a_shared_folder(folder, "--lora adapter")
     held = [p for p in (folder / export_lora.ADAPTER_FILE, folder / export_lora.ADAPTER_CONFIG) if p.exists()]
     if held and not overwrite:
         raise LoomError(f"{folder} already holds an adapter ({held[0].name}); pass --overwrite to replace "

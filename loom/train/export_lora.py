@@ -108,6 +108,11 @@ def adapter_files(meta: dict, path: Path, tensors: dict[str, torch.Tensor], gpt:
     under `base_model.model.<the base's Hugging Face name>.lora_A.weight`, B's q/k rows in Llama's
     rotate-half order like the weights' (loom/models/gpt/llama_layout.py)."""
     cfg = saved_config(meta, path)
+    for name, t in tensors.items():  # routing buffers, not trained weights: left out when zero
+        if name.endswith("expert_bias") and t.any():
+            raise LoomError(f"{name} is not zero (aux-loss-free balancing trained it); a PEFT adapter has no "
+                            f"place for a routing bias: export the merged model with --lora merged")
+    tensors = {n: t for n, t in tensors.items() if not n.endswith("expert_bias")}
     whole = [n for n in tensors if not is_adapter(n)]
     if whole:
         raise LoomError(f"{path} also trained {whole[0]} whole (lora.train_norms / train_embeddings), which "

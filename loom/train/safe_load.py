@@ -317,8 +317,13 @@ def _describe(dtype: torch.dtype, shape) -> str:
 def adamw_entries(model: torch.nn.Module) -> Expected:
     """What loom's checkpoint of `model` trained with AdamW holds: `model.<name>` for every state
     dict entry and `optim.<name>.{step,exp_avg,exp_avg_sq}` for every trained parameter (a tied
-    parameter's states under its first name). Works on a model built on the meta device."""
+    parameter's states under its first name). Works on a model built on the meta device.
+    With a frozen base (LoRA), the frozen parameters are left out as the checkpoint leaves them out
+    (torch's ignore_frozen_params: each by its first name); the buffers stay."""
     out: Expected = {f"model.{k}": (v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            out.pop(f"model.{name}", None)
     for name, p in model.named_parameters():
         if p.requires_grad:
             out[f"optim.{name}.step"] = (torch.float32, ())

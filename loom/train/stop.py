@@ -3,8 +3,8 @@ rank, or the launcher's stop file (written when the `loom` launcher itself gets 
 the run to stop. Every rank finishes its optimizer step; the ranks agree (one all-reduce of a
 small CPU tensor per step, on a gloo group, so it never waits for the GPU) to stop at the same
 step, save a checkpoint, and leave with the signal's conventional code. A second Ctrl-C aborts at
-once. On the early warning under train.requeue, rank 0 then requeues the Slurm job, whose script
-continues with --resume auto.
+once (one delivered twice within launch.SAME_CTRL_C_S is one). On the early warning under
+train.requeue, rank 0 then requeues the Slurm job, whose script continues with --resume auto.
 
 Ranks also die with their launcher (loom/launch.py `die_with_parent`): no rank keeps training,
 or writing into the run, as an orphan.
@@ -16,13 +16,15 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from loom.data.loader import trainer_received_stop
 from loom.errors import LoomError
-from loom.launch import STOP_FILE_ENV, exit_code
+from loom.launch import STOP_FILE_ENV, aborts, exit_code
 
 
 class Stopped(LoomError):
@@ -57,13 +59,16 @@ def slurm_requeue() -> str:
 
 
 _received = 0  # the first stop signal this process got (0: none)
+_received_at = 0.0  # when (time.monotonic)
 
 
 def _record(signum, frame) -> None:
-    global _received
-    if _received and signum == signal.SIGINT:  # a second Ctrl-C: abort now
+    global _received, _received_at
+    trainer_received_stop()  # a SIGTERM the data-loader workers get now is this group's
+    if not _received:
+        _received, _received_at = signum, time.monotonic()
+    elif aborts(signum, _received_at, time.monotonic()):  # a second Ctrl-C: abort now
         os._exit(130)
-    _received = _received or signum
 
 
 def listen(preempt: int = signal.SIGUSR1) -> dict:

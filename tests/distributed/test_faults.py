@@ -45,6 +45,15 @@ def test_killed_rank_restarts_and_resumes_from_the_latest_checkpoint(tmp_path, r
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "step_4 (step 4" in r.stdout  # rank 1 died in step 5
     assert losses(run) == reference  # steps 1–6, each once, equal to the run that never failed
+    # one line for the restart, not torchrun's log and the surviving rank's traceback; they are kept
+    line = (f"loom: rank 1 died (signal 9, SIGKILL); restarting from step_4, restart 1 of 1 "
+            f"(details: {run}/logs)")
+    assert line in r.stderr.splitlines(), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "exitcode" not in r.stderr and "SIGTERM" not in r.stderr, r.stderr
+    agent = (run / "logs" / "torchrun.log").read_text()
+    assert "failed (exitcode" in agent and f"{line}; every rank's exit code" in agent and "1: -9" in agent
+    for rank_log in (run / "logs").glob("rank*.attempt0.log"):  # a survivor's broken collective
+        assert rank_log.read_text().startswith("Traceback"), rank_log
 
 
 def test_kill_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, reference):

@@ -217,3 +217,34 @@ def test_slurm_early_warning_checkpoints_requeues_and_the_requeued_job_resumes(t
     assert sorted(losses) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
         assert losses[s] == pytest.approx(reference[s], rel=1e-6, abs=1e-7), s
+
+
+@pytest.mark.parametrize("nproc, signum, code", [(1, signal.SIGTERM, 143), (1, signal.SIGINT, 130),
+                                                 (2, signal.SIGINT, 130)],
+                         ids=["1-sigterm", "1-sigint", "2-sigint"])
+def test_a_signal_to_the_process_group_under_timeout_saves(tmp_path, nproc, signum, code):
+    """`timeout 120 loom train` with data-loader workers, its process group signalled (a terminal's
+    Ctrl-C, systemd, `kill -- -PGID`): `timeout` passes the signal on, so loom gets it twice, and on
+    --nproc 1 the workers get it too. The workers must not die of it (the trainer would crash,
+    saving nothing) and the two copies of one Ctrl-C are not a second Ctrl-C (an abort). (torchrun
+    and its ranks have a session of their own: on --nproc 2 only the launcher gets the signal.)"""
+    run = tmp_path / "run"
+    assert ARGS[:2] == ["--nproc", "2"]
+    workers = [a if a != "data.num_workers=0" else "data.num_workers=2" for a in ARGS[2:]]
+    args = ["--nproc", str(nproc), *workers]
+    proc = subprocess.Popen(["timeout", "120", sys.executable, "-m", "loom.cli", "train", "--out", str(run),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        _started(run, proc)
+        os.killpg(proc.pid, signum)  # timeout leads its own process group
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err and "aborted" not in err, err[-3000:]
+    match = re.fullmatch(rf"loom: interrupted \({signal.Signals(signum).name}\) at step (\d+); checkpoint "
+                         rf"(\S+); continue with: .* --nproc {nproc}", err.strip().splitlines()[-1])
+    assert match, err[-3000:]
+    assert checkpoint.read_meta(Path(match.group(2)))["step"] == int(match.group(1)) >= 2

@@ -17,8 +17,9 @@ BUGS = [
         "g = g.mul_(grad).to(dtype)",
         (FP32, GPT)),
     Bug("chunk-weight-grad-last-chunk", "the weight's gradient keeps only the last chunk's", CL,
-        "                        dw += part\n",
-        "                        dw = part.float()\n",
+        "                    elif dw.dtype == g.dtype:\n                        dw.addmm_(g.t(), hc)\n"
+        "                    else:\n                        dw += g.t() @ hc\n",
+        "                    else:\n                        dw = (g.t() @ hc).to(dw.dtype)\n",
         (FP32,)),
     Bug("chunk-mean-over-all-tokens", "the masked mean divides by every token, IGNORE ones too", CL,
         "count = (targets != IGNORE).sum().clamp(min=1) if masked else targets.numel()",
@@ -60,7 +61,8 @@ BUGS = [
         "return seq * micro_batch * shape.vocab_size",
         (f"{UNIT}::test_the_plan_prices_one_chunk_of_logits",)),
     Bug("chunk-weight-grad-last-chunk-ranks", "the same, on spawned zero3 ranks alone", CL,
-        "                        dw += part\n",
-        "                        dw = part.float()\n",
+        "                    elif dw.dtype == g.dtype:\n                        dw.addmm_(g.t(), hc)\n"
+        "                    else:\n                        dw += g.t() @ hc\n",
+        "                    else:\n                        dw = (g.t() @ hc).to(dw.dtype)\n",
         (f"{DIST}::test_chunked_loss_trains_as_the_full_logits[zero3-units]",)),
 ]

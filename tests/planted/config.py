@@ -25,8 +25,8 @@ BUGS = [
         (f"{CASES}[config-seed-negative]",
          f"{CONFIG}::test_the_seed_range_is_what_every_rng_loom_seeds_takes")),
     Bug("config-blank-path", "a blank data.source (\"\" reads the working directory) is accepted",
-        "loom/config.py", "        if not value.strip() and (value or not rule.optional):",
-        "        if False:",
+        "loom/config.py", "            if not item.strip() and (item or not rule.optional):",
+        "            if False:",
         (f"{CASES}[config-source-empty]",
          f"{CONFIG}::test_every_string_field_refuses_blank_or_unknown_values")),
     Bug("config-shape-unbounded", "model.d_model has no upper bound", "loom/config.py",
@@ -86,6 +86,6 @@ BUGS = [
         "    os.kill(os.getppid(), signal.SIGKILL)  # torchrun, which started this rank\n", "",
         (f"{CONFIG}::test_end_launch_leaves_the_error_and_ends_its_parent_at_once",)),
     Bug("end-launch-no-restart", "a rank's error ends torchrun even with a restart left",
-        "loom/launch.py", "    if not path or restarts_left > 0:", "    if not path:",
+        "loom/launch.py", "    if not path or restarts_left() > 0:", "    if not path:",
         (f"{CONFIG}::test_end_launch_leaves_restarts_to_torchrun_and_srun_ranks_to_themselves",)),
 ]

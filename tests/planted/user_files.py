@@ -62,8 +62,8 @@ BUGS = [
     Bug('export-overwrite-mixed', 'an hf export with --overwrite leaves the old index, shards and '
         'tokenizer beside the new model',
         'loom/train/export.py',
-        '        if overwrite:\n            for old in _model_files(folder):\n',
-        '        if False:\n            for old in _model_files(folder):\n',
+        '        for old in replaced:\n            if old.name not in files:\n',
+        '        for old in replaced[:0]:\n            if old.name not in files:\n',
         (f"{FILES}::test_export_overwrite_replaces_a_model_folder_consistently",)),
     Bug('tokenizer-hash-unchecked', 'export copies a carried tokenizer file without checking its sha256',
         'loom/train/tokenizer_copy.py',
@@ -148,7 +148,8 @@ BUGS = [
     Bug('marker-on-users-folder', 'a folder holding the user\'s files gets the run marker', 'loom/files.py',
         '    if not is_loom_run(run_dir) and not any(run_dir.iterdir()):\n',
         '    if not is_loom_run(run_dir):\n',
-        (f"{FILES}::test_a_folder_of_the_users_is_never_marked",)),
+        (f"{FILES}::test_a_folder_of_the_users_is_never_marked",
+         "tests/unit/test_trust3_userfiles.py::test_claim_never_marks_a_folder_of_the_users")),
     Bug('resume-reads-planted-config-link', 'a resume takes a config.toml planted as a link as the run\'s '
         'config (a user\'s file parsed, the run refused)',
         'loom/cli.py',

@@ -111,7 +111,8 @@ def _plan(capsys, *argv: str) -> tuple[int, str]:
     from loom.cli import main
 
     capsys.readouterr()
-    rc = main(["plan", "--gpu", "H100-SXM", "--model", "tiny", *argv])
+    model = [] if "--params" in argv else ["--model", "tiny"]  # both at once are refused
+    rc = main(["plan", "--gpu", "H100-SXM", *model, *argv])
     out = capsys.readouterr()
     return rc, out.err.strip() or out.out
 

@@ -21,6 +21,7 @@ from in_process import world_of_one
 import loom.cli
 import loom.launch
 from loom.config import TrainConfig, config_changes, load_config, to_toml
+from loom.files import claim_run_dir
 from loom.train import faults, stop
 from loom.train.optim import lr_lambda
 
@@ -99,7 +100,7 @@ def test_resume_auto_starts_from_the_runs_config_toml(tmp_path):
 
 def test_a_damaged_config_toml_is_one_line(tmp_path, capsys):
     run = tmp_path / "run"
-    run.mkdir()
+    claim_run_dir(run)  # a run of loom's (--resume auto writes into no other folder)
     (run / "config.toml").write_text("[train\nsteps = 200\n")
     rc, _, err = _loom(["train", "--resume", "auto", "--out", str(run)], capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1, err

@@ -87,13 +87,13 @@ def test_a_run_directory_is_marked_and_overwrite_replaces_it_whole(run, corpus, 
 
 
 def test_a_folder_of_the_users_is_never_marked(tmp_path, corpus):
-    """`--resume auto` into a folder that holds files loom did not write trains there but leaves
-    it unmarked, so a later --overwrite refuses it."""
+    """`--resume auto` into a folder that holds files loom did not write is refused, the folder left
+    as it was and unmarked (so a later --overwrite refuses it too: resume-auto-not-a-loom-run)."""
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.md").write_text("mine")
-    assert train(mine, "--resume", "auto", "--set", f'data.source="{corpus}"', "--set", "train.steps=1") == 0
-    assert not (mine / RUN_MARKER).exists() and (mine / "notes.md").read_text() == "mine"
+    assert train(mine, "--resume", "auto", "--set", f'data.source="{corpus}"', "--set", "train.steps=1") == 2
+    assert [p.name for p in mine.iterdir()] == ["notes.md"] and (mine / "notes.md").read_text() == "mine"
 
 
 # ---------------------------------------------------------------------------------------------

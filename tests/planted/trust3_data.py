@@ -1,0 +1,73 @@
+"""Planted bugs in the data readers (issue 38, data): UTF-16 and binary text files (loom/data/corpus.py),
+empty records (documents.py), a Parquet column whose type changes between files and a record nested
+too deep for pyarrow (records.py), chat contents as lists of parts and bad messages (sft.py), a
+cache folder that is a file (documents.py) and `data prepare --shard-docs 0` (loom/cli.py)."""
+
+from __future__ import annotations
+
+from planted import Bug
+
+UNIT = "tests/unit/test_trust3_data.py"
+CASE = "tests/unit/test_bad_input.py::test_bad_input"
+
+BUGS = [
+    Bug('data-utf16-read-as-bytes', "a UTF-16 file without a byte-order mark trains as bytes (NUL = EOS)",
+        'loom/data/corpus.py',
+        '    if encoding is None and b"\\0" in data and _looks_utf16(sample):\n',
+        '    if False:\n',
+        (f"{UNIT}::test_utf16_and_utf32_text_is_refused_saying_convert", f"{CASE}[data-text-utf16-no-bom]")),
+    Bug('data-binary-read-as-text', "a file with NUL bytes (a .npy, an image) trains as text",
+        'loom/data/corpus.py',
+        '    nul = data.find(b"\\0")\n',
+        '    nul = -1\n',
+        (f"{UNIT}::test_bytes_with_a_nul_are_refused", f"{CASE}[data-text-binary]")),
+    Bug('data-empty-records-kept', "empty records train as lone EOS tokens",
+        'loom/data/documents.py',
+        '            if mask is None and len(ids) == 1:  # the EOS alone\n',
+        '            if False:\n',
+        (f"{UNIT}::test_empty_documents_are_skipped_and_counted",
+         f"{UNIT}::test_tokenizing_a_jsonl_keeps_only_its_nonempty_texts",
+         f"{CASE}[data-records-all-empty]")),
+    Bug('data-stream-empty-records-kept', "a streamed source's empty records train as lone EOS tokens",
+        'loom/data/run_data.py',
+        '    return iter(NonEmpty(docs, source.spec, fields.text))\n',
+        '    return docs\n',
+        (f"{UNIT}::test_streaming_a_jsonl_skips_its_empty_texts",)),
+    Bug('data-parquet-types-unchecked', "a Parquet file's integers are cast to the first file's strings",
+        'loom/data/records.py',
+        '            if seen[0] != column.type:\n',
+        '            if False:\n',
+        (f"{UNIT}::test_parquet_column_type_change_names_the_file_and_types",
+         f"{CASE}[data-parquet-column-type-changes]")),
+    Bug('data-deep-nesting-to-pyarrow', "a record nested 100,000 deep reaches pyarrow, which segfaults",
+        'loom/data/records.py',
+        '            if line.count(b"[") + line.count(b"{") > MAX_DEPTH and _depth(line) > MAX_DEPTH:\n',
+        '            if False:\n',
+        (f"{UNIT}::test_records_nested_past_the_bound_name_their_line",)),
+    Bug('data-depth-counts-strings', "brackets inside JSON strings count as nesting (a text refused)",
+        'loom/data/records.py',
+        '    codes = np.frombuffer(_STRING.sub(b"", line), dtype=np.uint8)\n',
+        '    codes = np.frombuffer(line, dtype=np.uint8)\n',
+        (f"{UNIT}::test_brackets_inside_strings_are_no_nesting",)),
+    Bug('data-chat-parts-as-repr', "a chat content given as a list of parts trains on its Python repr",
+        'loom/data/sft.py',
+        '    return {**m, "content": _content(m.get("content"), at)}\n',
+        '    return {**m, "content": str(m.get("content"))}\n',
+        (f"{UNIT}::test_parts_and_strings_give_the_same_segments", f"{CASE}[data-chat-image-part]",
+         f"{CASE}[data-chat-no-content]")),
+    Bug('data-chat-role-unchecked', "a role that is not a string renders as <|5|>",
+        'loom/data/sft.py',
+        '    if not isinstance(m["role"], str) or not m["role"]:\n',
+        '    if False:\n',
+        (f"{CASE}[data-chat-role-not-string]",)),
+    Bug('data-cache-dir-file-unchecked', "a data.cache_dir that is a file fails later as a traceback",
+        'loom/data/run_data.py',
+        '    cache_dir = cache_folder(d.cache_dir)\n',
+        '    cache_dir = Path(d.cache_dir).expanduser()\n',
+        (f"{CASE}[data-cache-dir-is-file]",)),
+    Bug('data-shard-docs-zero-falsy', "--shard-docs 0 is taken as not given, and refused as 'not both'",
+        'loom/cli.py',
+        '    shard_tokens = None if args.shard_docs is not None else (',
+        '    shard_tokens = None if args.shard_docs else (',
+        (f"{CASE}[data-prepare-shard-docs-zero]",)),
+]
