@@ -371,14 +371,17 @@ def _check_continued_dir(run_dir: Path) -> None:
     target = run_dir.resolve()
     # A working folder an earlier `--out .` made holds only loom's entries: that run continues.
     # An older loom marked folders of the user's too, so the marker alone does not make it loom's.
-    only_loom = is_loom_run(run_dir) and set(held) <= RUN_ENTRIES
+    # Ranks that torchrun or srun started without the loom command never mark the run directory; one
+    # holding a checkpoint of loom's is a run of loom's all the same.
+    ours = is_loom_run(run_dir) or any((run_dir / "checkpoints").glob("step_*/meta.json"))
+    only_loom = ours and set(held) <= RUN_ENTRIES
     for what, place in _never_removed():
         if not only_loom and (target == place or place.is_relative_to(target)):
             which = what if target == place else f"a folder holding {what} ({place})"
             raise LoomError(f"--resume auto would write loom's run files into {run_dir}, which is {which}; "
                             f"loom continues only a run directory of its own: pick another --out, e.g. "
                             f"--out runs/NAME")
-    if not is_loom_run(run_dir):  # what it holds is the user's
+    if not ours:  # what it holds is the user's
         shown = ", ".join(held[:3]) + (", …" if len(held) > 3 else "")
         raise LoomError(f"--resume auto --out {run_dir}: it is not a run directory loom made (no "
                         f"{RUN_MARKER} marker) and holds {shown}, which loom would write among; pick a new "

@@ -10,10 +10,9 @@ a worker reaches the user as the one line it was, and a stop signal leaves the w
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import os
 import signal
-import time
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -214,49 +213,30 @@ class _OneLineErrors:
 # The stop signals a trainer handles (loom/train/stop.py): Ctrl-C, a scheduler's warning; and SIGTERM,
 # which is also how a worker is ended (the loader's shutdown, Python's exit ending daemonic children).
 WORKER_IGNORES = (signal.SIGINT, *(signal.Signals[f"SIG{s}"] for s in PREEMPT_SIGNALS))
-GROUP_SIGNAL_S = 2.0  # a SIGTERM this close to the trainer's own was sent to the whole group
-_WAIT_FOR_TRAINER_S = 0.5  # the worker's handler may run before the trainer's
-
-# When the trainer got its stop signal (time.monotonic: one clock for every process), in memory the
-# forked workers share, and the trainer's stop that a worker's SIGTERM was matched with (once each).
-_trainer_stopped_at = multiprocessing.RawValue("d", -1e9)
-_matched = -1e9
 
 
-def trainer_received_stop() -> None:
-    """Called by the trainer's stop handler: a SIGTERM its workers get now is the group's."""
-    _trainer_stopped_at.value = time.monotonic()
-
-
-def _die_of(signum: int) -> None:
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def _sigterm_in_worker(signum, frame) -> None:
-    """A SIGTERM sent to the process group (`timeout`, `kill -- -PGID`, systemd's cgroup) reaches the
-    trainer too, which stops at a step and saves: the worker lives on to serve that step, as the
-    group's SIGTERM to it is the trainer's to handle (once). Any other ends the worker as before."""
-    global _matched
-    deadline = time.monotonic() + _WAIT_FOR_TRAINER_S
+def _sigterm_watch() -> None:
+    """A worker's SIGTERM, read with its sender: from the trainer (the loader's shutdown, Python's exit
+    ending daemonic children) it ends the worker, as torch's own handler does; from anyone else it
+    was sent to the whole process group or cgroup (`timeout`, `kill -- -PGID`, systemd), which the
+    trainer got too and stops at a step and saves: the worker lives on to serve that step."""
     while True:
-        stopped_at = _trainer_stopped_at.value
-        if stopped_at != _matched and abs(time.monotonic() - stopped_at) < GROUP_SIGNAL_S:
-            _matched = stopped_at
-            return
-        if time.monotonic() >= deadline:
-            return _die_of(signum)
-        time.sleep(0.01)
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == os.getppid():
+            os._exit(0)
 
 
 def leave_stops_to_the_trainer(worker_id: int) -> None:
-    """A worker's start: a stop signal sent to the process group (`timeout`, `kill -- -PGID`, a
-    terminal's Ctrl-C) or to the cgroup (systemd) reaches the workers too. Dying of it, a worker
-    would crash its trainer before the trainer saves; it goes on serving batches until the trainer,
+    """A worker's start: a stop signal sent to the process group (a terminal's Ctrl-C, `timeout`,
+    `kill -- -PGID`) or to the cgroup (systemd) reaches the workers too. Dying of it, a worker would
+    crash its trainer before the trainer saves; it goes on serving batches until the trainer,
     stopped with its checkpoint, ends it."""
     for sig in WORKER_IGNORES:
         signal.signal(sig, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _sigterm_in_worker)
+    # SIGTERM stays pending (blocked here and in every thread started from here on, not ignored,
+    # which would discard it) until the watch reads who sent it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_sigterm_watch, name="loom-sigterm", daemon=True).start()
 
 
 class Loader(torch.utils.data.DataLoader):

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loom.data.loader import trainer_received_stop
 from loom.errors import LoomError
 from loom.launch import STOP_FILE_ENV, aborts, exit_code
 
@@ -64,7 +63,6 @@ _received_at = 0.0  # when (time.monotonic)
 
 def _record(signum, frame) -> None:
     global _received, _received_at
-    trainer_received_stop()  # a SIGTERM the data-loader workers get now is this group's
     if not _received:
         _received, _received_at = signum, time.monotonic()
     elif aborts(signum, _received_at, time.monotonic()):  # a second Ctrl-C: abort now

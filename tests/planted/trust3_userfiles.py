@@ -14,7 +14,7 @@ UNIT = "tests/unit/test_trust3_userfiles.py"
 BUGS = [
     Bug('resume-auto-any-folder', '--resume auto writes its run files into a folder loom never made',
         'loom/cli.py',
-        '    if not is_loom_run(run_dir):  # what it holds',
+        '    if not ours:  # what it holds',
         '    if False:  # what it holds',
         (f"{CASES}[resume-auto-not-a-loom-run]",)),
     Bug('resume-auto-home-cwd', '--resume auto continues into the working or home directory',

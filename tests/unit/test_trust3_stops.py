@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -17,8 +16,7 @@ import torch
 from in_process import world_of_one
 
 import loom.cli
-from loom.data import loader as loader_module
-from loom.data.loader import WORKER_IGNORES, GlobalBatchSampler, Loader, make_loader, trainer_received_stop
+from loom.data.loader import WORKER_IGNORES, GlobalBatchSampler, Loader, make_loader
 from loom.launch import AGENT_LOG_ENV, SAME_CTRL_C_S, aborts, keep_for_restart
 from loom.train import stop
 from loom.train.torchrun import AgentLog, keep_agent_log, restart_line, the_dead
@@ -102,8 +100,8 @@ STOPS = (*WORKER_IGNORES, signal.SIGTERM)  # every stop signal the trainer handl
 
 
 class _SignalledWindows(torch.utils.data.Dataset):
-    """Windows whose worker gets each stop signal once, as it loads the first, as a process group's
-    would (the trainer got them too: its handler ran before the workers started)."""
+    """Windows whose worker gets each stop signal (from itself: not its trainer) as it loads the
+    first, as a process group's would."""
 
     def __len__(self) -> int:
         return 8
@@ -118,7 +116,6 @@ class _SignalledWindows(torch.utils.data.Dataset):
 @pytest.mark.parametrize("stream", [False, True], ids=["map", "stream"])
 def test_a_data_loader_worker_outlives_the_stop_signals_its_trainer_handles(stream):
     assert set(STOPS) == {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
-    trainer_received_stop()  # what the trainer's own handler does for the same group's signal
     if stream:
         loader = Loader(_SignalledStream(), batch_size=None, num_workers=1)
     else:
@@ -127,24 +124,6 @@ def test_a_data_loader_worker_outlives_the_stop_signals_its_trainer_handles(stre
     batches = list(loader)  # a worker killed by a signal: RuntimeError "DataLoader worker … is killed"
     assert len(batches) == 2
     assert {int(p) for b in batches for p in b[:, 0]} != {os.getpid()}  # loaded in a worker
-
-
-def test_a_workers_sigterm_is_the_trainers_only_once_and_only_with_the_trainers_own(monkeypatch):
-    """The worker's SIGTERM handler: the group's SIGTERM (the trainer got one too) is ignored once;
-    one the trainer did not get (the loader's shutdown, Python's exit ending daemonic children) and a
-    second one end the worker, else Python's exit would wait on it forever."""
-    died = []
-    monkeypatch.setattr(loader_module, "_die_of", died.append)
-    monkeypatch.setattr(loader_module, "_WAIT_FOR_TRAINER_S", 0.05)
-    monkeypatch.setattr(loader_module, "_matched", -1e9)
-    trainer_received_stop()
-    loader_module._sigterm_in_worker(signal.SIGTERM, None)
-    assert died == []
-    loader_module._sigterm_in_worker(signal.SIGTERM, None)  # the same stop, again: Python's exit
-    assert died == [signal.SIGTERM]
-    monkeypatch.setattr(loader_module._trainer_stopped_at, "value", -1e9)  # no stop at all
-    loader_module._sigterm_in_worker(signal.SIGTERM, None)
-    assert died == [signal.SIGTERM, signal.SIGTERM]
 
 
 def test_a_script_leaving_a_loader_running_exits():
@@ -258,9 +237,3 @@ def test_a_planted_link_in_the_logs_is_never_written_through(tmp_path, monkeypat
     assert keep_for_restart("Traceback")
     assert elsewhere.read_text() == "keep" and (logs / "rank0.attempt0.log").read_text() == "Traceback"
 
-
-def test_the_trainers_stop_handler_tells_its_workers(monkeypatch):
-    monkeypatch.setattr(stop, "_received", 0)
-    monkeypatch.setattr(loader_module._trainer_stopped_at, "value", -1e9)
-    stop._record(signal.SIGTERM, None)
-    assert abs(loader_module._trainer_stopped_at.value - time.monotonic()) < 1.0
