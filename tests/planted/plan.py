@@ -35,8 +35,10 @@ BUGS = [
         ("tests/unit/test_plan.py::test_pipeline_bubble",)),
     Bug("all-gather-bytes-halved", "zero2/zero3 all-gather bytes halved",
         "loom/plan/comm.py",
-        '# the gradients kept sharded\n        reduced = reduces * grad_bytes\n        ag, rs = ring("all_gather", n, gathered)',
-        '# the gradients kept sharded\n        reduced = reduces * grad_bytes\n        ag, rs = ring("all_gather", n, gathered / 2)',
+        '# the gradients kept sharded\n        reduced = reduces * grad_bytes\n'
+        '        ag, rs = ring("all_gather", n, gathered)',
+        '# the gradients kept sharded\n        reduced = reduces * grad_bytes\n'
+        '        ag, rs = ring("all_gather", n, gathered / 2)',
         (f"{FORMULAS}::test_comm_bytes_by_hand",)),
     Bug("zero3-backward-gather-on-zero2", "the second (backward) all-gather charged to zero2, not zero3",
         "loom/plan/comm.py",
