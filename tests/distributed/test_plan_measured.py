@@ -55,6 +55,10 @@ CASES = [
 ]
 IDS = ["ddp", "zero1", "zero2", "zero3-accum2", "hsdp-2x2", "tp2-sp", "tp2xddp-ac", "pp2", "zero2-units",
        "zero3-units", "zero3-blocks"]
+# zero3-blocks peaks at 1.11 of the plan (the block-backward moment above); on a loaded 2-core machine
+# (CI), once in several runs, 0.79 MB more is live at that peak (1.22): a timing of gloo's collectives,
+# not of the model (the same with Python's GC off; never seen on idle cores). Its band is 25%.
+LOADED_BAND = {BLOCKS: 0.25}
 EXACT = ("all_gather", "reduce_scatter", "send", "recv")  # only the plan's collectives issue these
 EXTRA = 0.005  # the unplanned few-byte collectives, as a share of the rank's planned payload
 
@@ -75,8 +79,9 @@ def test_measured_matches_plan(corpus, tmp_path, strategy, world, extra):
     assert plan["strategy"] == strategy and plan["gpus"] == world
     rows = json.loads((tmp_path / "summary.json").read_text())["measured_vs_planned"]
     assert len(rows) == world
+    band = LOADED_BAND.get(extra, 0.20)
     for row in rows:
-        for key, tolerance in (("model_state_bytes", 0.01), ("activation_peak_bytes", 0.20)):
+        for key, tolerance in (("model_state_bytes", 0.01), ("activation_peak_bytes", band)):
             measured, planned = row[key]
             assert planned > 0 and measured is not None, (row["rank"], key, row)
             assert abs(measured - planned) <= tolerance * planned, (row["rank"], key, measured, planned)
