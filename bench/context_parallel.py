@@ -63,6 +63,9 @@ def _attention_ms(ops: list[dict], steps: int) -> float:
     return (ring or kernels) / steps
 
 
+PEAK_GOAL, EXPOSED_GOAL = 0.55, 0.20
+
+
 def run_case(name: str, seq: int, root: Path) -> dict:
     ranks, sets = CASES[name]
     out = root / name.replace(" ", "_")
@@ -95,6 +98,15 @@ def print_table(rows: list[dict], seq: int) -> None:
               f"{r['activation_planned_mib']:8.1f} {ratio:8.3f} {r['step_ms']:8.0f} {r['attention_ms']:8.0f} "
               f"{r['cp_exposed_ms']:8.1f} {r['cp_hidden_ms']:7.1f} {share:8.2f}")
     print("goals: cp2 activation peak ≤ 0.55 × no cp's; ring exposed exchange ≤ 0.20 of its attention time")
+    for r in rows[1:]:  # each goal, met or missed, said: a figure beside its goal is no verdict
+        ratio = r["activation_peak_mib"] / base["activation_peak_mib"]
+        share = r["cp_exposed_ms"] / r["attention_ms"] if r["attention_ms"] else float("nan")
+        print(f"  {r['case']}: activation peak {ratio:.3f} × no cp's, {_verdict(ratio <= PEAK_GOAL)}; "
+              f"exposed exchange {share:.2f} of attention, {_verdict(share <= EXPOSED_GOAL)}")
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "MISSED"
 
 
 def main() -> None:

@@ -71,6 +71,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"loom: {note}", flush=True)
     if run_config is not None:
         _print_changes(run_config, cfg)
+    if getattr(args, "dry_run", False):  # every check has passed: say what would run, start nothing
+        from loom.train.dry_run import print_dry_run
+
+        print_dry_run(cfg, model, spec.world_size)
+        return 0
     again = _continue_command(args, run_dir)
     if spec.nnodes == 1 or spec.node_rank == 0:  # every check has passed: only now is anything removed
         _take_run_dir(run_dir, replace)
@@ -509,6 +514,8 @@ def _preflight_data(cfg, world_size: int):
 
     require_trackers(cfg.train.log_to)
     pretrained = open_pretrained(cfg.model.init_from) if cfg.model.init_from else None
+    if pretrained is not None and pretrained.note:  # once, here: the ranks open the folder again
+        print(f"loom: note: {pretrained.note}", flush=True)
     data = build_run_data(cfg, pretrained.model_dir if pretrained is not None else None)
     if not isinstance(data.train, torch.utils.data.IterableDataset):  # a stream has no length to check
         dims = resolve_dims(cfg.parallel, world_size)
@@ -619,7 +626,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         path = save(calibrate(quick=quick, say=lambda m: print(m, file=sys.stderr)))
         print(f"wrote {path}", file=sys.stderr)
     from loom.plan.command import run  # pure Python: `loom plan` imports no torch
+    from loom.plan.hardware import alias_note
 
+    alias = alias_note(args.gpu)
+    if alias is not None:  # (stderr: --format json keeps stdout to the JSON)
+        print(f"loom: note: {alias}", file=sys.stderr)
     cfg, plan, model = run(args)
     if args.trace:
         from loom.train.trace import print_trace  # the real model and strategy, on fake tensors
@@ -690,13 +701,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return importlib.import_module("suite").main(args.args)
 
 
+TRAIN_EPILOG = ("before a run: `loom config show [FILE] [--set …]` prints the resolved config, each key "
+                "with what it means; `loom train --dry-run` checks and plans the run without starting it; "
+                "`loom presets` lists the model shapes (model.preset)")
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from loom.config import load_config
+    from loom.config_show import show_config
+
+    print(show_config(load_config(args.config, args.set), args.config, args.set), end="")
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from loom.preset_table import presets_table
+
+    print(presets_table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="PyTorch-native distributed training")
     parser.add_argument("--version", action="version", version=f"loom {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model with the configured strategy")
+    train = sub.add_parser("train", help="train a model with the configured strategy",
+                           description="Train a model with the configured strategy.", epilog=TRAIN_EPILOG)
     _add_train_args(train)
+    train.add_argument("--dry-run", action="store_true",
+                       help="resolve, check and plan the run, print its layout, and start nothing")
     train.set_defaults(func=cmd_train)
+    config = sub.add_parser("config", help="the resolved config, each key with what it means")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the resolved config (defaults ← FILE ← --set) as TOML, "
+                                              "each key under its doc line")
+    show.add_argument("config", nargs="?", help="TOML config file (defaults are used without one)")
+    show.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override one config value, e.g. --set parallel.strategy=ddp (repeatable)")
+    show.set_defaults(func=cmd_config_show)
+    presets = sub.add_parser("presets", help="the model presets' shapes (model.preset, loom plan --model)")
+    presets.set_defaults(func=cmd_presets)
     profile = sub.add_parser("profile", help="train with torch.profiler on, then analyze the traces")
     _add_train_args(profile)
     profile.set_defaults(func=cmd_profile)

@@ -52,16 +52,16 @@ LORA_BASE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 @dataclass
 class ModelConfig:
-    preset: str = "small"
+    preset: str = "small"  # the model shape: a name of `loom presets` (tiny, small, 125m, 1b, 8b, 70b, …)
     # Any of these replaces the preset's value; None keeps the preset's.
-    vocab_size: int | None = None
-    d_model: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
+    vocab_size: int | None = None  # tokens in the vocabulary (unset: a bpe or tokenizer.json tokenizer's)
+    d_model: int | None = None  # the width: hidden size of every block
+    n_layers: int | None = None  # transformer blocks
+    n_heads: int | None = None  # attention (query) heads
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention; n_heads: multi-head)
     ffn_hidden: int | None = None
-    max_seq_len: int | None = None
-    tie_embeddings: bool | None = None
+    max_seq_len: int | None = None  # the longest sequence (RoPE positions) the model takes
+    tie_embeddings: bool | None = None  # the output head shares the embedding's weights
     # Mixture of experts (loom/models/gpt/config.py says what each means); None keeps the preset's.
     moe_experts: int | None = None
     moe_top_k: int | None = None
@@ -90,29 +90,29 @@ class DataConfig:
     tokenizer: str = "auto"
     text_field: str = "text"  # records: the field holding the text
     format: str = "text"  # text | sft (prompt/completion or messages; loss on the completion only)
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
+    prompt_field: str = "prompt"  # sft records: the field holding the prompt
+    completion_field: str = "completion"  # sft records: the field holding the completion
     messages_field: str = "messages"  # sft: a chat as [{role, content}], through the chat template
     # Several sources mixed by weight, e.g. [{source = "a.jsonl", weight = 3}, {source = "b", weight = 1}]
     # (each entry may set its own text_field); replaces data.source.
     mix: list[dict] = field(default_factory=list)
     streaming: bool = False  # read records as a stream (corpora larger than memory)
-    bpe_vocab_size: int = 2048
-    bin_dtype: str = "uint16"
+    bpe_vocab_size: int = 2048  # tokenizer bpe: the vocabulary it learns from the corpus
+    bin_dtype: str = "uint16"  # a .bin token file's integers: uint16 | uint32
     # concat: windows cut across documents, attention sees the whole window | documents: attention
     # never crosses a document's end (its EOS) and positions restart at each document
     packing: str = "concat"
-    seq_len: int = 128
-    eval_fraction: float = 0.02
-    num_workers: int = 1
-    prefetch_factor: int = 4
-    pin_memory: bool = True
-    cache_dir: str = "~/.cache/loom"
+    seq_len: int = 128  # tokens per training sequence
+    eval_fraction: float = 0.02  # the share of the corpus held out for eval
+    num_workers: int = 1  # DataLoader worker processes per rank (0: in the main process)
+    prefetch_factor: int = 4  # batches each worker loads ahead
+    pin_memory: bool = True  # page-locked host batches (on GPUs: faster copies)
+    cache_dir: str = "~/.cache/loom"  # where tokenized corpora are cached
 
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "zero3"
+    strategy: str = "zero3"  # ddp | zero1 | zero2 | zero3 (fsdp) | hsdp
     dp_replicate: int = 1  # hsdp: replica groups (across nodes)
     dp_shard: int = -1  # hsdp: ranks sharing one shard group; -1 = world / dp_replicate
     engine: str = "torch"  # torch (DDP, ZeroRedundancyOptimizer, FSDP2) | deepspeed (ZeRO 0-3, offload)
@@ -121,8 +121,8 @@ class ParallelConfig:
     offload_params: str = "none"  # deepspeed engine, ZeRO-3: none | cpu | nvme
     nvme_path: str = ""  # deepspeed NVMe offload: a directory on a local NVMe disk
     deepspeed_config: str = ""  # a DeepSpeed JSON merged over the config loom derives
-    ddp_bucket_mb: float = 25.0
-    ddp_static_graph: bool = False
+    ddp_bucket_mb: float = 25.0  # ddp/zero1: gradients all-reduced in buckets of this size
+    ddp_static_graph: bool = False  # ddp: the same parameters used every step (DDP static_graph)
     reshard_after_forward: bool | None = None  # None = by strategy: zero2 False, zero3/hsdp True
     fsdp_unit_mb: float = 25.0  # FSDP2: consecutive modules share a unit up to this size (0: one each)
     fsdp_prefetch: int = 1  # units all-gathered ahead in forward and backward
@@ -149,27 +149,27 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 60
-    seed: int = 0
+    steps: int = 60  # optimizer steps
+    seed: int = 0  # the initial weights and the data order
     batch_size: int = 16  # global batch, sequences per optimizer step
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-steps per optimizer step (the global batch split over them)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses loss scaling)
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    lr: float = 3e-3  # peak learning rate (linear warmup, then cosine decay)
+    min_lr_ratio: float = 0.1  # the final LR as a fraction of lr
+    warmup_steps: int = 10  # steps of linear LR warmup
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
+    beta1: float = 0.9  # AdamW's decay of the gradient mean
+    beta2: float = 0.95  # AdamW's decay of the squared-gradient mean
+    eps: float = 1e-8  # AdamW's denominator term
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
     # tokens per chunk of the output projection + cross entropy (no full logits); 0: the full logits
     loss_chunk: int = 512
     optimizer_impl: str = "auto"  # auto | foreach | fused
     eval_every: int = 0  # 0 = only at the end
-    eval_batches: int = 2
-    log_every: int = 10
+    eval_batches: int = 2  # held-out batches per eval (0: no eval)
+    log_every: int = 10  # steps between progress lines
     device: str = "auto"  # auto | cpu | cuda
-    compile: bool = False
+    compile: bool = False  # torch.compile each block
     ckpt_every: int = 0  # save a checkpoint every N steps (0: only at the end)
     # ... and every this many minutes of training (0: off), so a crash loses at most that much
     ckpt_every_min: float = 30.0
@@ -179,11 +179,11 @@ class TrainConfig:
     # the scheduler's early warning before preemption or the time limit (sbatch --signal=USR1@120):
     # stop at the next step with a checkpoint; under Slurm with requeue, `scontrol requeue` the job
     preempt_signal: str = "USR1"
-    requeue: bool = False
+    requeue: bool = False  # on preempt_signal under Slurm: requeue the job after the checkpoint
     on_nonfinite: str = "skip"  # a NaN/Inf loss or gradient norm: skip the update, or stop the run
     collective_timeout_s: float = 600.0  # a collective waiting longer fails, naming who did not arrive
     log_to: list[str] = field(default_factory=list)  # any of "tensorboard", "wandb" (rank 0 writes)
-    wandb_project: str = "loom"
+    wandb_project: str = "loom"  # log_to wandb: the project
     wandb_mode: str = "offline"  # offline (no network: `wandb sync` later) | online
 
 
@@ -191,11 +191,11 @@ class TrainConfig:
 class ProfileConfig:
     """torch.profiler on a schedule: skip `wait` steps, warm up `warmup`, record `active`."""
     enabled: bool = False  # `loom profile` turns it on
-    wait: int = 1
-    warmup: int = 1
-    active: int = 3
+    wait: int = 1  # steps skipped before the profiler warms up
+    warmup: int = 1  # steps traced but discarded
+    active: int = 3  # steps recorded
     record_shapes: bool = True  # collective sizes (bytes) come from the recorded shapes
-    with_stack: bool = False
+    with_stack: bool = False  # Python stacks in the traces (larger files)
     memory_snapshot: bool = True  # on GPUs: a CUDA memory snapshot of the profiled steps
 
 
@@ -684,15 +684,30 @@ def _with_ep(p: ParallelConfig, dims: ParallelDims) -> ParallelDims:
     return dataclasses.replace(dims, ep=p.ep)
 
 
+def is_placeholder(value: str) -> bool:
+    """Whether a config value is one `loom plan --emit` left for the user: "<your …>"."""
+    return value.startswith("<your ") and value.endswith(">")
+
+
+def _check_placeholders(d: DataConfig, this_machine: bool) -> None:
+    """A run on this machine needs the data and tokenizer an emitted config left as placeholders."""
+    for key, value in (("data.source", d.source), ("data.tokenizer", d.tokenizer)):
+        if this_machine and is_placeholder(value):
+            raise ConfigError(f"{key} = '{value}' is a placeholder (of an emitted config or a recipe); set "
+                              f"it in the config file or with --set {key}=PATH")
+
+
 def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
              this_machine: bool = True) -> ParallelDims:
     """Check every value and their combinations for `world_size` ranks; returns the dp layout."""
     p, t, d = cfg.parallel, cfg.train, cfg.data
     _check_fields(cfg)
+    _check_placeholders(d, this_machine)
     # Else a tokenizer.json, or a model folder holding one: what `loom data prepare --tokenizer` takes.
     given = Path(d.tokenizer).expanduser()
     if d.tokenizer not in TOKENIZERS and not (d.tokenizer.endswith(".json") or "/" in d.tokenizer
-                                              or (this_machine and given.is_dir())):
+                                              or (this_machine and given.is_dir())
+                                              or is_placeholder(d.tokenizer)):  # set on the run's machine
         _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
     if d.tokenizer not in TOKENIZERS and this_machine and not (given.is_file()
                                                                or (given / "tokenizer.json").is_file()):
@@ -1038,10 +1053,20 @@ def _refuse_derived(raw: dict, source: str) -> None:
                                   f"settings, got {_shown(node)}")
 
 
+def choose_deepspeed_accelerator() -> None:
+    """Before `import deepspeed`: the accelerator it would find, named as DS_ACCELERATOR (a user's own
+    stays), so that it does not probe and warn "Setting accelerator to CPU" on every rank."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _deepspeed_accepts(user: dict, source: str, stage: int) -> None:
     """DeepSpeed's own config reading, on the user's settings over a stand-in for loom's (micro-batch
     1, the strategy's stage; the global batch left to DeepSpeed, which counts the ranks of an
     initialized group): its pydantic sections refuse unknown keys and wrong types."""
+    choose_deepspeed_accelerator()
     from deepspeed.runtime.config import DeepSpeedConfig  # only with a user's JSON
     from pydantic import ValidationError
 

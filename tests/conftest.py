@@ -69,3 +69,21 @@ def world_of_one():
 
     with undone_after():
         yield
+
+
+@pytest.fixture
+def gloo_world_of_one():
+    """A single-process gloo process group (rank 0 of 1) for unit tests of collectives, meshes and
+    what a rank does; yields the rank's view (rank, world_size, is_main). The group, and any RANK or
+    MASTER_PORT it leaves, are undone after (tests/in_process.py)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from in_process import world_of_one as one_process
+
+    from loom.launch import free_port
+
+    with one_process():
+        store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        yield SimpleNamespace(rank=0, world_size=1, is_main=True)

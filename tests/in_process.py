@@ -1,7 +1,8 @@
 """A world of one trained in the test's own process (`loom train --nproc 1`, `train(cfg, ...)`)
-sets RANK, MASTER_PORT, ... and keeps a process group: left behind, the next `loom train` would
-think it is a torchrun rank. `world_of_one()` runs the block without them (and without planted
-faults, LOOM_FAULTS) and undoes both after it."""
+sets RANK, MASTER_PORT, ... and a process group: train() ends both when it returns, but a test that
+builds a world another way may leave them, and the next `loom train` would think it a torchrun rank.
+`world_of_one()` runs the block without them (and without planted faults, LOOM_FAULTS) and undoes both
+after it."""
 
 from __future__ import annotations
 

@@ -118,23 +118,32 @@ def encode_batches(batches: Iterable[dict[str, list]], tokenizer: DocumentTokeni
 class NonEmpty:
     """Documents of a text source without its empty ones: an empty text is a lone EOS, and 200 of
     them would train the model to stop at once. `skipped` counts them; if every one is empty, one
-    line (a source of nothing but empty texts is a mistake, such as the wrong text_field)."""
+    line (a source of nothing but empty texts is a mistake, such as the wrong text_field).
 
-    def __init__(self, docs: Iterable[Document], where: str, field: str) -> None:
-        self.docs, self.where, self.field, self.skipped = docs, where, field, 0
+    `part`: the documents are one shard of `loom data prepare`, which calls `check` once with the
+    counts of every shard (a shard of empty texts alone is no mistake); `set_field` says how the
+    text field is chosen where the source is read."""
+
+    def __init__(self, docs: Iterable[Document], where: str, field: str, part: bool = False,
+                 set_field: str = "set data.text_field") -> None:
+        self.docs, self.where, self.field, self.part, self.set_field = docs, where, field, part, set_field
+        self.kept = self.skipped = 0
 
     def __iter__(self) -> Iterator[Document]:
-        kept = 0
         for ids, mask in self.docs:
             if mask is None and len(ids) == 1:  # the EOS alone
                 self.skipped += 1
                 continue
-            kept += 1
+            self.kept += 1
             yield ids, mask
-        if self.skipped and not kept:
+        if not self.part:
+            self.check()
+
+    def check(self) -> None:
+        if self.skipped and not self.kept:
             raise LoomError(f"data.source '{self.where}': all {self.skipped} records have an empty "
-                            f"'{self.field}', nothing to train on; give records with text there (or set "
-                            f"data.text_field)")
+                            f"'{self.field}', nothing to train on; give records with text there (or "
+                            f"{self.set_field})")
 
     def note(self) -> str | None:
         if not self.skipped:

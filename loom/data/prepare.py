@@ -2,10 +2,12 @@
 
 OUT holds, for shard i, `shard_<i>.tokens.npy` (the documents' ids end to end, each followed by
 the EOS; uint16 when the vocabulary fits, else uint32) and `shard_<i>.docs.npy` (where each of
-its documents starts), then `index.json`, written last. Shard i is documents [i·D, (i+1)·D) of the
+its documents starts), then `index.json`, written last. Shard i is records [i·D, (i+1)·D) of the
 source, D fixed in `prepare.json` when the job starts (from --shard-docs, or from --shard-tokens
 and the first documents' length), so a rerun after a kill makes the same shards: the complete ones
-are kept, the rest are made again. Every file is written atomically. Training memory-maps the
+are kept, the rest are made again. Records with an empty text are skipped, as training skips them
+(documents.NonEmpty), so a shard may hold fewer documents, or none; a note counts them, and a
+source of nothing else is refused. Every file is written atomically. Training memory-maps the
 shards (`load_prepared`) and reads them as one stream, once the index is checked (typed fields,
 every shard a plain name inside OUT, counts that add up and match the files) and each shard's ids
 are (one vectorised min/max pass over its memmap when it is opened: every id below vocab_size).
@@ -28,7 +30,15 @@ import numpy as np
 
 from loom.checked import BadFile, Fields, inside, read_json
 from loom.data import sources
-from loom.data.documents import Documents, cache_folder, cache_key, encode_batches, text_file_batches
+from loom.data.documents import (
+    Document,
+    Documents,
+    NonEmpty,
+    cache_folder,
+    cache_key,
+    encode_batches,
+    text_file_batches,
+)
 from loom.data.hf_tokenizer import load_document_tokenizer, resolve_tokenizer
 from loom.data.records import BATCH, RecordFields, open_records, record_places
 from loom.data.token_files import check_ids, check_starts, open_npy
@@ -60,7 +70,7 @@ class Job:
     shard_tokens: int | None
     shard_docs: int | None
     docs_per_shard: int
-    num_docs: int
+    num_docs: int  # the source's records, empty ones included (index.json: those kept)
     vocab_size: int
     eos_id: int
     dtype: str
@@ -125,14 +135,12 @@ class _Worker:
         parts, lengths = [], []
         docs = encode_batches(self.batches(start, stop), self.tokenizer, self.fields,
                               record_places(self.source), first=start)
-        for n, (ids, _) in enumerate(docs, 1):
+        # Empty texts are skipped as training skips them; prepare() checks and counts them over all shards.
+        for ids, _ in NonEmpty(self._counted(docs), self.source.spec, self.fields.text, part=True):
             parts.append(ids)
             lengths.append(len(ids))
-            if n % BATCH == 0:
-                self._count(BATCH, sum(lengths[-BATCH:]))
-        self._count(len(lengths) % BATCH, sum(lengths[len(lengths) // BATCH * BATCH:]))
-        tokens = np.concatenate(parts).astype(self.job.dtype, copy=False)
-        starts = np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.int64)
+        tokens = (np.concatenate(parts) if parts else np.zeros(0)).astype(self.job.dtype, copy=False)
+        starts = np.cumsum([0, *lengths], dtype=np.int64)[:-1]  # none in a shard of empty records
         tokens_path, docs_path = shard_files(self.out, shard)
         _write_npy(docs_path, starts)
         _write_npy(tokens_path, tokens)  # last: a shard is complete once its tokens file exists
@@ -140,6 +148,17 @@ class _Worker:
         if delay:
             time.sleep(delay)
         return shard
+
+    def _counted(self, docs: Iterator[Document]) -> Iterator[Document]:
+        """The documents, added to the progress every BATCH records (empty ones too: it counts records)."""
+        records = tokens = 0
+        for ids, mask in docs:
+            yield ids, mask
+            records, tokens = records + 1, tokens + len(ids)
+            if records == BATCH:
+                self._count(records, tokens)
+                records = tokens = 0
+        self._count(records, tokens)
 
     def _count(self, docs: int, tokens: int) -> None:
         done_docs, done_tokens = self.counters
@@ -237,8 +256,8 @@ def _complete(out: Path, job: Job, shard: int) -> bool:
         tokens = np.load(tokens_path, mmap_mode="r")
     except (OSError, ValueError):
         return False
-    start, stop = job.shard_range(shard)
-    return len(starts) == stop - start and tokens.dtype == np.dtype(job.dtype)
+    start, stop = job.shard_range(shard)  # its empty records are not in it
+    return len(starts) <= stop - start and tokens.dtype == np.dtype(job.dtype)
 
 
 class _Progress:
@@ -337,9 +356,16 @@ def prepare(source: str, out: Path, tokenizer: str = "byte", text_field: str = "
         shards.append({"tokens": tokens_path.name, "docs": docs_path.name,
                        "num_tokens": len(np.load(tokens_path, mmap_mode="r")),
                        "num_docs": len(np.load(docs_path, mmap_mode="r"))})
-    index = {"format": sources.PREPARED_FORMAT, **asdict(job), "tokenizer_fingerprint": tok.fingerprint,
-             "num_tokens": sum(s["num_tokens"] for s in shards), "shards": shards}
+    texts = NonEmpty((), src.spec, fields.text, set_field="pass --text-field")
+    texts.kept = sum(s["num_docs"] for s in shards)
+    texts.skipped = job.num_docs - texts.kept
+    texts.check()  # before index.json: a folder without a document is no data to train on
+    index = {"format": sources.PREPARED_FORMAT, **asdict(job), "num_docs": texts.kept,
+             "tokenizer_fingerprint": tok.fingerprint, "num_tokens": sum(s["num_tokens"] for s in shards),
+             "shards": shards}
     atomic_write(index_path, json.dumps(index, indent=1).encode())
+    if texts.note():
+        print(f"note: {texts.note()}")  # on stdout, as training's note of the same
     return index
 
 

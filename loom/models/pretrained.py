@@ -50,6 +50,7 @@ _WHAT = ("give a Hugging Face model folder (config.json + *.safetensors), a loom
 _NOT_PARAMETERS = ("rotary_emb.inv_freq",)
 # A decoder layer's tensors, by index: Hugging Face names (model.layers.N.…) and loom's (layers.N.…).
 _HF_LAYER, _LOOM_LAYER = re.compile(r"model\.layers\.(\d+)\."), re.compile(r"layers\.(\d+)\.")
+_HF_EMBEDDING, _HF_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # The token ids a model's config.json names (generate() starts, pads and stops with them); a run
 # records its source's under this key of meta.json's model_config, for `loom export --layout hf`.
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -63,6 +64,7 @@ class Pretrained:
     gpt: GPTConfig | None = None  # loom's GPT, when it expresses the model
     hf_config: HFConfig | None = None  # a Hugging Face folder's config.json
     tensors: dict[str, Stored] = field(default_factory=dict)  # name -> (file, dtype, shape)
+    note: str | None = None  # what loom did that the files' owner may not expect (said once, before launch)
 
     @property
     def tokenizer(self) -> Path | None:
@@ -157,14 +159,48 @@ def _open_hf(path: Path) -> Pretrained:
                           f"model_type) is not supported; loom loads {', '.join(HF_DECODERS)} decoders")
     tensors = folder_tensors(path, root)
     _check_files(path, tensors, config.num_hidden_layers, _HF_LAYER,
-                 {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)})
+                 {_HF_EMBEDDING: (config.vocab_size, config.hidden_size)})
+    config, note = _untie_if_stored_apart(path, config, tensors)
     gpt, why = config.gpt()
     if gpt is None and config.model_type == "mixtral":  # runs as loom's GPT only (its experts, EP)
         raise ConfigError(f"model.init_from {path}: this Mixtral has {why}, which loom's GPT does not "
                           f"express; remove it from config.json (e.g. router_jitter_noise = 0)")
     if gpt is not None:
         validate_gpt(gpt)
-    return Pretrained(path, HF, gpt=gpt, hf_config=config, tensors=tensors)
+    return Pretrained(path, HF, gpt=gpt, hf_config=config, tensors=tensors, note=note)
+
+
+def _untie_if_stored_apart(path: Path, config: HFConfig,
+                           tensors: dict[str, Stored]) -> tuple[HFConfig, str | None]:
+    """config.json ties the head to the embedding, but the files hold a head of other values: the
+    weights are the truth (transformers keeps both too), so the model is loaded untied, with a note.
+    A head equal to the embedding (a tied model saved with its head) stays tied, silently."""
+    if not config.tie_word_embeddings or _HF_HEAD not in tensors or _HF_EMBEDDING not in tensors:
+        return config, None
+    if _same_values(tensors, _HF_HEAD, _HF_EMBEDDING):
+        return config, None
+    untied = dataclasses.replace(config, tie_word_embeddings=False,
+                                 raw={**config.raw, "tie_word_embeddings": False})
+    return untied, (f"model.init_from {path}: config.json says tie_word_embeddings = true, but its "
+                    f"{_HF_HEAD} differs from {_HF_EMBEDDING}; loading both, untied, as transformers does "
+                    f"(write tie_word_embeddings = false in config.json to say so)")
+
+
+def _same_values(tensors: dict[str, Stored], a: str, b: str, rows: int = 4096) -> bool:
+    """Whether two stored tensors hold the same values, compared a block of rows at a time (never
+    a whole vocabulary-sized matrix in memory)."""
+    if tensors[a].shape != tensors[b].shape:
+        return False
+    with safe_open(str(tensors[a].file), framework="pt") as fa, \
+            safe_open(str(tensors[b].file), framework="pt") as fb:
+        sa, sb = fa.get_slice(a), fb.get_slice(b)
+        for first in range(0, tensors[a].shape[0], rows):
+            pa, pb = sa[first:first + rows], sb[first:first + rows]
+            if pa.dtype != pb.dtype:  # the same values stored in two dtypes: compared exactly in float64
+                pa, pb = pa.double(), pb.double()
+            if not torch.equal(pa, pb):
+                return False
+    return True
 
 
 def _open_export(path: Path) -> Pretrained:
@@ -273,7 +309,17 @@ class SafetensorsSource:
             self._open[file] = safe_open(str(file), framework="pt")
         part = self._open[file].get_slice(stored)[tuple(slice(o, o + s) for o, s in zip(offset, size))]
         self.bytes_read += part.numel() * part.element_size()
+        if non_finite(part).any():  # one pass over what is read anyway: a NaN would skip every step
+            count = int(non_finite(self._open[file].get_tensor(stored)).sum())  # the whole tensor's, to say
+            raise LoomError(f"cannot load {file}: {stored!r} holds {count:,} non-finite value(s) (NaN/Inf); "
+                            f"the file is damaged or the model diverged before it was saved: give weights "
+                            f"saved before that, or download them again")
         return part
+
+
+def non_finite(t: torch.Tensor) -> torch.Tensor:
+    """Where `t` is NaN or ±Inf (float8 e4m3 has no infinity, and torch no isfinite for it)."""
+    return t.isnan() if t.dtype == torch.float8_e4m3fn else ~t.isfinite()
 
 
 class FusedExpertsSource(SafetensorsSource):

@@ -23,9 +23,11 @@ from loom.checked import Fields, parse_json, read_json, read_text, read_toml
 from loom.config import CP_MODES, MAX_EXPERTS
 from loom.errors import LoomError
 from loom.files import atomic_write
+from loom.observe.curves import read_curves
 from loom.observe.diagnose import diagnose, moe_config, try_text
 from loom.observe.ledger import analyze_dir
 from loom.observe.report import render_report
+from loom.observe.run_report import is_loom_report
 from loom.observe.stragglers import find_stragglers, match_collectives
 
 
@@ -43,6 +45,7 @@ def analyze(trace_dir: Path) -> dict:
     analysis["moe"] = analysis["run"].pop("_moe")
     analysis["plan"] = run_plan(run_dir / "plan.json")
     analysis["measured_vs_planned"] = measured_vs_planned(run_dir / "summary.json")
+    analysis["curves"] = read_curves(run_dir / "metrics.jsonl")  # the report's loss and tokens/s curves
     analysis["findings"] = diagnose(analysis, config)
     return analysis
 
@@ -374,14 +377,13 @@ def check_outputs(out_dir: Path, overwrite: bool) -> None:
 
 
 def _written_by_analyze(path: Path) -> bool:
-    """Recognisably loom analyze's: its page's title, or a ledger's top-level record."""
+    """Recognisably loom's: a page's title (analyze's, or the run's own report.html), or a ledger's
+    top-level record."""
     if not path.is_file():
         return False
+    if path.name == "report.html":  # the ledger report, or the run's own (loom/observe/run_report.py)
+        return is_loom_report(path)
     try:
-        with path.open("rb") as f:
-            head = f.read(4096)
-        if path.name == "report.html":
-            return head.startswith(b"<!DOCTYPE html>") and b"<title>loom step ledger " in head
         if path.stat().st_size > MAX_RECORD_BYTES:
             return False
         doc = json.loads(path.read_bytes())

@@ -434,6 +434,8 @@ def _payload_bytes(kind: str, events: list[_CommEvent], group_size: int | None) 
             continue
         for i, d in enumerate(dims):
             n = _nelems(d) or 0
+            if d == [] and i < len(types) and _dtype_bytes(types[i]):
+                n = 1  # a 0-d tensor (a scalar: the loop's token count), not an argument without shape
             if ev.work and kind == "all_gather" and group_size:  # gloo's work span sees one shard
                 n *= group_size
             nelems = max(nelems, n)

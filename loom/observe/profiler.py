@@ -7,7 +7,12 @@ The loop marks its phases with `record_function("loom/data" | "loom/forward" | "
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
@@ -15,6 +20,32 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from loom.config import ProfileConfig
+
+# Kineto's bookkeeping lines ("USDT:2026-… SyncActivityProfilerHandler.cpp:52] profiler_start", "STAGE:…
+# Completed Stage: …"), written to fd 2 where a trace starts and stops, into the progress line.
+_KINETO_MARK = re.compile(rb"^(USDT|STAGE):\d{4}-\d\d-\d\d [^\]]*\] ")
+
+
+@contextlib.contextmanager
+def kineto_marks_dropped() -> Iterator[None]:
+    """Run a block with fd 2 sent to a file, then write back all but Kineto's marks. No log level
+    hides those without hiding Kineto's errors (its USDT level is above ERROR), so its errors and
+    anything else said meanwhile still reach the terminal, just after the block."""
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    with tempfile.TemporaryFile() as said:
+        os.dup2(said.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(terminal, 2)
+            os.close(terminal)
+            said.seek(0)
+            kept = b"".join(line for line in said.read().splitlines(keepends=True)
+                            if not _KINETO_MARK.match(line))
+            if kept:
+                os.write(2, kept)
 
 
 def trace_path(run_dir: Path, rank: int) -> Path:
@@ -37,17 +68,21 @@ class StepProfiler:
         self.snapshot = self.cuda and cfg.memory_snapshot
 
     def __enter__(self) -> Self:
-        self.prof.__enter__()
+        with kineto_marks_dropped():
+            self.prof.__enter__()
         self._maybe_record_memory()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.prof.__exit__(*exc)
+        with kineto_marks_dropped():
+            self.prof.__exit__(*exc)
         self._dump_memory()
 
     def step(self) -> None:
         self.steps_done += 1
-        self.prof.step()
+        scheduled = self.steps_done <= self.cfg.wait + self.cfg.warmup + self.cfg.active
+        with kineto_marks_dropped() if scheduled else contextlib.nullcontext():  # a trace starts or stops
+            self.prof.step()
         self._maybe_record_memory()
         if self.steps_done == self.cfg.wait + self.cfg.warmup + self.cfg.active:
             self._dump_memory()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from loom import heap
+from loom.parallel.known_warnings import silence_module_hierarchy
 from loom.parallel.mesh import local_view
 from loom.parallel.zero1 import local_optimizer
 
@@ -131,6 +132,8 @@ def global_peak_tracker():
     every storage is still counted through the dispatch mode, the optimizer hooks and resize_.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    silence_module_hierarchy()  # its ModTracker's advice about the module hierarchy, which this never reads
 
     class GlobalPeakTracker(MemTracker):
         def _pre_fw_hook(self, module, inputs): pass

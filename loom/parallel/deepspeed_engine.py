@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from loom import heap, strategies
-from loom.config import Config, read_deepspeed_json
+from loom.config import Config, choose_deepspeed_accelerator, read_deepspeed_json
 from loom.parallel.adapter import ModelAdapter
-from loom.parallel.known_warnings import silence_deepspeed_collective_names
+from loom.parallel.known_warnings import deepspeed_build_notes_dropped, silence_deepspeed_collective_names
 from loom.parallel.mesh import Dist
 from loom.parallel.weights import WeightSource, plain_name, read_flat
 from loom.parallel.zero1 import create_states
@@ -90,6 +90,7 @@ def model_context(ds: dict):
     parameters as soon as the module exists (a rank never holds the whole model)."""
     if ds["zero_optimization"]["stage"] != 3:
         return contextlib.nullcontext()
+    choose_deepspeed_accelerator()
     import deepspeed
 
     join_process_group()
@@ -118,11 +119,13 @@ def _building_partitioned(init):
 
 def join_process_group() -> None:
     """DeepSpeed's communication layer over loom's process group (already initialized)."""
+    choose_deepspeed_accelerator()
     import deepspeed
     import torch.distributed as dist
 
     silence_deepspeed_collective_names()
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+    with deepspeed_build_notes_dropped():  # its CPU backend's shared-memory op, on every rank
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
 
 
 def initialize_weights(model: nn.Module, adapter: ModelAdapter, seed: int, partitioned: bool,
@@ -137,6 +140,7 @@ def initialize_weights(model: nn.Module, adapter: ModelAdapter, seed: int, parti
         adapter.init_weights(model, seed, source)
         return
     source = source if source is not None else adapter.weight_source(model, seed)
+    choose_deepspeed_accelerator()
     import deepspeed
     import torch.distributed as dist
 
@@ -158,6 +162,7 @@ def initialize_weights(model: nn.Module, adapter: ModelAdapter, seed: int, parti
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, ds: dict, d: Dist):
     """deepspeed.initialize over loom's process group: the engine (it wraps model and optimizer)."""
+    choose_deepspeed_accelerator()
     import deepspeed
 
     join_process_group()
@@ -271,6 +276,7 @@ def full_weights(engine) -> dict[str, torch.Tensor]:
 def load_full_states(engine, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
     """Write whole weights and AdamW states into the engine's (partitioned) fp32 masters, its
     optimizer states and the model's own parameters."""
+    choose_deepspeed_accelerator()
     import deepspeed
 
     _link_optimizer_states(engine, optimizer)

@@ -6,6 +6,15 @@ them is set up, each by its precise message: every other warning still shows.
   - DTensor, under TP × FSDP, all-reduces the gradient norm's partial sums over the dp and tp mesh
     dims one after the other, and every rank logs advice to flatten the mesh: the norm is one
     scalar per step, and every rank gets the same sum.
+  - DeepSpeed, imported without DS_ACCELERATOR, probes for accelerators and warns when it settles
+    on the CPU (loom.config.choose_deepspeed_accelerator names it first); its CPU communication
+    backend prints "DeepSpeed … built successfully" on every rank.
+  - DeviceMesh warns that slicing a flattened dim (dp_shard_cp, and dp_shard under ep) from the
+    root mesh "will be deprecated": FSDP2's 2-D meshes that pair a flattened dim with another
+    (dp_replicate × dp_shard_cp) have no other construction in its API.
+  - ModTracker (under MemTracker, loom's CPU peak-memory meter) warns that "the module hierarchy
+    tracking maybe be messed up" when a module runs inside itself (HF Llama's rotary embedding):
+    the peak is counted per storage, and loom reads no module hierarchy (rank_memory.py).
 
 (DDP under a pipeline needs no find_unused_parameters, and so prints no note about it: see
 loom/parallel/ddp.py.)
@@ -13,11 +22,19 @@ loom/parallel/ddp.py.)
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import re
+import sys
 import warnings
+from collections.abc import Iterator
 
 RENAMED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 DTENSOR_LOGGER = "torch.distributed.tensor._redistribute"
+FLATTENED_DIM_SLICING = r"Slicing a flattened dim from root mesh will be deprecated"
+MODULE_HIERARCHY = r"The module hierarchy tracking maybe be messed up"
+DEEPSPEED_BUILT = re.compile(r"^DeepSpeed \S+ built successfully$")
 SEQUENTIAL_REDISTRIBUTE = "While redistributing from %s to %s, %d sequential %s operations will be performed"
 
 
@@ -40,3 +57,21 @@ def silence_dtensor_sequential_redistribute() -> None:
     logger = logging.getLogger(DTENSOR_LOGGER)
     if not any(isinstance(f, _DropMessage) for f in logger.filters):
         logger.addFilter(_DropMessage(SEQUENTIAL_REDISTRIBUTE))
+
+
+def silence_flattened_dim_slicing() -> None:
+    warnings.filterwarnings("ignore", message=FLATTENED_DIM_SLICING, category=UserWarning)
+
+
+def silence_module_hierarchy() -> None:
+    warnings.filterwarnings("ignore", message=MODULE_HIERARCHY, category=UserWarning)
+
+
+@contextlib.contextmanager
+def deepspeed_build_notes_dropped() -> Iterator[None]:
+    """What a block prints, less DeepSpeed's "DeepSpeed <op> built successfully" lines."""
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        yield
+    sys.stdout.write("".join(line for line in said.getvalue().splitlines(keepends=True)
+                             if not DEEPSPEED_BUILT.match(line.rstrip("\n"))))

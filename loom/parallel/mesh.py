@@ -9,6 +9,9 @@ so a TP group sits on one node's fast links), context parallel "cp" next to it.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +25,7 @@ from loom.config import ParallelDims
 from loom.launch import free_port
 from loom.parallel.context_parallel import ContextGroup
 from loom.parallel.expert_parallel import ExpertGroup
+from loom.parallel.known_warnings import silence_flattened_dim_slicing
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Under expert parallelism dp_shard is split into the ranks that shard the same experts (edp_shard) and,
@@ -128,6 +132,7 @@ def expert_group(mesh: DeviceMesh, dims: ParallelDims) -> ExpertGroup | None:
 def build_mesh(device_type: str, dims: ParallelDims, mode: str = "ring"):
     """(mesh, dp_mesh, grad_mesh, cp group or None) for `dims`; the dims cp needs flattened only under cp,
     dp_shard split in two (EP_MESH_DIMS) only under ep."""
+    silence_flattened_dim_slicing()  # dp_shard_cp, and dp_shard under ep, are sliced from the root
     if dims.ep > 1 and dims.dp_shard > 1:
         mesh = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep,
                                               dims.cp, dims.tp), mesh_dim_names=EP_MESH_DIMS)
@@ -164,6 +169,36 @@ def _attempt_store(timeout_s: float) -> dict:
     return {"store": dist.PrefixStore(f"loom/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
-def shutdown() -> None:
+# What init_distributed sets for a world of one (left set, a later run would think it a torchrun rank).
+WORLD_OF_ONE_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def shutdown(world_of_one: bool = False) -> None:
+    """End the process group, and with it the native threads of gloo and its TCP store: left running
+    at interpreter exit they can abort it ("terminate called without an active exception", rc -6).
+    `world_of_one`: also unset what init_distributed set for one (WORLD_OF_ONE_ENV)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        # The groups live on in reference cycles (the mesh, the engines' modules) until a collection:
+        # collect now, so that their threads are joined here, not in the interpreter's teardown.
+        gc.collect()
+    if world_of_one:
+        for key in WORLD_OF_ONE_ENV:
+            os.environ.pop(key, None)
+
+
+@contextlib.contextmanager
+def group_of_this_call():
+    """Ends the process group a block starts (none running before it): run alone (a world of one),
+    when the block ends, however it ends, so a script calling train() may exit at once and call it
+    again as a new world. Ranks of a launcher keep it for their script's next call (each rank ends
+    a block at its own time: a new group on the same port would race the old one) and end it at
+    exit, before the interpreter's teardown."""
+    starts, alone = not dist.is_initialized(), "RANK" not in os.environ
+    try:
+        yield
+    finally:
+        if starts and alone:
+            shutdown(world_of_one=True)
+        elif starts:
+            atexit.register(shutdown)

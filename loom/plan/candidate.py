@@ -15,8 +15,6 @@ from loom.plan.shapes import ModelShape
 # through the host, parameters on the GPU); "nvme": ZeRO-Infinity (optimizer states and parameters
 # on NVMe).
 OFFLOADS = ("none", "optimizer", "optimizer+params", "optimizer-nvme", "nvme")
-ENGINES = {"ddp": "torch DDP", "zero1": "torch DDP + ZeroRedundancyOptimizer", "fsdp2": "torch FSDP2",
-           "deepspeed": "DeepSpeed"}
 
 
 @dataclass(frozen=True)
@@ -116,10 +114,21 @@ class Candidate:
 
     @property
     def engine(self) -> str:
+        """The parallel.engine that runs it, in the config's words (plan.json and the plan's text use
+        them too): "deepspeed", or "torch" (see `implementation`)."""
         if self.framework == "deepspeed" or self.offload in ("optimizer", "optimizer-nvme", "nvme"):
             return "deepspeed"  # FSDP2 offloads all sharded states or none, and never to NVMe
+        return "torch"
+
+    @property
+    def implementation(self) -> str:
+        """What runs it on its engine, in words: the torch engine's DDP, DDP + ZeroRedundancyOptimizer or
+        FSDP2 (ddp and zero1 under TP or EP replicate through FSDP2), or DeepSpeed's ZeRO stage."""
         s = self.strategy_info
-        return "zero1" if s.shards_optimizer_only else s.engine  # zero1: DDP + ZeroRedundancyOptimizer
+        if self.engine == "deepspeed":
+            return f"DeepSpeed ZeRO-{s.zero_stage}"
+        replicas = "FSDP2" if s.uses_fsdp(self.tp, self.ep) else "DDP"
+        return f"{replicas} + ZeroRedundancyOptimizer" if s.shards_optimizer_only else replicas
 
     @property
     def runs_in_loom(self) -> bool:

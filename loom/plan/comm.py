@@ -36,9 +36,10 @@ Beside the bytes sent (a model: the ring factors), the account keeps what a rank
 the payload Φ per collective kind (as loom/observe/collectives.py counts it) and, where the plan knows
 it, how many collectives carry it: FSDP2 issues one per unit (a block, the embedding, norm + head)
 and TP and PP one per activation, but DDP's buckets and ZeRO-1's per-parameter broadcasts are
-the engine's choice (None). Groups of one rank issue nothing. Not planned: the few-byte
-all-reduces of the loop (mean loss, gradient norm, loss parallel's per-token statistics) and
-DDP's broadcast of its rebuilt bucket order in step 2.
+the engine's choice (None). Groups of one rank issue nothing. Left out of the search's account:
+the loop's few-byte collectives (the mean loss's and gradient norm's all-reduces, DDP's broadcast
+of its rebuilt bucket order in step 2); `loop_collectives` plans them apart for `loom train`'s
+measured-vs-planned (record.planned_collectives), where known (not loss parallel's statistics).
 """
 
 from __future__ import annotations
@@ -586,3 +587,65 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
         counts = ", ".join(f"{g} {n}" for g, n in acc.count_by_group.items()) or "none"
         terms.note(f"collectives issued per step (each pays a latency α): {counts}")
     return acc, groups
+
+
+@dataclass(frozen=True)
+class LoopCollective:
+    """A collective the training loop itself issues each step (the control plane: a few bytes that
+    steer the step), beside the engines' (the data plane: gradients, parameters, activations)."""
+
+    kind: str
+    count: int
+    payload: float  # bytes, as loom/observe/collectives.py counts them
+    what: str
+
+
+def loop_collectives(w, c, trained_tensors: int, bucket_bytes: float, grad_bytes: float,
+                     sft: bool = False) -> list[LoopCollective] | None:
+    """The loop's own collectives in a step (loom/train/step.py), as loom runs them on the torch
+    engine: the mean loss's all-reduce (an fp32 scalar, over every rank, a world of one too); under
+    FSDP2 the gradient norm's over the shard group, which carries one fp32 partial norm per tensor
+    with a gradient (`trained_tensors`; none on a group of one); SFT's count of loss tokens; and where
+    DDP wraps the model (ddp, zero1), in the step it rebuilds its buckets (the second of a process:
+    the one `loom train` measures) the broadcast of their order, int32: the indices and their count,
+    then each bucket's size. A pipeline adds its stages' squared norms (an fp32 scalar over the pp
+    group); its DDP settles the bucket order before step 1 (no broadcast), and its FSDP2 norm carries
+    this rank's stages' tensors. None where not planned: tensor and expert parallelism (loss parallel's
+    statistics), a mixture of experts (the router's tally), the deepspeed engine, whose collectives of
+    this kind are theirs, and DDP on one rank (it still all-reduces its buckets there, which the plan
+    of a group of one leaves out)."""
+    s = c.strategy_info
+    if c.engine == "deepspeed" or c.tp > 1 or c.ep > 1 or w.shape.moe or \
+            (not s.shards_params and c.grad_sync_size == 1):
+        return None
+    loop = [LoopCollective("all_reduce", 1, 4, "mean loss")]
+    if sft:
+        loop.append(LoopCollective("all_reduce", 1, 4, "loss tokens"))
+    if s.shards_params and c.shard_size > 1:
+        loop.append(LoopCollective("all_reduce", 1, 4 * trained_tensors, "gradient norm"))
+    if c.pp > 1:
+        loop.append(LoopCollective("all_reduce", 1, 4, "the stages' gradient norms"))
+    elif not s.shards_params:  # DDP's rebuilt bucket order
+        buckets = max(1, math.ceil(grad_bytes / bucket_bytes))
+        loop.append(LoopCollective("broadcast", 2, 4 * (trained_tensors + 1 + buckets), "DDP's bucket order"))
+    return loop
+
+
+def with_loop(payload: dict, loop: list[LoopCollective] | None) -> dict:
+    """`payload` (CommAccount.payload_dict) with the loop's collectives added to their kinds, and listed
+    apart as `loop` ({kind: {"count", "payload_bytes", "what"}}; None: not planned)."""
+    if loop is None:
+        return {**payload, "loop": None}
+    by_kind, counts, listed = dict(payload["payload_bytes_by_kind"]), dict(payload["count_by_kind"]), {}
+    for op in loop:
+        by_kind[op.kind] = by_kind.get(op.kind, 0.0) + op.payload
+        known = counts.get(op.kind, 0)
+        counts[op.kind] = None if known is None else known + op.count
+        entry = listed.setdefault(op.kind, {"count": 0, "payload_bytes": 0.0, "what": []})
+        entry["count"] += op.count
+        entry["payload_bytes"] += op.payload
+        entry["what"].append(op.what)
+    total = list(counts.values())
+    return {"payload_bytes": sum(by_kind.values()), "payload_bytes_by_kind": by_kind,
+            "count": None if None in total else sum(total), "count_by_kind": counts,
+            "loop": {k: {**v, "what": ", ".join(v["what"])} for k, v in listed.items()}}

@@ -22,7 +22,7 @@ from loom.errors import ConfigError
 from loom.files import atomic_write
 from loom.hf_config import read_hf_config
 from loom.models.gpt.config import preset
-from loom.plan import device, lora
+from loom.plan import device, lora, starting_point
 from loom.plan.candidate import Workload
 from loom.plan.explain import explain
 from loom.plan.hardware import GPU, Cluster, lookup, with_overrides
@@ -231,9 +231,12 @@ def emit_all(target: str, cfg, plan: Plan, cluster: Cluster, shape: ModelShape, 
             if old.name[len(target.stem) + 1:-len(suffix)].isdigit() and _emitted_by_loom(old):
                 old.unlink()
     job = planned_model(cfg, shape, model, plan.workload.seq_len)
+    tokens_per_step = plan.workload.global_batch * plan.workload.seq_len
+    changes, said = starting_point.make_starting_point(cfg, shape.num_params, tokens_per_step)
     for path, record in chosen:
         emitted = emit_config(cfg, record)
-        emitted.model = dataclasses.replace(job)
+        emitted.model, emitted.data = dataclasses.replace(job), dataclasses.replace(cfg.data)
+        starting_point.apply(emitted, changes)
         emitted.data.seq_len, emitted.train.batch_size = plan.workload.seq_len, plan.workload.global_batch
         emitted.train.precision = plan.workload.precision
         validate(emitted, cluster.world_size, cuda_available=True, this_machine=False)
@@ -244,15 +247,18 @@ def emit_all(target: str, cfg, plan: Plan, cluster: Cluster, shape: ModelShape, 
         if plan.workload.lora is not None:
             header += (f"# LoRA: {plan.workload.lora.describe()}; the base frozen in "
                        f"{plan.workload.lora.base_bytes} bytes per parameter\n")
-        atomic_write(path, (header + to_toml(emitted)).encode())
+        atomic_write(path, (header + starting_point.annotate(to_toml(emitted), changes)).encode())
     if not quiet:
         others = f" and {len(chosen) - 1} alternatives ({chosen[1][0].name} …)" if len(chosen) > 1 else ""
         print(f"wrote {target}{others}")
+        if said:
+            print(f"in it: {said}")
 
 
 _PARALLEL_KEYS = frozenset(f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig))
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings")
 EMIT_PARAMS_TOLERANCE = 0.10  # a Llama-style shape for --params must be this close to the count
+LLAMA_PRESETS = ("1b", "8b", "70b")  # the bases of a shape --emit writes
 
 
 def planned_model(cfg, shape: ModelShape, model: str | None, seq_len: int) -> ModelConfig:
@@ -272,7 +278,9 @@ def planned_model(cfg, shape: ModelShape, model: str | None, seq_len: int) -> Mo
                               f"for a Llama-style one (the nearest has {sized.num_params:,}); pass --model "
                               f"PRESET or --model config.json")
         shape = sized
-    base = "8b"  # Llama-3's RoPE and norms; every shape field below replaces the preset's
+    # Llama-3's RoPE and norms from the preset nearest in size, so that its name does not contradict
+    # the size; every shape field below replaces the preset's
+    base = min(LLAMA_PRESETS, key=lambda name: abs(math.log(preset(name).num_params() / shape.num_params)))
     moe = read_hf_config(Path(model)).gpt_moe_fields() if shape.moe else {}  # a config.json's experts
     return ModelConfig(preset=base, **{k: getattr(shape, k) for k in SHAPE_FIELDS}, **moe,
                        max_seq_len=max(seq_len, preset(base).max_seq_len))

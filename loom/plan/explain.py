@@ -58,7 +58,7 @@ def explain(plan, index: int) -> str:
 
 def _header(out: Terms, index: int, record: dict, w, c: Candidate, cluster) -> None:
     shape = w.shape
-    out.lines.append(f"candidate {index}: {record['label']} — engine {record['engine']}"
+    out.lines.append(f"candidate {index}: {record['label']} — engine {record['engine']} ({c.implementation})"
                      f"{'' if record['runs_in_loom'] else ' (loom does not run it)'}")
     active = f" ({num(shape.active_params)} active)" if shape.moe else ""
     out.note(f"{shape.name}: {num(shape.num_params)} parameters{active}; {cluster.describe()}; "

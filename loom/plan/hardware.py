@@ -77,7 +77,7 @@ class Cluster:
 
 
 def lookup(name: str) -> GPU:
-    key = ALIASES.get(name, name)
+    key = _alias_target(name) or name
     for known, gpu in CATALOG.items():
         if known.lower() == key.lower():
             return gpu
@@ -85,6 +85,21 @@ def lookup(name: str) -> GPU:
     hint = f"did you mean {close[0]}? " if close else ""
     raise ConfigError(f"unknown GPU {name!r}; {hint}known: {', '.join(CATALOG)} "
                       f"(or override fields with --hw)")
+
+
+def _alias_target(name: str) -> str | None:
+    return next((entry for alias, entry in ALIASES.items() if alias.lower() == name.lower()), None)
+
+
+def alias_note(name: str) -> str | None:
+    """What an alias (--gpu H100) was taken as, to be said: the catalog entry it names, among others
+    it might have meant (H100 could be the PCIe card); None for a catalog name."""
+    target = _alias_target(name)
+    if target is None:
+        return None
+    gpu = CATALOG[target]
+    return (f"--gpu {name} is taken as {gpu.name} ({gpu.memory_gb:g} GB, {gpu.bf16_tflops:g} bf16 TFLOPS); "
+            f"if yours is another, name it: {', '.join(CATALOG)}")
 
 
 FRACTIONS = ("achievable_fraction", "comm_efficiency", "fragmentation")  # --hw values ≤ 1

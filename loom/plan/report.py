@@ -6,7 +6,7 @@ from __future__ import annotations
 from loom.plan import lora
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.memory import gpu_memory
-from loom.plan.search import GB, Plan, size_text
+from loom.plan.search import GB, Plan, size_text, unrunnable
 from loom.strategies import STRATEGIES
 
 
@@ -129,11 +129,12 @@ def render_table(plan: Plan, top: int = 5) -> str:
     apart = sorted((i for i, r in enumerate(records) if r["fits"] and not r["runs_in_loom"]),
                    key=lambda i: -records[i]["tokens_per_s"])
     if apart:
-        out += ["", f"fit, but not ranked: loom does not run them (its deepspeed engine, which offload "
-                    f"needs here, runs tp = pp = 1 only, and no activation checkpointing): {len(apart)}, the "
-                    f"fastest:"]
-        out += [f"  {i:>4} {records[i]['label']:<44} {records[i]['tokens_per_s']:11,.0f} tokens/s"
-                for i in apart[:3]]
+        fastest = [i for n, i in enumerate(apart)  # the fastest micro-batch split of each layout
+                   if all(records[j]["label"] != records[i]["label"] for j in apart[:n])]
+        out += ["", f"fit, but not ranked: loom does not run them: {len(fastest)} layouts "
+                    f"({len(apart)} candidates), the fastest:"]
+        out += [f"  {i:>4} {records[i]['label']:<44} {records[i]['tokens_per_s']:11,.0f} tokens/s  "
+                f"({unrunnable(records[i])})" for i in fastest[:3]]
     best = records[plan.recommended]
     t = best["step_time_breakdown_s"]
     out += ["", "step time of the recommendation: " + ", ".join(

@@ -33,7 +33,8 @@ def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
     mem = gpu_memory(w, c, cluster.fragmentation, device)
     comm, groups = comm_per_step(w, c, cluster.gpus_per_node)
     record = {
-        "label": c.label(), "strategy": c.strategy, "engine": c.engine, "runs_in_loom": c.runs_in_loom,
+        "label": c.label(), "strategy": c.strategy, "engine": c.engine, "implementation": c.implementation,
+        "runs_in_loom": c.runs_in_loom,
         "nodes": cluster.nodes, "gpus": c.world, "dp": c.dp, "dp_shard": c.shard_size, "tp": c.tp, "pp": c.pp,
         "cp": c.cp, "cp_mode": c.cp_mode,
         "pp_schedule": c.schedule, "pp_virtual_stages": c.virtual_stages,
@@ -197,6 +198,7 @@ def _schedules(shape, pp: int) -> list[tuple[str, int]]:
 
 NEAR_TIE = 0.05  # this close to the fastest, candidates are ranked by simplicity, not the model's last digits
 TIGHT = 0.8  # of device memory: the README's headroom rule; above it only when nothing fits under it
+ROOM = 0.05  # of device memory: a near-tie saving this much wins on headroom; one saving less does not
 
 
 @dataclass
@@ -294,38 +296,48 @@ def search(w: Workload, cluster: Cluster) -> Plan:
     if not runnable:
         other = records[fitting[0]]
         raise ConfigError(f"only layouts loom does not run fit on {cluster.describe()} (e.g. "
-                          f"{other['label']}: {_unrunnable(other)}); "
+                          f"{other['label']}: {unrunnable(other)}); "
                           + smallest_fitting_cluster(w, cluster, runnable=True))
     capacity = cluster.gpu.memory_gb * GB
     roomy = [i for i in runnable if records[i]["memory_bytes"]["total"] <= TIGHT * capacity]
     best, fastest, band = choose(records, roomy or runnable, capacity)
-    preference = _simpler(records, best, fastest, band)
-    why = _reason(records, best, cluster, roomy or runnable, preference)
-    if not roomy:
-        why += f"; nothing loom runs fits under {TIGHT:.0%} of the {_unit(cluster)}'s memory"
+    preference = _simpler(records, best, fastest, band, capacity, _unit(cluster))
+    headroom = (_set_aside(records, best, runnable, roomy, capacity, _unit(cluster)) if roomy else
+                f"; nothing loom runs fits under {TIGHT:.0%} of the {_unit(cluster)}'s memory")
+    why = _reason(records, best, cluster, roomy or runnable, preference + headroom, headroom=bool(roomy))
     if w.lora is not None:
         why += ". " + _lora_reason(w, cluster, records)
     return Plan(w, cluster, records, best, why, _one_per_layout(records, band, best))
 
 
 def choose(records: list[dict], pool: list[int], capacity: float) -> tuple[int, int, list[int]]:
-    """(recommended, fastest, near-ties): among the candidates within NEAR_TIE of the fastest
-    predicted throughput, the simplest."""
+    """(recommended, fastest, near-ties): among the candidates the fastest is at most NEAR_TIE faster
+    than, those of the simplest `kind`; of these, the fastest of those within ROOM of
+    the device's memory of the leanest (a few hundred MB of headroom are not worth a near-tie's speed)."""
     fastest = max(pool, key=lambda i: (records[i]["tokens_per_s"], -records[i]["memory_bytes"]["total"]))
-    floor = (1 - NEAR_TIE) * records[fastest]["tokens_per_s"]
+    floor = records[fastest]["tokens_per_s"] / (1 + NEAR_TIE)  # the fastest at most NEAR_TIE faster
     band = [i for i in pool if records[i]["tokens_per_s"] >= floor]
-    return min(band, key=lambda i: simplicity(records[i], capacity)), fastest, band
+    simplest = min(kind(records[i], capacity) for i in band)
+    alike = [i for i in band if kind(records[i], capacity) == simplest]
+    leanest = min(records[i]["memory_bytes"]["total"] for i in alike)
+    lean = [i for i in alike if records[i]["memory_bytes"]["total"] <= leanest + ROOM * capacity]
+    best = max(lean, key=lambda i: (records[i]["tokens_per_s"], -records[i]["memory_bytes"]["total"]))
+    return best, fastest, band
 
 
-def simplicity(r: dict, capacity: float) -> tuple:
-    """What a person prefers among near-equals: fewer parallel dimensions, the torch engine (its
-    code is loom's own), no offload, no recomputation, room in memory, the simpler strategy
-    (ddp < zero1 < zero2 < zero3 < hsdp), then the most headroom."""
+def kind(r: dict, capacity: float) -> tuple:
+    """What a person prefers among near-equals, most important first: fewer parallel dimensions, the
+    torch engine (its code is loom's own), no offload, no recomputation, room in memory (under TIGHT),
+    the simpler strategy (ddp < zero1 < zero2 < zero3 < hsdp). `_kind_rule` says each in words."""
     tight = r["memory_bytes"]["total"] > TIGHT * capacity
     order = list(strategies.STRATEGIES).index(r["strategy"])
     return (dimensions(r), r["engine"] == "deepspeed", r["offload"] != "none",
-            r["activation_checkpointing"] != "none", tight, order, r["memory_bytes"]["total"],
-            -r["tokens_per_s"])
+            r["activation_checkpointing"] != "none", tight, order)
+
+
+def simplicity(r: dict, capacity: float) -> tuple:
+    """`kind`, then the most headroom, then the fastest."""
+    return (*kind(r, capacity), r["memory_bytes"]["total"], -r["tokens_per_s"])
 
 
 def dimensions(r: dict) -> int:
@@ -333,40 +345,107 @@ def dimensions(r: dict) -> int:
     return (r["tp"] > 1) + (r["pp"] > 1) + (r.get("cp", 1) > 1) + (r.get("ep", 1) > 1)
 
 
-def _simpler(records: list[dict], best: int, fastest: int, band: list[int]) -> str:
-    """Why the pick beat the other near-ties: what it was preferred to, and for what ("" when it is
-    the one fastest)."""
-    if fastest == best:  # the pick is (one of) the fastest: a tie at the top is named, else nothing
-        ties = [i for i in band if i != best and records[i]["tokens_per_s"] >= records[best]["tokens_per_s"]]
+def _kind_rule(picked: dict, other: dict, capacity: float, unit: str) -> str | None:
+    """The first rule of `kind` on which `picked` is the simpler, in words with the numbers it compares
+    (None when the two are of one kind)."""
+    mine, theirs = kind(picked, capacity), kind(other, capacity)
+    if mine == theirs:
+        return None
+    rule = next(j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+    mem = other["memory_bytes"]["total"]
+    return (
+        f"fewer parallel dimensions ({dimensions(picked)} vs {dimensions(other)})",
+        "the torch engine (it runs on DeepSpeed)",
+        f"no offload (it offloads the {other['offload']})",
+        f"no recomputation (it checkpoints activations: {other['activation_checkpointing']})",
+        f"memory headroom (it needs {size_text(mem)} per {unit}, {mem / capacity:.0%} of "
+        f"{size_text(capacity)}, over the {TIGHT:.0%} headroom rule)",
+        f"a simpler strategy ({picked['strategy']} before {other['strategy']})",
+    )[rule]
+
+
+def _simpler(records: list[dict], best: int, fastest: int, band: list[int], capacity: float,
+             unit: str = "GPU") -> str:
+    """Why the pick beat the fastest near-tie: what it was preferred to, how much faster that one is
+    (both tokens/s), and the rule that decided ("" when the pick is the one fastest). A tie at the top
+    is named, unless only micro-batch splits of the pick's own layout tie it."""
+    if fastest == best:
+        ties = [i for i in band if i != best and records[i]["label"] != records[best]["label"]
+                and records[i]["tokens_per_s"] >= records[best]["tokens_per_s"]]
         if not ties:
             return ""
         fastest = ties[0]
-    best, fastest = records[best], records[fastest]
-    gap = 1 - best["tokens_per_s"] / fastest["tokens_per_s"]
-    why = []
-    if dimensions(best) < dimensions(fastest):
-        why.append("fewer parallel dimensions")
-    if best["engine"] != "deepspeed" and fastest["engine"] == "deepspeed":
-        why.append("the torch engine")
-    if best["offload"] == "none" and fastest["offload"] != "none":
-        why.append("no offload")
-    if best["activation_checkpointing"] == "none" != fastest["activation_checkpointing"]:
-        why.append("no recomputation")
-    if best["memory_bytes"]["total"] < fastest["memory_bytes"]["total"]:
-        why.append(f"more memory headroom ({size_text(best['memory_bytes']['total'])} vs "
-                   f"{size_text(fastest['memory_bytes']['total'])})")
-    order = list(strategies.STRATEGIES)
-    if order.index(best["strategy"]) < order.index(fastest["strategy"]):
-        why.append("a simpler strategy")
-    if not why:
-        why.append("simplicity")
+    picked, other = records[best], records[fastest]
+    gap = other["tokens_per_s"] / picked["tokens_per_s"] - 1
+    rule = _kind_rule(picked, other, capacity, unit)
+    mine, theirs = picked["memory_bytes"]["total"], other["memory_bytes"]["total"]
+    if rule is None:  # one kind: the memory it saves (choose's ROOM), or on a tie the least memory
+        a, b = sizes_apart(mine, theirs)
+        rule = (f"{size_text(theirs - mine)} more memory headroom ({a} vs {b} per {unit}; a saving of "
+                f"{ROOM:.0%} of the {unit}'s memory or more outweighs a near-tie's speed)"
+                if gap > 0 and theirs - mine >= ROOM * capacity else f"less memory ({a} vs {b} per {unit})")
     if gap <= 0:
-        speed = "which ties it in predicted throughput"
-    elif gap < 0.0005:
-        speed = "predicted under 0.1% faster"
+        speed = f"which ties it in predicted throughput ({picked['tokens_per_s']:,.0f} tokens/s)"
     else:
-        speed = f"predicted {gap:.1%} faster — within {NEAR_TIE:.0%}, closer than the time model's accuracy —"
-    return f"preferred to {fastest['label']}, {speed} for {', '.join(why)}"
+        fast, slow = numbers_apart(other["tokens_per_s"], picked["tokens_per_s"])
+        speed = (f"which is predicted {percent(gap)} faster ({fast} vs {slow} tokens/s), within the "
+                 f"{NEAR_TIE:.0%} the time model cannot tell apart")
+    return f"preferred to {other['label']} (#{fastest}), {speed}, for {rule}"
+
+
+def _set_aside(records: list[dict], best: int, runnable: list[int], roomy: list[int], capacity: float,
+               unit: str) -> str:
+    """The layouts at least as fast as the pick that the headroom rule (TIGHT) left out whole (no
+    micro-batch split of them under it), in words: how many, and the fastest with its memory ("" when
+    there are none)."""
+    kept = {records[i]["label"] for i in roomy}
+    over = [i for i in runnable if records[i]["label"] not in kept
+            and records[i]["tokens_per_s"] >= records[best]["tokens_per_s"]]
+    if not over:
+        return ""
+    top = max(over, key=lambda i: records[i]["tokens_per_s"])
+    r = records[top]
+    mem = r["memory_bytes"]["total"]
+    layouts = len({records[i]["label"] for i in over})  # micro-batch splits of a layout counted once
+    count = (f"{layouts} layouts at least as fast that fit are" if layouts > 1 else
+             "a layout at least as fast that fits is")
+    return (f"; {count} set aside by the {TIGHT:.0%} memory headroom rule (at most "
+            f"{size_text(TIGHT * capacity)} of {size_text(capacity)} per {unit}): the fastest, {r['label']} "
+            f"(#{top}), {r['tokens_per_s']:,.0f} tokens/s, needs {size_text(mem)} ({mem / capacity:.0%})")
+
+
+def percent(share: float) -> str:
+    """A positive share as a percentage with the decimals that keep it from reading 0.0%."""
+    for decimals in range(1, 5):
+        text = f"{share * 100:.{decimals}f}"
+        if float(text) > 0:
+            return text + "%"
+    return f"{share:.1e}"
+
+
+def numbers_apart(a: float, b: float) -> tuple[str, str]:
+    """Two numbers with thousands separators, with the decimals that tell them apart (none if equal)."""
+    if a == b:
+        return f"{a:,.0f}", f"{b:,.0f}"
+    for decimals in range(4):
+        x, y = f"{a:,.{decimals}f}", f"{b:,.{decimals}f}"
+        if x != y:
+            return x, y
+    return f"{a:,.4f}", f"{b:,.4f}"
+
+
+def sizes_apart(a: float, b: float) -> tuple[str, str]:
+    """Two byte counts in size_text's unit, with the decimals that tell them apart: 49.87 GB vs 49.91 GB,
+    not 49.9 GB vs 49.9 GB."""
+    x, y = size_text(a), size_text(b)
+    if x != y or a == b:
+        return x, y
+    scale, unit = (GB, "GB") if max(a, b) >= GB else (1e6, "MB")
+    for decimals in range(1, 7):
+        x, y = f"{a / scale:.{decimals}f} {unit}", f"{b / scale:.{decimals}f} {unit}"
+        if x != y:
+            return x, y
+    return x, y
 
 
 def _one_per_layout(records: list[dict], band: list[int], best: int) -> list[int]:
@@ -432,14 +511,17 @@ def _smallest_without_offload(w: Workload, cluster: Cluster) -> str | None:
     return None
 
 
-def _unrunnable(record: dict) -> str:
-    """Why loom does not run a (deepspeed-engine) record, in words."""
+def unrunnable(record: dict) -> str:
+    """Why loom does not run a (deepspeed-engine) record, in words: what it combines with DeepSpeed (the
+    offload that needs it, or the engine alone), and what of it loom's deepspeed engine does not run."""
     what = [x for x, on in (("TP", record["tp"] > 1), ("PP", record["pp"] > 1),
                             ("CP", record.get("cp", 1) > 1), ("EP", record.get("ep", 1) > 1),
-                            ("activation checkpointing", record["activation_checkpointing"] != "none"))
+                            ("activation checkpointing", record["activation_checkpointing"] != "none"),
+                            ("hybrid sharding", strategies.lookup(record["strategy"]).dp_mesh == "hybrid"))
             if on]
-    return (f"DeepSpeed offload with {' and '.join(what) or 'hybrid sharding'}, which loom's deepspeed "
-            f"engine does not run")
+    engine = "DeepSpeed" if record["offload"] == "none" else f"DeepSpeed's offload of the {record['offload']}"
+    what = ", ".join(what[:-1]) + " and " + what[-1] if len(what) > 1 else what[0]
+    return f"{engine} with {what}, which loom's deepspeed engine does not run"
 
 
 def smallest_fitting_cluster(w: Workload, cluster: Cluster, runnable: bool = False) -> str:
@@ -461,36 +543,41 @@ def _unit(cluster: Cluster) -> str:
     return "rank" if cluster.profile is not None and cluster.profile.device == "cpu" else "GPU"
 
 
-def _reason(records: list[dict], best: int, cluster: Cluster, pool: list[int], preference: str = "") -> str:
+def _reason(records: list[dict], best: int, cluster: Cluster, pool: list[int], preference: str = "",
+            headroom: bool = True) -> str:
     r = records[best]
     t = r["step_time_breakdown_s"]
     share = {k: v / t["total"] for k, v in t.items() if k != "total"}
     largest = max((k for k in share if k != "compute"), key=share.get)
     mem = r["memory_bytes"]["total"]
-    rank = ("the simplest of the fastest that fit" if preference else
-            "the highest predicted throughput that fits")
+    fit = f"that fit under the {TIGHT:.0%} memory headroom" if headroom else "that fit"
+    tied = "which ties it" in preference
+    rank = (f"the highest predicted throughput of those {fit}" if not preference.startswith("preferred") else
+            f"the simplest of the fastest {fit}" if tied else
+            f"the simplest of those within {NEAR_TIE:.0%} of the fastest {fit}")
     why = (f"{r['label']}: {rank} ({r['tokens_per_s']:,.0f} tokens/s, "
            f"MFU {r['mfu']:.0%}, {size_text(mem)} of {size_text(cluster.gpu.memory_gb * GB)} per "
            f"{_unit(cluster)}; "
            f"compute {share['compute']:.0%} of the step, then {largest.replace('_', ' ')} "
            f"{share[largest]:.0%})")
     if preference:
-        why += f"; {preference}"
+        why += f"; {preference.removeprefix('; ')}"
     big = cluster.nodes > 1 and cluster.world_size >= 512
     if r["engine"] == "deepspeed":
-        engine = ("engine: DeepSpeed (parallel.engine=deepspeed; loom runs it): "
-                  + _why_deepspeed(records, best, pool, _unit(cluster)))
+        engine = (f"engine: deepspeed ({r['implementation']}; parallel.engine = \"deepspeed\", loom runs "
+                  "it): " + _why_deepspeed(records, best, pool, _unit(cluster), cluster.gpu.memory_gb * GB))
     elif big:
-        engine = (f"engine: {r['engine']} (loom runs it); at {cluster.world_size} GPUs across nodes the "
-                  "seeds' rule also points to DeepSpeed for its mature large-scale and offload configs")
+        engine = (f"engine: torch ({r['implementation']}; loom runs it); at {cluster.world_size} GPUs across "
+                  "nodes DeepSpeed's mature large-scale and offload configs are the usual alternative")
     elif cluster.nodes == 1:
-        engine = f"engine: {r['engine']}: single node, minimal code (FSDP over DeepSpeed by the seeds' rule)"
+        engine = f"engine: torch ({r['implementation']}): one node, loom's own code, no DeepSpeed needed"
     else:
-        engine = f"engine: {r['engine']}: cross-node at moderate scale; torch-native keeps the code minimal"
+        engine = (f"engine: torch ({r['implementation']}): across nodes at moderate scale; torch-native "
+                  "keeps the code minimal")
     return f"{why}. {engine}"
 
 
-def _why_deepspeed(records: list[dict], best: int, pool: list[int], unit: str) -> str:
+def _why_deepspeed(records: list[dict], best: int, pool: list[int], unit: str, capacity: float) -> str:
     """The true reason a DeepSpeed candidate won, though near-ties go to the torch engine: the same
     layout on the torch engine needs more memory, or the torch engine's fastest needs more parallel
     dimensions or is slower by more than NEAR_TIE, or no torch-engine layout fits."""
@@ -499,26 +586,29 @@ def _why_deepspeed(records: list[dict], best: int, pool: list[int], unit: str) -
                "optimizer-nvme": "ZeRO-Infinity's optimizer on NVMe",
                "nvme": "ZeRO-Infinity's states on NVMe"}.get(r["offload"])
     how = f" with {offload}, which the torch engine does not run" if offload else ""
-    shape_of = lambda x: (*_layout(x)[:4], x["activation_checkpointing"])  # noqa: E731
+    shape_of = lambda x: (*_layout(x)[:4], *_layout(x)[6:], x["activation_checkpointing"])  # noqa: E731
     same = [x for x in records
             if x["engine"] != "deepspeed" and x["runs_in_loom"] and shape_of(x) == shape_of(r)]
     if same and not offload:
         twin = min(same, key=lambda x: x["memory_bytes"]["total"])
-        verdict = f"more than a {unit} holds" if not twin["fits"] else f"over the {TIGHT:.0%} headroom"
-        return (f"the same layout on the torch engine ({twin['label']}) needs "
-                f"{size_text(twin['memory_bytes']['total'])} per {unit}, {verdict}, against "
-                f"{size_text(r['memory_bytes']['total'])} on DeepSpeed")
+        if not twin["fits"] or twin["memory_bytes"]["total"] > TIGHT * capacity:
+            verdict = f"more than a {unit} holds" if not twin["fits"] else f"over the {TIGHT:.0%} headroom"
+            return (f"the same layout on the torch engine ({twin['label']}) needs "
+                    f"{size_text(twin['memory_bytes']['total'])} per {unit}, {verdict}, against "
+                    f"{size_text(r['memory_bytes']['total'])} on DeepSpeed")
     torch_ones = [i for i in pool if records[i]["engine"] != "deepspeed"]
     if not torch_ones:
         return f"it fits{how}, and no torch-engine layout fits with headroom"
     other = records[max(torch_ones, key=lambda i: records[i]["tokens_per_s"])]
     gap = r["tokens_per_s"] / other["tokens_per_s"] - 1
     more = dimensions(other) - dimensions(r)
+    mine, theirs = numbers_apart(r["tokens_per_s"], other["tokens_per_s"])
     if gap <= NEAR_TIE and more > 0:
-        return (f"it fits{how}; the torch engine's fastest ({other['label']}, {gap:.1%} slower) needs {more} "
-                f"more parallel dimension(s)")
+        return (f"it fits{how}; the torch engine's fastest ({other['label']}, {theirs} tokens/s against "
+                f"{mine}) needs {more} more parallel dimension(s)")
     how = f", with {offload} (which the torch engine does not run)," if offload else ""
-    return f"predicted {gap:.0%} faster{how} than the torch engine's best ({other['label']})"
+    return (f"predicted {percent(gap)} faster ({mine} vs {theirs} tokens/s){how} than the torch engine's "
+            f"best ({other['label']})")
 
 
 def size_text(nbytes: float) -> str:

@@ -51,9 +51,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from loom.checked import BadFile, Fields, read_json, read_text
 from loom.config import Config, load_config_text, shape_overrides, to_toml
+from loom.data import source_identity
 from loom.errors import AgreedError, ConfigError, LoomError
 from loom.files import atomic_write, fsync_dir
 from loom.models.gpt.config import preset
@@ -72,7 +74,8 @@ META = "meta.json"
 OWNER = ".loom-owner"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Settings that decide which sequences step k trains on, or the model's shapes: a resume must keep them.
-RESUME_FIXED = ("data.source", "data.tokenizer", "data.bpe_vocab_size", "data.seq_len", "data.eval_fraction",
+# (data.source: by what it is, source_identity's fingerprint, not by how the config names it)
+RESUME_FIXED = ("data.tokenizer", "data.bpe_vocab_size", "data.seq_len", "data.eval_fraction",
                 "train.batch_size", "train.seed", "lora.rank", "lora.alpha", "lora.targets",
                 "lora.train_embeddings", "lora.train_norms", "lora.base_dtype")
 
@@ -238,11 +241,17 @@ def read_meta(path: Path) -> dict:
             raise BadFile(f"{source}: config is not valid TOML ({e})") from None
         except ConfigError as e:
             raise BadFile(f"{source}: config holds a setting loom does not read ({e})") from None
-        _schedule_fields(doc.section("scheduler"))
+        schedule = _schedule_fields(doc.section("scheduler"))
         doc.section("layout", default={}).str("strategy", default="?")
         data = doc.section("data", default={})
         for key in ("next_global_batch", "samples_seen", "tokens_seen"):
             data.int(key, default=0, min=0)
+        if "sources" in data:  # source_identity's record of what the run trained on
+            listed = _list_fields(data, "sources", len(data.list("sources", of=dict, max_len=4096)))
+            for i in listed.keys():
+                for key in ("spec", "path", "fingerprint"):
+                    listed.section(i).str(key)
+        _step_agrees(doc.raw, schedule, source)
         doc.section("model_config", default={})
         if "lora_base" in doc:  # a LoRA run's base (loom/train/lora_base.py)
             base = doc.section("lora_base")
@@ -250,6 +259,19 @@ def read_meta(path: Path) -> dict:
             base.str("fingerprint", nonempty=True)
         doc.float("saved_at", default=0.0)
     return doc.raw
+
+
+def _step_agrees(meta: dict, schedule: dict, source: Path) -> None:
+    """meta.json's step is where the LR schedule and the data position stand too (both count one per
+    step, skipped updates included): a step edited or damaged alone would resume the schedule and
+    the data at one place and call it another."""
+    step = meta["step"]
+    others = [("the LR schedule (scheduler.last_epoch)", schedule["last_epoch"])]
+    if "next_global_batch" in meta.get("data", {}):
+        others.append(("the data position (data.next_global_batch)", meta["data"]["next_global_batch"]))
+    wrong = [f"{what} says {value}" for what, value in others if value != step]
+    if wrong:
+        raise BadFile(f"{source}: step is {step}, but {' and '.join(wrong)}; the file was altered or damaged")
 
 
 _EARLIER = "resume from an earlier checkpoint"
@@ -348,7 +370,7 @@ def checkpoint_meta(cfg: Config, step: int, d, task) -> dict:
     return {"layout": layout, "model": task.description, **record,
             "data": {"next_global_batch": step, "samples_seen": step * cfg.train.batch_size,
                      "tokens_seen": step * cfg.train.batch_size * task.tokens_per_sample,
-                     "seed": cfg.train.seed}}
+                     "seed": cfg.train.seed, "sources": source_identity.identity(cfg.data)}}
 
 
 def _rng_state() -> dict:
@@ -640,10 +662,15 @@ def check_resumable(meta: dict, cfg: Config, path: Path) -> None:
         before, now = getattr(getattr(saved, section), key), getattr(getattr(cfg, section), key)
         if before != now:
             conflicts.append(f"{dotted} = {before!r} in the checkpoint, {now!r} now")
+    saved_sources = meta.get("data", {}).get("sources")
+    if saved_sources is None and saved.data.source != cfg.data.source:  # written before loom recorded them
+        conflicts.append(f"data.source = {saved.data.source!r} in the checkpoint, {cfg.data.source!r} now")
     if conflicts:
         raise LoomError(f"cannot resume from {path}: {'; '.join(conflicts)}; keep the checkpoint's values "
                         f"(its config is in {path / META}) or start a new run without --resume")
     lora_base.check(meta.get("lora_base"), lora_base.identity(cfg), path)
+    if saved_sources is not None:
+        source_identity.check(saved_sources, source_identity.identity(cfg.data), path)
     if meta["step"] >= cfg.train.steps:
         raise LoomError(f"{path} is at step {meta['step']} and train.steps = {cfg.train.steps}: nothing left "
                         f"to train; raise train.steps "
@@ -669,7 +696,7 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
     meta = read_meta(path)
     check_resumable(meta, cfg, path)
     if deepspeed_engine.is_engine(model):
-        _load_deepspeed(path, model, optimizer, d)
+        _load_deepspeed(path, model, optimizer, d, meta["step"])
         return _restore_schedule_and_rng(path, meta, optimizer, scheduler, d)
     flat, held, names = _state(model, optimizer, d)
     mine = {k: (v.dtype, tuple(v.shape)) for k, v in flat.items()}
@@ -681,7 +708,8 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, d) -> 
         dcp.load(flat, storage_reader=safe_load.SafeReader(path, metadata), planner=safe_load.SafePlanner())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is the same advice
         raise _damaged(path, e) from None
-    _check_adam_steps(path, flat)
+    _check_adam_steps(path, flat, meta["step"])
+    _check_finite(path, flat)
     model_sd = held["model_sd"]
     for k in model_sd:
         model_sd[k] = flat[f"model.{names.to_ckpt(k)}"]
@@ -707,6 +735,7 @@ def load_weights(path: Path, model: nn.Module, d) -> None:
     metadata = safe_load.read_metadata(path)
     safe_load.check_entries(path, metadata, {k: v for part in everyone for k, v in part.items()}, "model.")
     _dcp_load(path, flat, metadata)
+    _check_finite(path, flat, "point model.init_from at an earlier checkpoint")
     for k in model_sd:
         model_sd[k] = flat[f"model.{names.to_ckpt(k)}"]
     set_model_state_dict(model, model_sd, options=StateDictOptions(strict=False))
@@ -719,7 +748,7 @@ def _dcp_load(path: Path, state: dict, metadata) -> None:
         raise _damaged(path, e) from None
 
 
-def _load_deepspeed(path: Path, engine, optimizer, d) -> None:
+def _load_deepspeed(path: Path, engine, optimizer, d, step: int) -> None:
     """The deepspeed engine reads whole tensors (every rank all of them: its fragments come from
     them) and writes them into its partitions."""
     expected = deepspeed_engine.checkpoint_entries(engine)
@@ -731,12 +760,15 @@ def _load_deepspeed(path: Path, engine, optimizer, d) -> None:
                  planner=safe_load.SafePlanner())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure to read is the same advice
         raise _damaged(path, e) from None
-    _check_adam_steps(path, tensors)
+    _check_adam_steps(path, tensors, step)
+    _check_finite(path, tensors)
     deepspeed_engine.load_full_states(engine, optimizer, tensors)
 
 
-def _check_adam_steps(path: Path, tensors: dict) -> None:
-    """AdamW's step counts are whole numbers ≥ 0 (a NaN one would turn every update into NaN)."""
+def _check_adam_steps(path: Path, tensors: dict, step: int) -> None:
+    """AdamW's step counts are whole numbers ≥ 0 (a NaN one would turn every update into NaN), at
+    most the checkpoint's step (a skipped update does not count; a meta.json step edited below
+    the optimizer's would restart the schedule and the data behind the moments)."""
     for name, t in tensors.items():
         if name.startswith("optim.") and name.endswith(".step") and type(t) is torch.Tensor \
                 and t.numel() == 1:
@@ -744,6 +776,29 @@ def _check_adam_steps(path: Path, tensors: dict) -> None:
             if not math.isfinite(count) or count < 0 or count != int(count):
                 raise LoomError(f"checkpoint {path} holds {name} = {count}, not a step count (a whole number "
                                 f"≥ 0); it is damaged or was altered: {_EARLIER}")
+            if count > step:
+                raise LoomError(f"checkpoint {path} holds {name} = {int(count)} updates, more than its step "
+                                f"({step}, meta.json's); it is damaged or was altered: {_EARLIER}")
+
+
+def _check_finite(path: Path, tensors: dict, way_out: str = _EARLIER) -> None:
+    """Weights and optimizer states are finite: loom never applies a non-finite update, so a NaN or
+    Inf was written into the file afterwards (or the disk damaged it); training from it would skip
+    every update. Each rank checks what it read, and all ranks agree before any raises."""
+    found = [name for name, t in tensors.items()  # fp32 sum: NaN/Inf where a value is (no weight nears 1e38)
+             if isinstance(t, torch.Tensor) and t.is_floating_point()
+             and not math.isfinite(float(_local(t).sum(dtype=torch.float32)))]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, found)
+    bad = sorted({name for part in everyone for name in part})
+    if bad:
+        more = f" (and {len(bad) - 1} other tensors)" if len(bad) > 1 else ""
+        raise AgreedError(f"checkpoint {path} holds non-finite values (NaN/Inf) in {bad[0]}{more}: the file "
+                          f"was damaged or altered after loom wrote it; {way_out}")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _restore_schedule_and_rng(path: Path, meta: dict, optimizer, scheduler, d) -> dict:

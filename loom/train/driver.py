@@ -42,15 +42,16 @@ from loom.observe.rank_memory import (
     measure_model_states,
     resident_bytes,
 )
+from loom.observe.run_report import write_run_report
 from loom.parallel import deepspeed_engine, precision
 from loom.parallel.apply import parallelize, sequence_split, uses_fsdp
 from loom.parallel.context_parallel import sequence_share, take_tally
 from loom.parallel.expert_parallel import take_tally as take_ep_tally
-from loom.parallel.mesh import Dist, init_distributed
+from loom.parallel.mesh import Dist, group_of_this_call, init_distributed
 from loom.parallel.weights import TensorsSource
 from loom.plan.memory import deepspeed_states, lora_state_bytes, model_state_bytes
 from loom.plan.step import bubble_fraction
-from loom.train import checkpoint, faults, moe_step, record
+from loom.train import checkpoint, faults, moe_step, record, run_figures
 from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
 from loom.train.optim import build_optimizer, build_scheduler
 from loom.train.step import Pipeline, build_pipeline, deepspeed_train_step, evaluate, train_step
@@ -187,20 +188,22 @@ def train(cfg: Config, run_dir: Path | None = None, return_state: bool = False, 
     if resume is None and run_dir is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume = "auto"
     flight.enable(run_dir)
-    d = init_distributed(lambda world: validate(cfg, world), t.device, timeout_s=t.collective_timeout_s,
-                         cp_mode=cfg.parallel.cp_mode, host_collectives=cfg.parallel.offload == "cpu")
-    watcher = flight.Watcher(run_dir, d) if run_dir is not None and d.world_size > 1 else None
-    try:
-        return _train(cfg, d, run_dir, return_state, quiet, task or config_task(cfg), resume)
-    except (RuntimeError, dist.DistError) as e:
-        if flight.is_timeout(e) and run_dir is not None:
-            raise flight.timeout_error(e, run_dir, d, t.collective_timeout_s) from None
-        raise
-    finally:
-        Trackers.close_current(failed=True)  # after an error (a finished run has closed them)
-        StopRequest.close_current()
-        if watcher is not None:
-            watcher.stop()
+    with group_of_this_call():  # the process group this call starts ends with it (its threads joined)
+        d = init_distributed(lambda world: validate(cfg, world), t.device, timeout_s=t.collective_timeout_s,
+                             cp_mode=cfg.parallel.cp_mode, host_collectives=cfg.parallel.offload == "cpu")
+        watcher = flight.Watcher(run_dir, d) if run_dir is not None and d.world_size > 1 else None
+        try:
+            return _train(cfg, d, run_dir, return_state, quiet, task or config_task(cfg), resume)
+        except (RuntimeError, dist.DistError) as e:
+            if flight.is_timeout(e) and run_dir is not None:
+                raise flight.timeout_error(e, run_dir, d, t.collective_timeout_s) from None
+            raise
+        finally:
+            Trackers.close_current(failed=True)  # after an error (a finished run has closed them)
+            StopRequest.close_current()
+            if watcher is not None:
+                watcher.stop()
+            d = watcher = None  # nothing here holds the group when it ends
 
 
 def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet: bool, task: Task,
@@ -219,7 +222,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
                             d.dp_mesh.size(), cfg.data.pin_memory and d.device.type == "cuda", start_step)
     ckpt = (checkpoint.Checkpointer(run_dir, cfg, d, t.keep_last, t.ckpt_async) if run_dir is not None
             else None)
-    plan = record.plan_run(cfg, task.shape, d) if task.shape is not None else None
+    plan = record.plan_run(cfg, task.shape, d, len(built.params)) if task.shape is not None else None
     if run_dir is not None and main:
         record.write_start(run_dir, cfg, plan, built.engine_config)
     log = StepLog(cfg, run_dir, start_step, t.batch_size * task.tokens_per_sample, main, say, plan)
@@ -237,6 +240,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     stop = StopRequest(d.world_size, preempt_signal(cfg))  # a signal, or the launcher's stop file
     start = last_save = time.perf_counter()
     waits = None  # the timed steps' wait for a core (other processes on this machine): from the third step
+    final_eval = not_yet = object()
     for step in range(start_step + 1, t.steps + 1):
         step_start = time.perf_counter()
         if step == start_step + 3:
@@ -266,7 +270,10 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
         log.queued(step, out, phases, step_start, exchange)
         if profiler is not None:
             profiler.step()
-        if t.eval_every and step % t.eval_every == 0 and step < t.steps:  # the last step: the final eval
+        if step == t.steps:  # the final eval: in the last step's metrics, before its checkpoint
+            final_eval = evaluate(b.model, loaders.eval, d, cfg, task.loss_fn, b.pipe)
+            log.eval(step, final_eval, final=True)
+        elif t.eval_every and step % t.eval_every == 0:
             log.eval(step, evaluate(b.model, loaders.eval, d, cfg, task.loss_fn, b.pipe))
         timed = ckpt is not None and t.ckpt_every_min > 0 and \
             time.perf_counter() - last_save >= 60 * t.ckpt_every_min
@@ -295,7 +302,8 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
         ckpt.close()
 
     # Finish: the final eval, every rank's measurements, the records.
-    eval_loss = evaluate(b.model, loaders.eval, d, cfg, task.loss_fn, b.pipe)
+    eval_loss = (evaluate(b.model, loaders.eval, d, cfg, task.loss_fn, b.pipe) if final_eval is not_yet
+                 else final_eval)  # not_yet: a resumed run with no step left to train
     memory.peak_bytes = peak.peak_bytes
     rank_memory: list[dict] = [None] * d.world_size  # type: ignore[list-item]
     # Observed: count and payload of the collectives of step 2; wire bytes only as the ring model.
@@ -305,7 +313,8 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
                 **{f"comm_{k}": comm_seen[k] if comm_seen else None
                    for k in ("count", "payload_bytes", "modelled_wire_bytes", "by_kind")}}
     dist.all_gather_object(rank_memory, measured)
-    log.close(eval_loss, rank_memory)  # the trackers get the final eval and memory.json's ranks
+    # the trackers get memory.json's ranks, and the final eval unless the last step's metrics carried it
+    log.close(eval_loss if final_eval is not_yet else None, rank_memory)
     # The first step pays for warm-up and the second for memory tracking: time the steady state after them.
     timed = log.step_times[2:] or log.step_times
     tokens_per_s = log.tokens_per_step * len(timed) / sum(timed)
@@ -319,7 +328,8 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
             shutil.rmtree(swap, ignore_errors=True)
     result = RunResult(log.losses, log.grad_norms, eval_loss, rank_memory, tokens_per_s, elapsed, state,
                        extra={"start_step": start_step, "skipped_steps": log.skipped_steps,
-                              "evals": log.evals, "step_time_s": statistics.median(timed),
+                              "evals": log.evals, "moe_rows": log.moe_rows,
+                              "step_time_s": statistics.median(timed),
                               "checkpoint_stall_s": ckpt.stall_s if ckpt is not None else []})
     if main:
         _finish_records(cfg, d, b, result, plan, run_dir, quiet, task.from_config)
@@ -438,7 +448,8 @@ class StepLog:
         self.grad_norms: list[float] = []
         self.step_times: list[float] = []
         self.skipped_steps: list[int] = []
-        self.evals: dict[int, float] = {}  # step -> held-out loss, every train.eval_every steps
+        self.evals: dict[int, float] = {}  # step -> held-out loss every train.eval_every steps, not the last
+        self.moe_rows: list[dict] = []  # a mixture of experts' load and dropped tokens, per logged step
 
     def queued(self, step: int, out, phases: dict, step_start: float, exchange: dict | None = None) -> None:
         """Step `step` is queued: read back the step before it, keep this one's values pending.
@@ -453,10 +464,14 @@ class StepLog:
         self.pending = {"step": step, "lr": out.lr, "step_time_s": step_time, "data_wait_s": out.data_wait_s,
                         "values": values, "phases": phases, **(exchange or {})}
 
-    def eval(self, step: int, held_out: float | None) -> None:
+    def eval(self, step: int, held_out: float | None, final: bool = False) -> None:
+        """`final`: the last step's, which the summary prints (RunResult.eval_loss, not in `evals`)."""
         if held_out is None:
             return
-        self.evals[step] = self.pending["eval_loss"] = held_out  # written with the step's metrics
+        self.pending["eval_loss"] = held_out  # written with the step's metrics
+        if final:
+            return
+        self.evals[step] = held_out
         if self.say:
             print(f"\neval loss at step {step}: {held_out:.4f}", flush=True)
 
@@ -467,6 +482,8 @@ class StepLog:
         values = entry.pop("values")
         loss, gnorm, skipped = values[:3].tolist()
         entry.update(moe_step.metrics(values[3:] if values.numel() > 3 else None))
+        if "moe_load_imbalance" in entry:
+            self.moe_rows.append({k: entry[k] for k in ("moe_load_imbalance", "moe_dropped")})
         self.losses.append(loss)
         self.grad_norms.append(gnorm)
         phases = PhaseTimer.resolve(entry.pop("phases"))
@@ -543,16 +560,24 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
         summary["measured_vs_planned"] = record.measured_vs_planned(result.memory, plan)
         summary["step_time_vs_planned"] = record.step_time_vs_planned(
             result.extra["step_time_s"], plan, sum(r.get("core_wait_share", 0.0) for r in result.memory))
+    summary["figures"] = run_figures.figures(result.tokens_per_s, plan, result.extra["evals"],
+                                             result.eval_loss, cfg.train.steps, result.extra["moe_rows"])
+    report = None
     if run_dir is not None:
         record.write_end(run_dir, p.strategy, formula, shard, expected, result.memory, summary)
+        report = write_run_report(run_dir)  # the curves and memory against the plan, to look at
     if quiet:
         return
     # Offloaded states, which the figures beside the formula and the plan count differently (legends).
     offload = tuple(x for x in (p.offload_optimizer, p.offload_params) if x != "none" and
                     (x == "nvme" or d.device.type == "cpu")) if b.engine == "deepspeed" else ()
     record.print_summary(summary, result.memory, formula, expected, run_dir, offload)
+    print("\n".join(run_figures.lines(summary["figures"])))
+    if report is not None:
+        print(f"report: {report}  (loss and eval curves, tokens/s, memory against the plan)")
     if plan is not None:
-        record.print_measured_vs_planned(summary["measured_vs_planned"], offload)
+        record.print_measured_vs_planned(summary["measured_vs_planned"], offload,
+                                         plan.get("comm_loop_by_kind"))
         record.print_step_time(summary["step_time_vs_planned"], d.device.type)
     if last is not None:
         # `loom train` rebuilds the config's model (every setting from the run's config.toml); a

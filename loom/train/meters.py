@@ -46,7 +46,7 @@ class Progress:
         line = (f"step {step:>{len(str(self.total))}}/{self.total} |{bar}| loss {loss:.4f} "
                 f"| {tokens_per_s:,.0f} tok/s | ETA {format_duration(eta)}{extra}")
         if self.tty:
-            self.stream.write("\r" + line)
+            self.stream.write("\r" + line + "\x1b[K")  # erased to its end: a shorter line leaves no tail
             if step == self.total:
                 self.stream.write("\n")
         elif step % self.log_every == 0 or step == self.total or step == 1:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from loom import strategies
-from loom.config import TrainConfig
+from loom.config import TrainConfig, choose_deepspeed_accelerator
 from loom.parallel.mesh import Dist
 from loom.parallel.zero1 import build_zero1_optimizer
 
@@ -33,6 +33,7 @@ def build_optimizer(model: nn.Module, t: TrainConfig, strategy: str, d: Dist,
     engine shards it itself, and steps an offloaded optimizer with its CPU Adam (AdamW mode)."""
     groups = param_groups(model, t.weight_decay)
     if offloaded:
+        choose_deepspeed_accelerator()
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # an optional dependency: deepspeed engine only
 
         return DeepSpeedCPUAdam(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, adamw_mode=True)

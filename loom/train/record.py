@@ -24,12 +24,13 @@ from loom.config import Config, to_toml
 from loom.files import atomic_write
 from loom.parallel.mesh import Dist
 from loom.plan import device
-from loom.plan.comm import comm_per_step
+from loom.plan.comm import comm_per_step, loop_collectives, with_loop
 from loom.plan.command import local_cluster
 from loom.plan.hardware import Cluster, detect
 from loom.plan.memory import stage_memory
 from loom.plan.search import config_candidate, config_workload, estimate
 from loom.plan.shapes import ModelShape
+from loom.plan.step import flops_per_token
 from loom.train.meters import format_duration
 
 
@@ -50,11 +51,12 @@ def write_end(run_dir: Path, strategy: str, formula: str, shard: int, expected: 
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
 
 
-def plan_run(cfg: Config, shape: ModelShape, d: Dist) -> dict:
+def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained_tensors: int = 0) -> dict:
     """The planner's prediction for this very run (written as plan.json, printed beside the
     measurements). Time is priced on this machine's device profile (`loom plan --calibrate`) when
     one was measured on this kind of device, else on the catalog entry of a recognised GPU; without
-    either (a CPU never calibrated) the plan has bytes only."""
+    either (a CPU never calibrated) the plan has bytes only. `trained_tensors`: the parameter tensors
+    of this rank that train (the loop's gradient norm and DDP's bucket order carry one number each)."""
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size))
     nodes = max(d.world_size // per_node, 1)
     profile = device.load(required=False)
@@ -73,15 +75,28 @@ def plan_run(cfg: Config, shape: ModelShape, d: Dist) -> dict:
     record["memory_bytes_by_stage"] = {s: stage_memory(w, c, s, cluster.fragmentation,
                                                        device=d.device.type).to_dict()
                                        for s in range(c.pp)}
-    # What a rank can observe (payload bytes and counts per collective kind), for comparison with
-    # the run's CollectiveCounter; comm_bytes_per_step stays the ring model's wire bytes.
-    payload = comm_per_step(w, c, cluster.gpus_per_node)[0].payload_dict()
-    record.update(comm_payload_bytes_per_step=payload["payload_bytes"],
-                  comm_payload_bytes_by_kind=payload["payload_bytes_by_kind"],
-                  comm_count_per_step=payload["count"], comm_count_by_kind=payload["count_by_kind"])
+    record.update(planned_collectives(cfg, w, c, cluster.gpus_per_node, trained_tensors))
     record["gpu"] = cluster.gpu.name if cluster.gpu else None
+    # what the measured MFU is figured from (loom/train/run_figures.py): the planner's FLOPs per token
+    record["peak_tflops"] = cluster.gpu.bf16_tflops if cluster.gpu else None
+    record["flops_per_token"] = flops_per_token(w)
     record["device_profile"] = str(device.default_path()) if cluster.profile is not None else None
     return record
+
+
+def planned_collectives(cfg: Config, w, c, gpus_per_node: int, trained_tensors: int) -> dict:
+    """What a rank can observe of the plan's collectives (payload bytes and counts per collective kind),
+    for comparison with the run's CollectiveCounter; comm_bytes_per_step stays the ring model's wire
+    bytes. The loop's own few-byte collectives (the control plane) are added to their kinds and listed
+    apart (comm_loop_by_kind), so that measured and planned count the same collectives."""
+    payload = comm_per_step(w, c, gpus_per_node)[0].payload_dict()
+    loop = loop_collectives(w, c, trained_tensors, cfg.parallel.ddp_bucket_mb * 2**20,
+                            payload["payload_bytes_by_kind"].get("all_reduce", 0.0), cfg.data.format == "sft")
+    payload = with_loop(payload, loop)
+    return {"comm_payload_bytes_per_step": payload["payload_bytes"],
+            "comm_payload_bytes_by_kind": payload["payload_bytes_by_kind"],
+            "comm_count_per_step": payload["count"], "comm_count_by_kind": payload["count_by_kind"],
+            "comm_loop_by_kind": payload["loop"]}
 
 
 LOADED_SHARE = 0.05  # past this share of the time waiting for a core, the machine was not the run's alone
@@ -148,8 +163,10 @@ def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:
     return rows
 
 
-def print_measured_vs_planned(rows: list[dict], offload: tuple[str, ...] = ()) -> None:
-    """Each cell: measured MiB / planned MiB, then their ratio; `offload` as in print_summary."""
+def print_measured_vs_planned(rows: list[dict], offload: tuple[str, ...] = (),
+                              loop: dict | None = None) -> None:
+    """Each cell: measured MiB / planned MiB, then their ratio; `offload` as in print_summary; `loop`:
+    the loop's own collectives the plan counts in their kinds (plan.json's comm_loop_by_kind)."""
     mib = 2**20
 
     def cell(got, want) -> str:
@@ -179,6 +196,9 @@ def print_measured_vs_planned(rows: list[dict], offload: tuple[str, ...] = ()) -
     if rows:
         print(f"  wire bytes per step, modelled (ring model on the observed payloads, not measured): "
               f"{wire or 'n/a'} MiB; plan {rows[0]['comm_modelled_wire_bytes'][1] / mib:.2f} MiB")
+    if loop:  # the control plane: a few bytes each, planned so that the counts compare
+        print("  of those, the loop's own (planned): " + "; ".join(
+            f"{kind} ×{v['count']} ({v['what']}, {v['payload_bytes']:,.0f} B)" for kind, v in loop.items()))
 
 
 

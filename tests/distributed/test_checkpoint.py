@@ -146,6 +146,8 @@ def test_checkpoints_are_published_whole_and_pruned(tmp_path):
     assert {p.name for p in step5.iterdir()} >= {".metadata", "meta.json", "rng_rank0.json", "rng_rank1.json"}
     meta = checkpoint.read_meta(step5)
     assert meta["step"] == 5 and meta["world_size"] == 2 and meta["layout"]["strategy"] == "ddp"
+    (source,) = meta["data"].pop("sources")  # what the data is (loom/data/source_identity.py)
+    assert source["spec"] == source["path"] == "stdlib" and len(source["fingerprint"]) == 16
     assert meta["data"] == {"next_global_batch": 5, "samples_seen": 40, "tokens_seen": 1280, "seed": 0}
     assert meta["scheduler"]["last_epoch"] == 5
     assert "[parallel]" in meta["config"]

@@ -293,7 +293,9 @@ def test_eval_every_evaluates_at_multiples(runs):
     assert evals == {k: round(v, 4) for k, v in periodic["evals"].items()}
     records = [json.loads(line)
                for line in (out_dir / "eval_every=2" / "metrics.jsonl").read_text().splitlines()]
-    assert {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r} == periodic["evals"]
+    # and the final eval with the last step's (issue 40)
+    logged = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert logged == {**periodic["evals"], EVAL_STEPS: periodic["eval_loss"]}
     # evaluated anew each time, on the weights as training went on
     assert evals[2] != evals[4] != round(periodic["eval_loss"], 4)
     assert _evals(final_only["stdout"]) == {} and final_only["evals"] == {}

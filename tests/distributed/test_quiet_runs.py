@@ -1,7 +1,8 @@
 """A run's stderr holds its progress, not third-party noise: TP's ranks log no DTensor
-redistribution advice, a pipeline's DDP stages no find_unused_parameters warning per rank, and
+redistribution advice, a pipeline's DDP stages no find_unused_parameters warning per rank,
 DeepSpeed's ZeRO-3 no FutureWarning per collective (42 in 10 steps before
-loom/parallel/known_warnings.py); the layout line names tp."""
+loom/parallel/known_warnings.py) and no accelerator or build notes, a profile no Kineto marks;
+the layout line names tp."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ TINY = ("--set", "model.preset=tiny", "--set", "train.batch_size=4", "--set", "d
         "--set", "data.num_workers=0", "--set", "train.eval_batches=1")
 
 
-def _train(out: Path, *sets: str) -> subprocess.CompletedProcess:
+def _train(out: Path, *sets: str, command: str = "train") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "loom.cli", "train", "--nproc", "2", "--out", str(out), *TINY,
+    env.pop("DS_ACCELERATOR", None)  # as a user's shell has it: DeepSpeed left to choose
+    r = subprocess.run([sys.executable, "-m", "loom.cli", command, "--nproc", "2", "--out", str(out), *TINY,
                         *sets], capture_output=True, text=True, env=env, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
@@ -48,3 +50,16 @@ def test_deepspeed_zero3_run_prints_no_future_warnings(tmp_path):
                "--set", "parallel.strategy=zero3")
     assert r.stderr.count("FutureWarning") == 0, r.stderr[-3000:]
     assert "is deprecated" not in r.stderr
+    # nor its accelerator probe's warning, nor its CPU backend's "… built successfully" per rank
+    assert _noise(r.stderr) == [] and "built successfully" not in r.stdout, r.stderr[-3000:] + r.stdout
+
+
+def test_a_profile_under_context_parallelism_is_quiet(tmp_path):
+    """Kineto's USDT profiler_start/stop marks (fd 2, inside the progress line), DeviceMesh's
+    flattened-dim slicing warning (cp), and the ledger's "collectives have no recorded size" (the
+    loop's 0-d all-reduce): none of them."""
+    r = _train(tmp_path / "cp", "--set", "train.steps=6", "--set", "parallel.cp=2", "--set", "profile.wait=1",
+               "--set", "profile.warmup=1", "--set", "profile.active=2", command="profile")
+    assert _noise(r.stderr) == [], r.stderr[-3000:]
+    assert "warning" not in r.stdout.lower() and (tmp_path / "cp" / "traces" / "rank1.json.gz").is_file(), \
+        r.stdout[-3000:]

@@ -221,11 +221,13 @@ PP_CASES = [
     ("ddp", 4, ("parallel.pp=2",)),
     ("zero1", 4, ("parallel.pp=2", "parallel.pp_schedule=gpipe")),
     ("zero3", 4, ("parallel.pp=2", "parallel.tp=2")),
+    # sequence parallel: a later stage's input is its 1/tp of each sequence (RoPE over the whole)
+    ("zero3", 4, ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true")),
     ("zero3", 8, ("parallel.pp=2", "parallel.tp=2")),
     ("zero2", 2, ("parallel.pp=2", "parallel.activation_checkpointing=full")),
 ]
 PP_IDS = ["pp2-gpipe", "pp2-1f1b-m4", "pp2-interleaved", "pp2xddp-dp2", "pp2xzero1-dp2", "pp2xtp2",
-          "pp2xdp2xtp2", "pp2-zero2-ac"]
+          "pp2xtp2-sp", "pp2xdp2xtp2", "pp2-zero2-ac"]
 
 
 @pytest.mark.parametrize("strategy,world,extra", PP_CASES, ids=PP_IDS)

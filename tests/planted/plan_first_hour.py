@@ -10,6 +10,7 @@ EMITS = (f"{HOUR}::test_emit_after_params_writes_a_shape_of_that_many_parameters
          f"{HOUR}::test_emit_after_a_preset_writes_the_preset",
          f"{HOUR}::test_emit_after_a_config_json_writes_its_folder_or_its_shape")
 CPU = f"{HOUR}::test_a_cpu_plan_speaks_of_a_cpu"
+REASONS = "tests/unit/test_first_hour2_plan_reasons.py::test_every_stated_comparison_is_true_of_the_table"
 
 BUGS = [
     Bug("readme-plan-example-on-cpu", "the README's 70B example plans on the local CPU (no --gpu)",
@@ -41,7 +42,7 @@ BUGS = [
         "loom/plan/report.py",
         'fitting = sorted((i for i, r in enumerate(records) if r["fits"] and r["runs_in_loom"]),',
         'fitting = sorted((i for i, r in enumerate(records) if r["fits"]),',
-        (f"{HOUR}::test_only_what_loom_runs_is_ranked_and_recommended",)),
+        (f"{HOUR}::test_only_what_loom_runs_is_ranked_and_recommended", f"{REASONS}[mixtral-16]")),
     Bug("search-recommends-unrunnable", "the search recommends among candidates loom does not run",
         "loom/plan/search.py",
         '    runnable = [i for i in fitting if records[i]["runs_in_loom"]]\n',
@@ -67,7 +68,7 @@ BUGS = [
         "loom/plan/search.py",
         '    roomy = [i for i in runnable if records[i]["memory_bytes"]["total"] <= TIGHT * capacity]\n',
         "    roomy = runnable\n",
-        (f"{HOUR}::test_the_pick_keeps_the_readmes_headroom",)),
+        (f"{HOUR}::test_the_pick_keeps_the_readmes_headroom", f"{REASONS}[70e9-zero-2-nodes]")),
     Bug("full-offload-nothing-on-gpu", "a parameter count fully offloaded is planned as 0 GB on the GPU",
         "loom/plan/memory.py",
         "            buffers += 2 * w.act_bytes * layer / c.tp\n",

@@ -142,6 +142,65 @@ def _(c: Ctx) -> str:
     return c.train("--resume", str(path), "--set", "train.steps=4")
 
 
+@case("ckpt-meta-step-edited")
+def _(c: Ctx) -> str:
+    path = _edited(c, "meta.json", lambda m: m.update(step=1))
+    return c.train("--resume", str(path), "--set", "train.steps=4")
+
+
+@case("ckpt-meta-step-huge")
+def _(c: Ctx) -> str:
+    path = _edited(c, "meta.json", lambda m: m.update(step=10**30))
+    return c.train("--resume", str(path), "--set", "train.steps=4")
+
+
+@case("ckpt-adam-step-ahead")
+def _(c: Ctx) -> str:
+    def back_to_step_1(meta: dict) -> None:  # every counter of meta.json edited alike; Adam's says 2
+        meta.update(step=1)
+        meta["scheduler"].update(last_epoch=1, _step_count=2)
+        meta["data"].update(next_global_batch=1, samples_seen=4, tokens_seen=128)
+
+    path = _edited(c, "meta.json", back_to_step_1)
+    return c.train("--resume", str(path), "--set", "train.steps=4")
+
+
+@case("ckpt-data-other-content")
+def _(c: Ctx) -> str:
+    other = c.tmp / "elsewhere" / "corpus.txt"
+    other.parent.mkdir()
+    other.write_text(Path(c.corpus).read_text().upper())
+    return c.train("--resume", str(c.step_2), "--set", f'data.source="{other}"', "--set", "train.steps=4")
+
+
+def _with_a_nan_weight(c: Ctx) -> Path:
+    """c.step_2 rewritten with one NaN in model.norm.weight (its meta and RNG files as they were)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from loom.train import checkpoint
+
+    state = checkpoint.read_tensors(c.step_2, "")
+    state["model.norm.weight"][3] = float("nan")
+    path = c.tmp / "old" / "checkpoints" / "step_2"
+    path.mkdir(parents=True)
+    with torch.no_grad():
+        dcp.save(state, checkpoint_id=path, no_dist=True)
+    for f in c.step_2.glob("*.json"):
+        shutil.copy(f, path / f.name)
+    return path
+
+
+@case("ckpt-weight-nan")
+def _(c: Ctx) -> str:
+    return c.train("--resume", str(_with_a_nan_weight(c)), "--set", "train.steps=4")
+
+
+@case("ckpt-init-from-weight-nan")
+def _(c: Ctx) -> str:
+    return c.train("--set", f'model.init_from="{_with_a_nan_weight(c)}"', "--set", "train.steps=2")
+
+
 def _before_any_rank(c: Ctx, path: Path) -> str:
     """`loom train --resume path`, failing if a rank (here: the world of one) starts training:
     every rank's RNG file is read by the launcher first."""

@@ -114,7 +114,7 @@ def test_search_prefers_fitting_and_emits_runnable_config(tmp_path, capsys):
     breakdown = best["step_time_breakdown_s"]
     assert breakdown["total"] == pytest.approx(sum(v for k, v in breakdown.items() if k != "total"))
     # the emitted config runs exactly that candidate on 8 ranks
-    cfg = load_config(out)
+    cfg = load_config(out, ["data.source=/data/web", "data.tokenizer=byte"])  # the placeholders, set
     dims = validate(cfg, 8, cuda_available=True)
     assert cfg.model.preset == "8b"
     again = config_candidate(cfg, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp)

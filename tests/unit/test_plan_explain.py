@@ -151,11 +151,11 @@ def test_ddp(plan_8b):
 
 
 def test_zero1_and_zero3(plan_8b):
-    i = find(plan_8b, strategy="zero1", tp=1, pp=1, offload="none", engine="zero1")
+    i = find(plan_8b, strategy="zero1", tp=1, pp=1, offload="none", engine="torch")
     text = explain(plan_8b, i)
     assert "4Ψ + 4Ψ + 8Ψ/N = 8Ψ + 8Ψ/N" in text and "broadcast" in text
     assert_adds_up(text, plan_8b.candidates[i])
-    i = find(plan_8b, strategy="zero3", tp=1, pp=1, offload="none", engine="fsdp2")
+    i = find(plan_8b, strategy="zero3", tp=1, pp=1, offload="none", engine="torch")
     text = explain(plan_8b, i)
     for formula in ("4Ψ/N + 4Ψ/N + 8Ψ/N = 16Ψ/N", "3Φ against DDP's 2Φ", "k·Φ_p + k·(Φ_p − Φ_kept)",
                     "(N−1)/N·Φ_g", "moments of the step", "← peak"):
@@ -201,7 +201,7 @@ def test_offload_and_deepspeed(plan_8b):
     text = explain(plan_8b, i)
     assert "NVMe per node" in text and "2·12Ψ/(NVMe bandwidth / GPUs per node)" in text
     assert_adds_up(text, plan_8b.candidates[i])
-    i = find(plan_8b, offload="optimizer+params", engine="fsdp2")
+    i = find(plan_8b, offload="optimizer+params", engine="torch")
     assert_adds_up(explain(plan_8b, i), plan_8b.candidates[i])
 
 
@@ -215,12 +215,12 @@ def test_hsdp_tied_embeddings_across_nodes(plan_1b_two_nodes):
 
 def test_params_only_zero_recipe(plan_params_zero):
     plan = plan_params_zero
-    i = find(plan, strategy="zero1", engine="zero1")
+    i = find(plan, strategy="zero1", engine="torch")
     text = explain(plan, i)
     assert "2Ψ + 2Ψ + 12Ψ/N = 4Ψ + 12Ψ/N" in text and "the ZeRO paper's P_os" in text
     assert "6N (attention unknown)" in text and "not modelled" in text and "70,000,000,000" in text
     assert_adds_up(text, plan.candidates[i])
-    text = explain(plan, find(plan, strategy="zero2", engine="fsdp2"))
+    text = explain(plan, find(plan, strategy="zero2", engine="torch"))
     assert "2Ψ + 2Ψ/N + 12Ψ/N = 2Ψ + 14Ψ/N" in text  # the paper's stage 2 keeps its params whole
 
 
@@ -240,7 +240,7 @@ def test_rebuilt_candidate_has_the_records_label(plan_8b, plan_1b_two_nodes):
 def test_a_drift_from_the_planner_shows(plan_8b, monkeypatch):
     """The explanation is the planner's record, checked against the plan's: a record that the
     planner no longer makes (here: a term of the loss priced differently since) fails the check."""
-    i = find(plan_8b, strategy="zero3", tp=1, pp=1, offload="none", engine="fsdp2")
+    i = find(plan_8b, strategy="zero3", tp=1, pp=1, offload="none", engine="torch")
     monkeypatch.setattr(memory_module, "head_saved_bytes", lambda *a, **k: 1e9)
     text = explain(plan_8b, i)
     assert "✗" in text

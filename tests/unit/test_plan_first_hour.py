@@ -128,7 +128,7 @@ def test_ties_go_to_the_torch_engine_and_say_so(capsys):
     ZeRO-Offload; the pick is torch's, and the reason does not call it the highest."""
     plan = plan_json(capsys, "--params", "70e9", "--recipe", "zero", "--gpu", "H100-SXM")
     best = plan["candidates"][plan["recommended"]]
-    assert best["engine"] == "fsdp2" and best["offload"] == "optimizer+params"
+    assert best["engine"] == "torch" and best["offload"] == "optimizer+params"
     ties = [r for r in plan["candidates"] if r["fits"] and r["tokens_per_s"] == best["tokens_per_s"]]
     assert len(ties) > 1
     assert "highest predicted throughput" not in plan["reason"]
@@ -145,8 +145,8 @@ def test_deepspeed_pick_gives_its_true_reason(capsys):
     reason = plan["reason"]
     assert "0.0% faster" not in reason and "optimizer-only" not in reason
     assert best["engine"] == "deepspeed" and best["offload"] == "none"
-    same = [r for r in plan["candidates"] if r["engine"] == "fsdp2" and r["strategy"] == best["strategy"]
-            and r["tp"] == r["pp"] == 1 and r["activation_checkpointing"] == "none"]
+    same = [r for r in plan["candidates"] if r["engine"] == "torch" and r["strategy"] == best["strategy"]
+            and r["tp"] == r["pp"] == r["cp"] == 1 and r["activation_checkpointing"] == "none"]
     torch_same = min(same, key=lambda r: r["memory_bytes"]["total"])
     assert f"needs {torch_same['memory_bytes']['total'] / GB:.3g} GB per GPU" in reason
 
@@ -254,7 +254,7 @@ def test_a_near_tie_goes_to_the_torch_engine_before_a_simpler_strategy():
                 "activation_checkpointing": "none", "strategy": strategy, "engine": engine,
                 "memory_bytes": {"total": 40 * GB}}
 
-    records = [record("zero2", "deepspeed"), record("zero3", "fsdp2")]
+    records = [record("zero2", "deepspeed"), record("zero3", "torch")]
     assert choose(records, [0, 1], 80 * GB)[0] == 1
 
 
@@ -300,7 +300,7 @@ def test_the_8b_default_plan_runs_fsdp_alone(capsys):
     plan = plan_json(capsys, "--model", "8b", "--gpu", "H100-SXM")
     best = plan["candidates"][plan["recommended"]]
     assert best["strategy"] in ("zero2", "zero3") and best["tp"] == best["pp"] == 1, best["label"]
-    assert best["engine"] == "fsdp2" and best["offload"] == "none"
+    assert best["engine"] == "torch" and best["offload"] == "none"
     assert best["memory_bytes"]["total"] <= TIGHT * 80e9
 
 

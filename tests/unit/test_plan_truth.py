@@ -71,7 +71,7 @@ def test_small_model_on_8_gpus_is_plain_data_parallel_and_launch_bound(capsys):
 
 def _record(label: str, tokens: float, tp: int = 1, pp: int = 1, memory: float = 10 * GB, **kw) -> dict:
     return {"label": label, "tokens_per_s": tokens, "tp": tp, "pp": pp, "offload": kw.get("offload", "none"),
-            "activation_checkpointing": "none", "strategy": kw.get("strategy", "zero3"), "engine": "fsdp2",
+            "activation_checkpointing": "none", "strategy": kw.get("strategy", "zero3"), "engine": "torch",
             "memory_bytes": {"total": memory}}
 
 

@@ -24,10 +24,8 @@ from optional import TEST_EXTRA, require_module
 from loom.config import Config, ParallelConfig, load_config, validate
 from loom.errors import ConfigError
 from loom.files import claim_run_dir
-from loom.launch import free_port
 from loom.models.gpt.config import preset
 from loom.parallel import known_warnings
-from loom.parallel.mesh import shutdown
 from loom.train import record
 from loom.train.driver import layout_text
 from loom.train.task import model_config
@@ -62,16 +60,6 @@ def test_version_is_the_packages():
 # Known-harmless warnings: silenced by their message, at their source, and nothing else
 
 
-@pytest.fixture
-def world_of_one():
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        shutdown()
-
-
 def _future_warnings(silenced: bool) -> list[str]:
     """What torch's renamed collectives (as DeepSpeed calls them) warn, with or without the filter."""
     with warnings.catch_warnings(record=True) as seen:
@@ -85,12 +73,12 @@ def _future_warnings(silenced: bool) -> list[str]:
     return [str(w.message) for w in seen if issubclass(w.category, FutureWarning)]
 
 
-def test_deepspeeds_collective_names_are_silenced_and_nothing_else(world_of_one):
+def test_deepspeeds_collective_names_are_silenced_and_nothing_else(gloo_world_of_one):
     assert len(_future_warnings(silenced=False)) == 3  # torch still warns so: the filter is not stale
     assert _future_warnings(silenced=True) == ["another FutureWarning"]
 
 
-def test_dtensors_sequential_redistribute_advice_is_silenced(world_of_one):
+def test_dtensors_sequential_redistribute_advice_is_silenced(gloo_world_of_one):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._redistribute import _warn_flatten_optimization_not_possible

@@ -79,21 +79,7 @@ def test_gpu_ledger_partition_where_every_kind_overlaps_every_other():
 
 # -- clipping: the global norm over grads on several meshes ---------------------------------------
 
-@pytest.fixture
-def world_of_one():
-    import torch.distributed as dist
-
-    from loom.launch import free_port
-
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_clip_norm_over_two_meshes_is_the_root_of_the_squares(world_of_one):
+def test_clip_norm_over_two_meshes_is_the_root_of_the_squares(gloo_world_of_one):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 

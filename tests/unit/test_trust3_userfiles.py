@@ -13,11 +13,9 @@ from __future__ import annotations
 import errno
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from bad_input_cases_user_files import loom_run, tree
 from test_compare import write_run
 
@@ -25,8 +23,6 @@ import loom.cli
 from loom.config import load_config
 from loom.errors import LoomError
 from loom.files import RUN_MARKER, claim_run_dir
-from loom.launch import free_port
-from loom.parallel.mesh import shutdown
 from loom.train import checkpoint as ckpt
 from loom.train import export
 
@@ -75,16 +71,6 @@ def test_a_run_directory_loom_cannot_make_is_one_line(tmp_path, monkeypatch):
 # A linked checkpoints folder: this run's, written and cleaned up; another run's, never
 
 
-@pytest.fixture
-def world_of_one():
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield SimpleNamespace(rank=0, world_size=1, is_main=True)
-    finally:
-        shutdown()
-
-
 def test_checkpoints_folder_owner_follows_the_run(tmp_path):
     run = loom_run(tmp_path / "run")
     scratch = tmp_path / "scratch" / "run"
@@ -116,7 +102,7 @@ def test_checkpoints_folder_owner_follows_the_run(tmp_path):
     assert not (tmp_path / "unmounted").exists()
 
 
-def test_linked_checkpoints_cleanup_and_keep_last_touch_only_this_runs(tmp_path, world_of_one):
+def test_linked_checkpoints_cleanup_and_keep_last_touch_only_this_runs(tmp_path, gloo_world_of_one):
     scratch = tmp_path / "scratch"
     neighbour = loom_run(scratch / "other", "step_1/meta.json", "step_2/meta.json", ".tmp-step_3/x")
     mine = scratch / "mine"
@@ -125,7 +111,7 @@ def test_linked_checkpoints_cleanup_and_keep_last_touch_only_this_runs(tmp_path,
     (run / "checkpoints").symlink_to(mine, target_is_directory=True)
     before = tree(neighbour)
     cfg = load_config(None, [])
-    saver = ckpt.Checkpointer(run, cfg, world_of_one, keep_last=2, async_save=False)
+    saver = ckpt.Checkpointer(run, cfg, gloo_world_of_one, keep_last=2, async_save=False)
     for n in (1, 2, 3):
         (mine / f"step_{n}").mkdir()
     (mine / ".tmp-step_4").mkdir()
@@ -135,7 +121,7 @@ def test_linked_checkpoints_cleanup_and_keep_last_touch_only_this_runs(tmp_path,
     (run / "checkpoints").unlink()  # now linked to the neighbour's: refused before anything is removed
     (run / "checkpoints").symlink_to(neighbour, target_is_directory=True)
     with pytest.raises(LoomError, match="holds files loom did not write for this run"):
-        ckpt.Checkpointer(run, cfg, world_of_one, keep_last=1, async_save=False)
+        ckpt.Checkpointer(run, cfg, gloo_world_of_one, keep_last=1, async_save=False)
     assert tree(neighbour) == before
 
 

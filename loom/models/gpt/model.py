@@ -130,6 +130,9 @@ class GPT(nn.Module):
     # Context parallelism and packed documents (loom/parallel/context_parallel.py): how the input
     # sequences are split over ranks and documents; None: each sequence whole, one document.
     sequence_split: SequenceSplit | None = None
+    # Tensor parallelism's sequence parallel (loom/models/gpt/tensor_parallel.py): the residual stream
+    # between blocks, and so a later pipeline stage's input, is each rank's 1/tp of the sequence.
+    residual_shards: int = 1
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -161,7 +164,8 @@ class GPT(nn.Module):
         split = self.sequence_split
         first = self.tok_embeddings is not None
         # A later pipeline stage's hidden states are already this rank's share of each sequence.
-        seq_len = tokens.shape[1] * (split.cp.size if split and split.cp and not first else 1)
+        shards = (split.cp.size if split and split.cp else 1) * self.residual_shards
+        seq_len = tokens.shape[1] * (shards if not first else 1)
         if seq_len > self.cfg.max_seq_len:
             raise ConfigError(
                 f"sequence length {seq_len} exceeds model.max_seq_len {self.cfg.max_seq_len}; "

@@ -42,6 +42,7 @@ class VocabParallelHead(ColwiseParallel):
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Parallelize loom's GPT in place over `tp_mesh`."""
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
+    model.residual_shards = tp_mesh.size() if sequence_parallel else 1  # a later stage's input: its share
     root_plan: dict[str, object] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         # Logits sharded over the vocabulary, left as DTensor for the vocab-parallel loss (or, given

@@ -1,0 +1,66 @@
+"""Planted bugs in the planner's reasons (issue 40, items 1 and 10): a reason that says more or other than
+the table shows, rows alike, and the engine named in words the config does not use."""
+
+from __future__ import annotations
+
+from planted import Bug
+
+REASONS = "tests/unit/test_first_hour2_plan_reasons.py"
+CHECKED = f"{REASONS}::test_every_stated_comparison_is_true_of_the_table"
+
+BUGS = [
+    Bug("reason-headroom-rule-unsaid", "the layouts the 80% headroom rule set aside go unsaid",
+        "loom/plan/search.py",
+        '    if not over:\n        return ""\n',
+        '    if True:\n        return ""\n',
+        (f"{REASONS}::test_the_headroom_rule_is_named_with_what_it_set_aside",
+         f"{CHECKED}[70e9-zero-2-nodes]")),
+    Bug("reason-megabytes-outweigh-speed", "any memory saving, however small, decides a near-tie",
+        "loom/plan/search.py",
+        'lean = [i for i in alike if records[i]["memory_bytes"]["total"] <= leanest + ROOM * capacity]',
+        'lean = [i for i in alike if records[i]["memory_bytes"]["total"] <= leanest]',
+        (f"{REASONS}::test_a_few_megabytes_do_not_outweigh_a_near_ties_speed",)),
+    Bug("reason-sizes-alike", "two sizes that round alike are printed alike (49.9 GB vs 49.9 GB)",
+        "loom/plan/search.py",
+        "    if x != y or a == b:\n        return x, y\n",
+        "    if True:\n        return x, y\n",
+        (f"{REASONS}::test_sizes_that_round_alike_are_told_apart",)),
+    Bug("reason-gap-of-the-slower", "'X is p% faster' states the pick's deficit relative to X instead",
+        "loom/plan/search.py",
+        '    gap = other["tokens_per_s"] / picked["tokens_per_s"] - 1\n',
+        '    gap = 1 - picked["tokens_per_s"] / other["tokens_per_s"]\n',
+        (f"{CHECKED}[small-100MB]",)),
+    Bug("reason-band-of-the-fastest", "the near-tie band is 5% below the fastest, so 'p% faster' exceeds 5%",
+        "loom/plan/search.py",
+        'floor = records[fastest]["tokens_per_s"] / (1 + NEAR_TIE)',
+        'floor = records[fastest]["tokens_per_s"] * (1 - NEAR_TIE)',
+        (f"{CHECKED}[small-70MB]",)),
+    Bug("reason-rule-not-the-decider", "the reason names the last rule the two differ on, not the first",
+        "loom/plan/search.py",
+        "rule = next(j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b)",
+        "rule = max(j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b)",
+        (f"{CHECKED}[small-100MB]",)),
+    Bug("not-ranked-offload-for-all", "every candidate loom does not run is said to need offload",
+        "loom/plan/search.py",
+        'engine = "DeepSpeed" if record["offload"] == "none" else ',
+        'engine = f"DeepSpeed\'s offload of the {record[\'offload\']}" if True else ',
+        (f"{REASONS}::test_the_not_ranked_list_has_one_row_per_layout_and_its_own_reason",
+         f"{CHECKED}[8b-8]")),
+    Bug("not-ranked-rows-alike", "the not-ranked list shows micro-batch splits of one layout as rows alike",
+        "loom/plan/report.py",
+        'if all(records[j]["label"] != records[i]["label"] for j in apart[:n])]',
+        "if True]",
+        (f"{REASONS}::test_the_not_ranked_list_has_one_row_per_layout_and_its_own_reason",
+         f"{CHECKED}[8b-8]")),
+    Bug("engine-fsdp2-in-plan", "plan.json names the torch engine by its implementation (fsdp2, ddp, zero1)",
+        "loom/plan/candidate.py",
+        '        return "torch"\n',
+        "        return self.strategy_info.engine\n",
+        (f"{REASONS}::test_plan_json_and_text_use_the_configs_engine_words",
+         f"{REASONS}::test_a_runs_plan_record_names_its_engine_as_its_config_does")),
+    Bug("engine-old-record-unread", "a record in the old words (engine fsdp2) emits parallel.engine = fsdp2",
+        "loom/plan/search.py",
+        '    p.engine = "deepspeed" if record["engine"] == "deepspeed" else "torch"\n',
+        '    p.engine = record["engine"]\n',
+        (f"{REASONS}::test_records_of_the_old_vocabulary_still_read_as_the_torch_engine",)),
+]
