@@ -9,9 +9,9 @@ then adds the same curves): a user's own file of that name stays.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from loom.checked import BadFile, read_json
 from loom.files import atomic_write
 from loom.observe import curves
 from loom.observe.report import _CSS, _e, _num, _pair_bar, _section, _table, size_text
@@ -57,11 +57,11 @@ def render_run_report(run_dir: Path) -> str:
 
 def _record(path: Path) -> dict:
     """A JSON record of the run, or {} where it is absent, too big or unreadable (the page shows less)."""
+    if not path.is_file():
+        return {}
     try:
-        if path.stat().st_size > MAX_RECORD_BYTES:
-            return {}
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError):
+        doc = read_json(path, max_bytes=MAX_RECORD_BYTES)
+    except BadFile:
         return {}
     return doc if isinstance(doc, dict) else {}
 
