@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from provenance import provenance  # bench/provenance.py (run from bench/, its folder)
+
 HERE = Path(__file__).resolve().parent
 MIB = 2 ** 20
 CASES = {"no cp": (1, ()), "cp2 ring": (2, ("parallel.cp=2", "parallel.cp_mode=ring")),
@@ -117,8 +119,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run_case(name, args.seq, Path(tmp)) for name in CASES]
     print_table(rows, args.seq)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    if args.json:  # the record the docs quote (tests/unit/test_readme_figures.py checks them against it)
+        command = "python " + " ".join([f"bench/{Path(__file__).name}", *sys.argv[1:]])
+        args.json.write_text(json.dumps({"provenance": provenance(), "command": command, "rows": rows},
+                                        indent=1))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from context_parallel import profile_run  # bench/context_parallel.py (run from bench/, its folder)
+from provenance import provenance
 
 HERE = Path(__file__).resolve().parent
 MIB = 2 ** 20
@@ -122,8 +123,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run_case(name, args.seq, Path(tmp)) for name in CASES]
     print_table(rows, args.seq)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    if args.json:  # the record the docs quote (tests/unit/test_readme_figures.py checks them against it)
+        command = "python " + " ".join([f"bench/{Path(__file__).name}", *sys.argv[1:]])
+        args.json.write_text(json.dumps({"provenance": provenance(), "command": command, "rows": rows},
+                                        indent=1))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Make a small Hugging Face Llama folder and a fine-tuning dataset on this machine, no download:
-the README's "Fine-tune a Hugging Face model" walk-through starts from them.
+docs/hugging-face.md's "Fine-tune a Hugging Face model" walk-through starts from them.
 
     python examples/make_tiny_llama.py models/tiny-llama data/
 
@@ -50,8 +50,15 @@ def tokenizer(texts: list[str], vocab_size: int = 1024):
 
 
 def main(model_dir: Path, data_dir: Path) -> None:
+    from loom.config import choose_deepspeed_accelerator
+
+    # transformers imports DeepSpeed when it is installed: name its accelerator so it does not probe
+    # and warn; and a folder of a few MB needs no progress bar per shard.
+    choose_deepspeed_accelerator()
     import torch
     import transformers
+
+    transformers.utils.logging.disable_progress_bar()
 
     texts = documents()
     tok = tokenizer(texts)

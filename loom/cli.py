@@ -74,7 +74,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if getattr(args, "dry_run", False):  # every check has passed: say what would run, start nothing
         from loom.train.dry_run import print_dry_run
 
-        print_dry_run(cfg, model, spec.world_size)
+        print_dry_run(cfg, model, spec.world_size, spec.nproc)
         return 0
     again = _continue_command(args, run_dir)
     if spec.nnodes == 1 or spec.node_rank == 0:  # every check has passed: only now is anything removed
@@ -683,9 +683,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     index = prepare(args.source, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
                     shard_tokens=shard_tokens, shard_docs=args.shard_docs, workers=args.workers,
                     cache_dir=args.cache_dir)
+    shards = len(index["shards"])
     print(f"{args.out}: {index['num_tokens']:,} tokens of {index['num_docs']:,} documents in "
-          f"{len(index['shards'])} shards ({index['dtype']}, vocab {index['vocab_size']:,}); train on it "
-          f"with --set data.source={args.out}")
+          f"{shards} shard{'s' * (shards != 1)} ({index['dtype']}, vocab {index['vocab_size']:,}); "
+          f"train on it with --set data.source={args.out}")
     return 0
 
 

@@ -23,7 +23,7 @@ class Strategy:
     dp_mesh: str  # how the data-parallel ranks are used: "replicate", "shard" or "hybrid"
     sharded: frozenset[str]  # which model states are split over the shard group at rest
     reshard_after_forward: bool | None  # FSDP2's default (None: not FSDP2)
-    formula: str  # per-rank model-state bytes, as the README writes them
+    formula: str  # per-rank model-state bytes, as docs/strategies.md writes them
     collectives: tuple[str, ...]  # what its gradient sync issues on the data-parallel group
     summary: str  # one line: what is sharded and by what
 

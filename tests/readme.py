@@ -10,13 +10,26 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# The pages a user reads: README and the docs pages it links (bad-input, calibration, security and
+# architecture hold no `loom` commands to check).
+DOCS = [ROOT / "docs" / f"{name}.md" for name in (
+    "strategies", "memory", "long-context", "moe", "planner", "observability", "lora", "hugging-face",
+    "checkpoints", "data", "config")]
+PAGES = [README, *DOCS]
+
+
+def text() -> str:
+    """Every user page's text, for the tests that check a sentence wherever it now lives."""
+    return "\n".join(page.read_text(encoding="utf-8") for page in PAGES)
 
 
 @dataclass(frozen=True)
 class Block:
-    line: int                 # where it starts in the README (1-based)
+    line: int                 # where it starts in its page (1-based)
     commands: tuple[str, ...]  # each with its continuation lines joined
+    page: Path = README
 
     @property
     def text(self) -> str:
@@ -28,13 +41,17 @@ class Block:
         return any(re.search(r"\[(--|[A-Z]|\.\.\.)|\w\|\w", c) for c in self.commands)
 
 
-def _lines() -> list[str]:
-    return README.read_text(encoding="utf-8").splitlines()
+def _lines(page: Path = README) -> list[str]:
+    return page.read_text(encoding="utf-8").splitlines()
 
 
 def blocks() -> list[Block]:
-    """Every indented block of the README (a paragraph each of whose lines starts with 4 spaces)."""
-    lines, found, i = _lines(), [], 0
+    """Every indented block of every page (a paragraph each of whose lines starts with 4 spaces)."""
+    return [b for page in PAGES for b in _blocks(page)]
+
+
+def _blocks(page: Path) -> list[Block]:
+    lines, found, i = _lines(page), [], 0
     while i < len(lines):
         starts = lines[i].startswith("    ") and lines[i].strip() and (i == 0 or not lines[i - 1].strip())
         if not starts:
@@ -55,18 +72,23 @@ def blocks() -> list[Block]:
                 continue
             commands.append(current)
             current = ""
-        found.append(Block(first + 1, tuple(commands)))
+        found.append(Block(first + 1, tuple(commands), page))
     return found
 
 
-def inline_commands() -> list[tuple[int, str]]:
-    """`loom ...` in backticks in the prose: (line, command)."""
+def inline_commands() -> list[tuple[str, str]]:
+    """`loom ...` in backticks in the prose of every page: ("page:line", command)."""
     found = []
-    for n, line in enumerate(_lines(), 1):
-        if line.startswith("    "):
-            continue
-        found += [(n, m) for m in re.findall(r"`(loom [^`]+)`", line)]
+    for page in PAGES:
+        for n, line in enumerate(_lines(page), 1):
+            if not line.startswith("    "):
+                found += [(f"{where(page)}:{n}", m) for m in re.findall(r"`(loom [^`]+)`", line)]
     return found
+
+
+def where(page: Path) -> str:
+    """A page's path from the repository root, for messages."""
+    return str(page.relative_to(ROOT))
 
 
 def argv(command: str) -> list[str]:
@@ -76,11 +98,11 @@ def argv(command: str) -> list[str]:
     return words[1:]
 
 
-def headings() -> dict[str, int]:
+def headings(page: Path = README) -> dict[str, int]:
     """Each section's title → its line: a heading, its part before a colon ("Planning" of
     "Planning: `loom plan`"), and a paragraph's bold lead-in (**This machine.**)."""
     found = {}
-    for n, line in enumerate(_lines(), 1):
+    for n, line in enumerate(_lines(page), 1):
         if line.startswith("#"):
             title = line.lstrip("#").strip()
             found.setdefault(title, n)
@@ -91,15 +113,15 @@ def headings() -> dict[str, int]:
     return found
 
 
-def cross_references() -> list[tuple[int, str, str]]:
-    """`see "Title" above|below` in the README, the title possibly wrapped across lines:
+def cross_references(page: Path = README) -> list[tuple[int, str, str]]:
+    """`see "Title" above|below` in a page, the title possibly wrapped across lines:
     (line, title, direction or "")."""
-    text = README.read_text(encoding="utf-8")
+    text = page.read_text(encoding="utf-8")
     return [(text.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split()), m.group(2) or "")
             for m in re.finditer(r'see "([^"]+)"\s*(above|below)?', text)]
 
 
-# The README's LoRA block, by its first command (run by tests/distributed/test_readme_commands.py).
+# The LoRA block (docs/lora.md), by its first command (run by tests/distributed/test_readme_commands.py).
 LORA_BLOCK = ("loom train --out runs/lora --set model.init_from=models/tiny-llama "
               "--set data.source=data/sft.jsonl --set data.format=sft --set data.seq_len=64 "
               "--set lora.rank=16 --set lora.alpha=32")

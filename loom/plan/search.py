@@ -197,7 +197,7 @@ def _schedules(shape, pp: int) -> list[tuple[str, int]]:
 
 
 NEAR_TIE = 0.05  # this close to the fastest, candidates are ranked by simplicity, not the model's last digits
-TIGHT = 0.8  # of device memory: the README's headroom rule; above it only when nothing fits under it
+TIGHT = 0.8  # of device memory: docs/planner.md's headroom rule; above it only when nothing fits under it
 ROOM = 0.05  # of device memory: a near-tie saving this much wins on headroom; one saving less does not
 
 

@@ -46,14 +46,18 @@ def planned_layout(cfg: Config, world_size: int) -> PlannedLayout:
     return PlannedLayout(world_size, device, {name: _Dim(getattr(dims, name)) for name in MESH_DIMS})
 
 
-def print_dry_run(cfg: Config, model, world_size: int) -> None:
+def print_dry_run(cfg: Config, model, world_size: int, per_node: int | None = None) -> None:
     """The layout line, the plan's memory per pipeline stage and step time, and that nothing ran.
-    `model`: the config's model (loom.train.task.ConfigModel), as the pre-launch checks resolved it."""
+    `model`: the config's model (loom.train.task.ConfigModel), as the pre-launch checks resolved it;
+    `per_node`: ranks per node (--nproc), so that a run of several nodes is planned across them."""
+    per_node = per_node or world_size
+    nodes = world_size // per_node
     t, p = cfg.train, cfg.parallel
     layout = planned_layout(cfg, world_size)
     dims = resolve_dims(p, world_size)
     micro = micro_batch_size(t.batch_size, dims.dp, t.grad_accum)
-    print(f"loom: dry run: {p.strategy} on {world_size} rank(s) ({layout.device.type}), "
+    where = f"{nodes} node(s) × {per_node}" if nodes > 1 else f"{world_size}"
+    print(f"loom: dry run: {p.strategy} on {where} rank(s) ({layout.device.type}), "
           f"{layout_text(p, dims.dp_replicate, dims.dp_shard)}, {model.description} = "
           f"{params_text(model.shape.num_params)} params, global batch {t.batch_size} = micro-batch "
           f"{micro} × grad_accum {t.grad_accum} × dp {dims.dp}, {cfg.data.seq_len} tokens each"
@@ -62,14 +66,16 @@ def print_dry_run(cfg: Config, model, world_size: int) -> None:
         m = pipeline_microbatches(p)
         print(f"pipeline: {p.pp} stages × {p.pp_virtual_stages} virtual, {p.pp_schedule}, {m} micro-batches "
               f"per step: bubble {bubble_fraction(p.pp, m, p.pp_virtual_stages):.3f}", flush=True)
-    plan = record.plan_run(cfg, model.shape, layout)
+    plan = record.plan_run(cfg, model.shape, layout, per_node=per_node)
     for stage, m in sorted(plan["memory_bytes_by_stage"].items()):
         where = f"stage {stage}" if len(plan["memory_bytes_by_stage"]) > 1 else "each rank"
         print(f"plan: {where}: model states {m['model_states'] / MIB:.2f} MiB, activation peak "
               f"{(m['activations'] + m['buffers']) / MIB:.2f} MiB", flush=True)
     counts = plan.get("comm_count_by_kind") or {}
     if counts:
-        kinds = ", ".join(f"{kind} ×{n}" for kind, n in sorted(counts.items()))
+        # None: a count the engine chooses (DDP's buckets, ZeRO-1's per-parameter broadcasts)
+        kinds = ", ".join(f"{kind} ×{n}" if n is not None else f"{kind} (a count the engine chooses)"
+                          for kind, n in sorted(counts.items()))
         print(f"plan: collectives per step: {kinds}", flush=True)
     if plan.get("step_time_s"):
         print(f"plan: step time {plan['step_time_s']:.3f} s, {plan['tokens_per_s']:,.0f} tokens/s",

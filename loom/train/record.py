@@ -51,13 +51,15 @@ def write_end(run_dir: Path, strategy: str, formula: str, shard: int, expected: 
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
 
 
-def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained_tensors: int = 0) -> dict:
+def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained_tensors: int = 0,
+             per_node: int | None = None) -> dict:
     """The planner's prediction for this very run (written as plan.json, printed beside the
     measurements). Time is priced on this machine's device profile (`loom plan --calibrate`) when
     one was measured on this kind of device, else on the catalog entry of a recognised GPU; without
     either (a CPU never calibrated) the plan has bytes only. `trained_tensors`: the parameter tensors
-    of this rank that train (the loop's gradient norm and DDP's bucket order carry one number each)."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size))
+    of this rank that train (the loop's gradient norm and DDP's bucket order carry one number each).
+    `per_node`: ranks per node, for a run not launched (a rank reads its launcher's LOCAL_WORLD_SIZE)."""
+    per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size))
     nodes = max(d.world_size // per_node, 1)
     profile = device.load(required=False)
     if profile is not None and profile.device == d.device.type:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from optional import DEEPSPEED, require_module
+from stray import stray_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ("--set", "model.preset=tiny", "--set", "train.batch_size=4", "--set", "data.seq_len=32",
@@ -29,7 +30,7 @@ def _train(out: Path, *sets: str, command: str = "train") -> subprocess.Complete
 
 def _noise(stderr: str) -> list[str]:
     """stderr's lines other than the progress bar."""
-    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("step ")]
+    return stray_lines("", stderr)
 
 
 def test_tensor_parallel_run_is_quiet_and_its_layout_names_tp(tmp_path):

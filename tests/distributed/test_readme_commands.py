@@ -13,12 +13,18 @@ from pathlib import Path
 
 import readme
 from optional import TEST_EXTRA, require_module
+from stray import stray_lines
 
 ROOT = Path(__file__).resolve().parents[2]
-# Appended to every `loom train`: what makes a README run a test's size.
-TINY = " --set train.steps=2 --set data.num_workers=0"
+# Appended to every `loom train` (`loom profile`): what makes a README run a test's size (a profile's
+# schedule skips a step, warms up one, records three).
+TINY = {"loom train": " --set train.steps=2 --set data.num_workers=0",
+        "loom profile": " --set train.steps=5 --set data.num_workers=0"}
 SKIP = {"bash install.sh"}  # CI ran it before the tests
 PRETRAIN = "loom data prepare data/corpus.jsonl data/prepared --tokenizer models/tiny-llama"
+# The worked examples of docs/long-context.md and docs/observability.md, by their first command.
+LONG_CONTEXT = "loom plan --model 8b --gpu H100-SXM --set data.seq_len=131072 --set train.batch_size=8"
+PROFILE = "loom profile --out runs/zero3"
 
 
 def _shell(tmp: Path) -> dict:
@@ -35,17 +41,21 @@ def _shell(tmp: Path) -> dict:
 
 def _tiny(command: str) -> str:
     parts = [p for p in command.split(" && ") if p not in SKIP]
-    return " && ".join(p + TINY if p.startswith(("loom train", "loom profile")) else p for p in parts)
+    return " && ".join(p + next((t for c, t in TINY.items() if p.startswith(c)), "") for p in parts)
 
 
 def _run_block(first: str, tmp: Path, env: dict) -> list[str]:
+    """Each command of the block run in turn: it exits 0 and prints no stray line (tests/stray.py)."""
     block = next(b for b in readme.blocks() if b.commands[0] == first)
     outputs = []
     for command in block.commands:
         done = subprocess.run(["bash", "-c", _tiny(command)], cwd=tmp, env=env, capture_output=True,
                               text=True, timeout=600)
-        assert done.returncode == 0, (f"README line {block.line}: `{command}` exited {done.returncode}:\n"
+        where = f"{getattr(block, 'page', 'README.md')} line {block.line}: `{command}`"
+        assert done.returncode == 0, (f"{where} exited {done.returncode}:\n"
                                       f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        stray = stray_lines(done.stdout, done.stderr)
+        assert stray == [], f"{where} printed {len(stray)} stray line(s):\n" + "\n".join(stray[:20])
         outputs.append(done.stdout + done.stderr)
     return outputs
 
@@ -76,3 +86,16 @@ def test_fine_tune_walkthrough_and_continued_pretraining(tmp_path):
     assert adapter["r"] == 16 and adapter["peft_type"] == "LORA"
     assert (tmp_path / "merged" / "config.json").is_file()
 
+
+
+def test_long_context_and_profile_examples(tmp_path):
+    """Plan 8B at 128k tokens, train the default model with cp 2; profile two layouts and compare."""
+    env = _shell(tmp_path)
+    plan, train = _run_block(LONG_CONTEXT, tmp_path, env)
+    assert "recommended (*): zero3 cp8 ring" in plan
+    assert "× cp=2 (ring)" in train and _steps(tmp_path / "runs" / "long") == [1, 2]
+    *_, compare = _run_block(PROFILE, tmp_path, env)
+    for run in ("zero3", "ddp"):
+        assert (tmp_path / "runs" / run / "traces" / "rank1.json.gz").is_file()
+        assert (tmp_path / "runs" / run / "ledger.json").is_file()
+    assert "A: runs/zero3" in compare and "B: runs/ddp" in compare and "B/A" in compare

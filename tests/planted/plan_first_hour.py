@@ -13,8 +13,8 @@ CPU = f"{HOUR}::test_a_cpu_plan_speaks_of_a_cpu"
 REASONS = "tests/unit/test_first_hour2_plan_reasons.py::test_every_stated_comparison_is_true_of_the_table"
 
 BUGS = [
-    Bug("readme-plan-example-on-cpu", "the README's 70B example plans on the local CPU (no --gpu)",
-        "README.md",
+    Bug("readme-plan-example-on-cpu", "the planner page's 70B example plans on the local CPU (no --gpu)",
+        "docs/planner.md",
         "`loom plan --params 70e9 --recipe zero --gpu H100-SXM`",
         "`loom plan --params 70e9 --recipe zero`",
         (f"{HOUR}::test_readme_plan_examples_name_the_gpu_and_the_70b_one_runs_verbatim",)),

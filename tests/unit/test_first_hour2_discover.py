@@ -162,6 +162,24 @@ def test_dry_run_refuses_what_the_run_would(argv, error, nothing_starts, capsys,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_dry_run_of_several_nodes_plans_across_them(nothing_starts, capsys, tmp_path, monkeypatch):
+    """--nnodes 2 --nproc 2: the plan's cluster is 2 nodes of 2 ranks (its links across nodes priced
+    as such), not one node of 4; DDP's all-reduce count, the engine's, is said as such."""
+    from loom.train import record
+
+    clusters, estimate = [], record.estimate
+    monkeypatch.setattr(record, "estimate", lambda w, c, cluster: clusters.append(cluster) or
+                        estimate(w, c, cluster))
+    monkeypatch.chdir(tmp_path)
+    argv = ["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29555",
+            "--set", "parallel.strategy=ddp"]
+    assert main(["train", "--dry-run", "--set", "model.preset=tiny", "--out", "run", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("loom: dry run: ddp on 2 node(s) × 2 rank(s) (cpu), ")
+    assert [(c.gpus_per_node, c.nodes) for c in clusters] == [(2, 2)]
+    assert "plan: collectives per step: all_reduce (a count the engine chooses), broadcast ×2" in lines
+
+
 def test_dry_run_refuses_an_existing_run_directory(nothing_starts, capsys, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")

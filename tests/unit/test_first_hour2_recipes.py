@@ -67,6 +67,17 @@ def test_the_recipes_are_the_six_the_readme_lists():
     assert all(f"{name}.toml" in listed for name in NAMES)
 
 
+def test_the_recipes_table_quotes_each_header():
+    """The table's "planned per GPU" and tokens/s are its recipe's header's (which the planner checks
+    above), so neither can drift alone."""
+    rows = re.findall(r"^\| \[([\w-]+)\.toml\].*\| ([\d.]+) GB \| ([\d,]+) \|$",
+                      (RECIPES / "README.md").read_text(), re.M)
+    assert sorted(name for name, _, _ in rows) == NAMES
+    for name, gb, tokens in rows:
+        said = header(name)
+        assert (float(gb), float(tokens.replace(",", ""))) == (said["gb"], said["tokens_per_s"]), name
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_recipe_fits_as_its_header_says(name, monkeypatch):
     monkeypatch.chdir(ROOT)  # the header's command names the recipe from the repository's root

@@ -1,5 +1,5 @@
-"""A new user's first hour with `loom plan`: the README's commands run as written, --emit writes
-the job the plan priced, the recommendation is one loom runs with the headroom the README promises
+"""A new user's first hour with `loom plan`: the user pages' commands run as written, --emit writes
+the job the plan priced, the recommendation is one loom runs with the headroom the planner page promises
 and a true reason, a CPU plan speaks of a CPU, and the first calibration says how long it takes."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import readme
 
 from loom.cli import main
 from loom.config import load_config, validate
@@ -19,7 +20,6 @@ from loom.plan.hardware import Cluster, lookup
 from loom.plan.search import GB, TIGHT, config_candidate, search
 from loom.plan.shapes import from_params, from_preset, llama_like
 
-README = Path(__file__).parents[2] / "README.md"
 CPU_PROFILE = Path(__file__).parents[1] / "data" / "device_cpu.json"
 
 
@@ -29,7 +29,7 @@ def plan_json(capsys, *args) -> dict:
 
 
 def readme_plan_commands() -> list[str]:
-    return re.findall(r"`(loom plan [^`]*)`", README.read_text())
+    return re.findall(r"`(loom plan [^`]*)`", readme.text())
 
 
 def test_readme_plan_examples_name_the_gpu_and_the_70b_one_runs_verbatim(capsys):
@@ -163,7 +163,7 @@ def test_a_full_offload_keeps_its_staged_layers_on_the_gpu():
 @pytest.mark.parametrize("model", ["8b", "70b", "1b"])
 def test_the_pick_keeps_the_readmes_headroom(capsys, model):
     """The README promises memory headroom: under 80% of the GPU."""
-    assert "memory headroom (under 80% of the GPU)" in " ".join(README.read_text().split())
+    assert "memory headroom (under 80% of the GPU)" in " ".join(readme.text().split())
     assert TIGHT == 0.8
     plan = plan_json(capsys, "--model", model, "--gpu", "H100-SXM")
     best = plan["candidates"][plan["recommended"]]

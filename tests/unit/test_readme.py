@@ -24,6 +24,9 @@ RUN = {
     "loom data prepare data/corpus.jsonl data/prepared --tokenizer models/tiny-llama":
         "continued pre-training",
     readme.LORA_BLOCK: "LoRA fine-tuning from the walk-through's Llama, exported both ways",
+    "loom plan --model 8b --gpu H100-SXM --set data.seq_len=131072 --set train.batch_size=8":
+        "long context: plan 8B at 128k tokens, train with cp 2",
+    "loom profile --out runs/zero3": "observability: profile two layouts and compare them",
 }
 # Blocks run elsewhere, or by tools outside loom: first command → why it is not run here.
 ELSEWHERE = {
@@ -43,10 +46,10 @@ def test_every_command_block_is_run_read_or_accounted_for():
             continue
         first = block.commands[0]
         assert first in RUN or first in ELSEWHERE, (
-            f"README line {block.line}: a new command block ({first!r}); run it in "
+            f"{readme.where(block.page)}:{block.line}: a new command block ({first!r}); run it in "
             f"tests/distributed/test_readme_commands.py (add it to RUN) or say in ELSEWHERE what covers it")
     firsts = {b.commands[0] for b in readme.blocks()}
-    assert not (set(RUN) | set(ELSEWHERE)) - firsts, "a listed block is no longer in the README"
+    assert not (set(RUN) | set(ELSEWHERE)) - firsts, "a listed block is no longer in any page"
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -99,10 +102,10 @@ def test_every_command_in_the_prose_parses(line, command, capsys):
         _parse(command)
     except SystemExit:
         error = capsys.readouterr().err.strip()
-        assert _is_mention(error), f"README line {line}: `{command}` does not parse: {error}"
+        assert _is_mention(error), f"{line}: `{command}` does not parse: {error}"
         words = readme.argv(command)
         flags = {w for w in words if w.startswith("--")}
-        assert flags <= _options(words), f"README line {line}: `{command}` names a flag loom does not take"
+        assert flags <= _options(words), f"{line}: `{command}` names a flag loom does not take"
 
 
 def test_run_blocks_parse():
@@ -116,11 +119,49 @@ def test_run_blocks_parse():
 
 
 def test_every_see_points_at_a_section_where_it_says():
-    titles = readme.headings()
-    refs = readme.cross_references()
+    """Within a page, above/below must be true; a title from another page must exist there."""
+    everywhere = {title for page in readme.PAGES for title in readme.headings(page)}
+    refs = [(page, *ref) for page in readme.PAGES for ref in readme.cross_references(page)]
     assert len(refs) >= 5
-    for line, title, direction in refs:
-        assert title in titles, f'README line {line}: see "{title}", but no section has that title'
+    for page, line, title, direction in refs:
+        titles = readme.headings(page)
+        at = f"{readme.where(page)}:{line}"
+        assert title in titles or title in everywhere, f'{at}: see "{title}", but no section has that title'
         if direction:
+            assert title in titles, f'{at}: see "{title}" {direction}, but it is on another page'
             actual = "above" if titles[title] < line else "below"
-            assert actual == direction, f'README line {line}: see "{title}" {direction}, but it is {actual}'
+            assert actual == direction, f'{at}: see "{title}" {direction}, but it is {actual}'
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lowercase, spaces to '-', punctuation but '-' and '_' dropped."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_slug_is_githubs():
+    assert _slug("Planning: `loom plan`") == "planning-loom-plan"
+    assert _slug("Checkpoints, resume and faults") == "checkpoints-resume-and-faults"
+
+
+def test_every_relative_link_points_at_a_file_and_heading_that_exist():
+    links = 0
+    for page in readme.PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target):  # http(s):, mailto:
+                continue
+            links += 1
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{readme.where(page)}: link to {target}, no such file"
+            if anchor:
+                lines = file.read_text(encoding="utf-8").splitlines()
+                slugs = {_slug(line.lstrip("#")) for line in lines if line.startswith("#")}
+                slugs |= {m for line in lines for m in re.findall(r'<a id="([^"]+)">', line)}
+                assert anchor in slugs, f"{readme.where(page)}: link to {target}, no such heading"
+    assert links >= 10
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    text = readme.README.read_text(encoding="utf-8")
+    for page in sorted((readme.ROOT / "docs").glob("*.md")):
+        assert f"(docs/{page.name})" in text, f"README does not link docs/{page.name}"

@@ -1,0 +1,183 @@
+"""Every figure the README and the docs pages quote comes from a command, and each is checked here
+against that command: the planner's figures by running `loom plan` as written, arithmetic by its
+formula, and measured figures against the bench record the bench wrote (a speed is never timed in a
+test: the bench measures it, the record keeps it, the docs quote the record). A figure the docs
+change or a command whose answer drifts fails here with both numbers.
+
+Each figure is written as the docs say it, the checked number in braces: "DDP needs {1120} GB per
+GPU". The docs must contain the phrase (braces dropped, whitespace as one space), and the number
+must be the command's within half a unit of its last digit or 1%, whichever is larger."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import re
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from loom.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Figure:
+    said: str                                   # as the docs say it, each checked number in {braces}
+    source: str                                 # a `loom plan ...` command, or a bench record's path
+    measured: tuple[Callable[[str], float], ...]  # per braced number: its value from the source's text
+
+
+def _docs() -> str:
+    """The README and every page of docs/, whitespace as one space."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return " ".join(" ".join(page.read_text(encoding="utf-8").split()) for page in pages)
+
+
+@functools.cache
+def _output(source: str) -> str:
+    """A `loom ...` command's stdout (run in this process), a record file's text, or none ("")."""
+    if not source:
+        return ""
+    if not source.startswith("loom "):
+        return (ROOT / source).read_text(encoding="utf-8")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(shlex.split(source)[1:]) in (0, None), source
+    return out.getvalue()
+
+
+def row(pattern: str, column: int = 1) -> Callable[[str], float]:
+    """The number in a regex group of the command's output (its first line that matches)."""
+    def find(text: str) -> float:
+        m = re.search(pattern, text, re.MULTILINE)
+        assert m, f"no line of the output matches {pattern!r}"
+        return float(m.group(column).replace(",", ""))
+    return find
+
+
+def record(*keys: str | int, scale: float = 1.0) -> Callable[[str], float]:
+    """A value of a JSON record, by its path of keys: a dict's key, a list's index, or `key=value`
+    (`,`-joined for several) to pick the list item with those values."""
+    def find(text: str) -> float:
+        node = json.loads(text)
+        for key in keys:
+            if isinstance(key, str) and "=" in key:
+                want = dict(term.split("=", 1) for term in key.split(","))
+                node = next(item for item in node if all(str(item.get(k)) == v for k, v in want.items()))
+            else:
+                node = node[key]
+        return float(node) * scale
+    return find
+
+
+def value(number: float) -> Callable[[str], float]:
+    """Arithmetic: the figure as its formula gives it."""
+    return lambda _text: number
+
+
+PLAN_70B = "loom plan --params 70e9 --recipe zero --gpu H100-SXM"
+PLAN_70B_2 = "loom plan --params 70e9 --recipe zero --gpu H100-SXM --nodes 2"
+PLAN_8B = "loom plan --model 8b --gpu H100-SXM --set train.batch_size=64 --set data.seq_len=2048"
+LORA_70B = "loom plan --model 70b --gpu H100-SXM --gpus-per-node 8 --set lora.rank=16"
+LORA_70B_1 = "loom plan --model 70b --gpu H100-SXM --gpus-per-node 1 --set lora.rank=16"
+FULL_70B = "loom plan --model 70b --gpu H100-SXM --gpus-per-node 8"
+RESULTS = "bench/results.json"
+LORA = "bench/lora_results.json"
+
+
+def _states(strategy: str, where: str = "GPU") -> Callable[[str], float]:
+    """A row of the plan's "model states per GPU" table: its GPU (or host) GB."""
+    return row(rf"^  {re.escape(strategy)}\s+GPU\s+([\d.]+)\s+host\s+([\d.]+)", 1 if where == "GPU" else 2)
+
+
+# A candidate row: # name  mb×acc  GPU GB  act GB  host GB/node  comm  inter%  step s  tok/s  MFU  fits
+COLUMNS = {"gpu": 0, "host": 2, "tok/s": 6}
+
+
+def _candidate(name: str, column: str, recommended: bool = False) -> Callable[[str], float]:
+    """A candidate row's column: the recommended one (marked *), else the first by that name."""
+    def find(text: str) -> float:
+        mark = r"\*" if recommended else "[* ]"
+        for line in text.splitlines():
+            if m := re.match(rf"^{mark}\s*\d+ {re.escape(name)}\s+\d+×\d+\s+(.*)$", line):
+                return float(m.group(1).split()[COLUMNS[column]].replace(",", ""))
+        raise AssertionError(f"no candidate row {name!r} in the plan")
+    return find
+
+
+FIGURES = [
+    # The 70B example of the planner's page (a parameter count, the ZeRO paper's recipe).
+    Figure("DDP needs {1120} GB per GPU, ZeRO-3 on 8 GPUs {140} GB", PLAN_70B,
+           (_states("ddp"), _states("zero3"))),
+    Figure("ZeRO-3 on 16 GPUs (`--nodes 2`) {70} GB", PLAN_70B_2, (_states("zero3"),)),
+    Figure("optimizer offloaded {17.5} GB on each GPU plus {122.5} GB per GPU ({980} GB per node)", PLAN_70B,
+           (_states("zero3 offload optimizer"), _states("zero3 offload optimizer", "host"),
+            _candidate("zero3 offload optimizer", "host"))),
+    Figure("ZeRO-Offload, and ties go to the torch engine): {3.8} GB on each GPU", PLAN_70B,
+           (_candidate("zero3 offload optimizer+params", "gpu", recommended=True),)),
+    # The engines: DeepSpeed frees its gradient partitions after each step.
+    Figure("micro-batch 1 needs {45.6} GB on the torch engine, {41.7} GB on DeepSpeed", PLAN_8B,
+           (_candidate("zero2", "gpu"), _candidate("zero2 on deepspeed", "gpu"))),
+    # LoRA on a 70B.
+    Figure("prices the frozen base at {141} GB and the adapters' states at {3.3} GB", LORA_70B,
+           (row(r"the frozen base ([\d.]+) GB"), row(r"what trains ([\d.]+) GB"))),
+    Figure("zero3 holds {18.1} GB per GPU of model states, ddp and zero1 {144} GB", LORA_70B,
+           (_states("zero3"), _states("ddp"))),
+    Figure("recommends `zero3 cp8 ring` ({50} GB per GPU, {11,600} tokens/s predicted", LORA_70B,
+           (_candidate("zero3 cp8 ring", "gpu", recommended=True),
+            _candidate("zero3 cp8 ring", "tok/s", recommended=True))),
+    Figure("against {6,544} for full fine-tuning on that node", FULL_70B,
+           (_candidate("zero3 cp4 ring offload optimizer+params", "tok/s", recommended=True),)),
+    Figure("offload ({4}, zero3 with full checkpointing)", LORA_70B_1,
+           (row(r"the fewest that fit are 1 node\(s\) × (\d+)"),)),
+    # The loss chunk by chunk: bf16 logits 2 + their fp32 copy 4 + log-softmax 4 + fp32 gradients 4.
+    Figure("{14} bytes per token per vocabulary entry", "", (value(2 + 4 + 4 + 4),)),
+    Figure("{29} GB for Llama-3's 128k vocabulary at 2 × 8192 tokens", "",
+           (value(14 * 128_256 * 2 * 8192 / 1e9),)),
+    # Measured, from bench records.
+    Figure("8 ranks × 100 MB of trace in {7.2} s with a {0.33} GB peak", RESULTS,
+           (record("observability", "comparison=loom analyze of 8 × 100 MB traces", "seconds"),
+            record("observability", "comparison=loom analyze of 8 × 100 MB traces", "peak_rss_gb"))),
+]
+# The LoRA bench's table, row by row: tokens/s full → LoRA, their ratio (the median of the pairs'),
+# model states full → LoRA, their ratio, the peaks' ratio.
+FIGURES += [
+    Figure(f"| {strategy} {precision} | {{{full}}} → {{{lora}}} | {{{speed}}} "
+           f"| {{{full_mib}}} → {{{lora_mib}}} | {{{states}}} | {{{peak}}} |", LORA,
+           tuple(record("rows", f"strategy={strategy},precision={precision}", *path) for path in (
+               ("full", "tokens_per_s"), ("lora", "tokens_per_s"), ("speed_ratio", "median"),
+               ("full", "model_states_mib"), ("lora", "model_states_mib"), ("states_ratio",),
+               ("peak_ratio",))))
+    for strategy, precision, full, lora, speed, full_mib, lora_mib, states, peak in (
+        ("zero3", "fp32", "1,427", "1,808", "1.27", "98.0", "29.3", "0.298", "0.93"),
+        ("ddp", "fp32", "1,165", "1,433", "1.24", "196.1", "58.5", "0.298", "0.65"),
+        ("zero3", "bf16", "1,259", "1,577", "1.31", "98.0", "17.0", "0.173", "0.67"),
+        ("ddp", "bf16", "1,110", "1,484", "1.36", "196.1", "34.0", "0.173", "0.39"))]
+
+
+def _numbers(said: str) -> list[str]:
+    return re.findall(r"\{([^}]*)\}", said)
+
+
+@pytest.mark.parametrize("figure", FIGURES, ids=lambda f: f.said[:40])
+def test_the_docs_say_each_figure_as_its_command_gives_it(figure):
+    plain = figure.said.replace("{", "").replace("}", "")
+    assert plain in _docs(), f"no page says {plain!r}: the docs changed the figure; update it here or drop it"
+    assert len(_numbers(figure.said)) == len(figure.measured)
+    for number, measure in zip(_numbers(figure.said), figure.measured):
+        said, got = float(number.replace(",", "")), measure(_output(figure.source))
+        decimals = len(number.partition(".")[2])
+        assert abs(said - got) <= max(0.5 * 10 ** -decimals, 0.01 * abs(got)), (
+            f"the docs say {number} in {plain!r}; {figure.source or 'its formula'} gives {got:g}")
+
+
+def test_each_figure_is_checked_once():
+    said = [f.said for f in FIGURES]
+    assert len(said) == len(set(said))
