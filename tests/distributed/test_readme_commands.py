@@ -51,7 +51,7 @@ def _run_block(first: str, tmp: Path, env: dict) -> list[str]:
     for command in block.commands:
         done = subprocess.run(["bash", "-c", _tiny(command)], cwd=tmp, env=env, capture_output=True,
                               text=True, timeout=600)
-        where = f"{getattr(block, 'page', 'README.md')} line {block.line}: `{command}`"
+        where = f"{block.page.name} line {block.line}: `{command}`"
         assert done.returncode == 0, (f"{where} exited {done.returncode}:\n"
                                       f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
         stray = stray_lines(done.stdout, done.stderr)

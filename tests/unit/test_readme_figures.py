@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import readme
 
 from loom.cli import main
 
@@ -35,9 +36,8 @@ class Figure:
 
 
 def _docs() -> str:
-    """The README and every page of docs/, whitespace as one space."""
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    return " ".join(" ".join(page.read_text(encoding="utf-8").split()) for page in pages)
+    """Every user page (tests/readme.py), whitespace as one space."""
+    return " ".join(readme.text().split())
 
 
 @functools.cache
@@ -62,7 +62,7 @@ def row(pattern: str, column: int = 1) -> Callable[[str], float]:
     return find
 
 
-def record(*keys: str | int, scale: float = 1.0) -> Callable[[str], float]:
+def record(*keys: str | int) -> Callable[[str], float]:
     """A value of a JSON record, by its path of keys: a dict's key, a list's index, or `key=value`
     (`,`-joined for several) to pick the list item with those values."""
     def find(text: str) -> float:
@@ -73,7 +73,7 @@ def record(*keys: str | int, scale: float = 1.0) -> Callable[[str], float]:
                 node = next(item for item in node if all(str(item.get(k)) == v for k, v in want.items()))
             else:
                 node = node[key]
-        return float(node) * scale
+        return float(node)
     return find
 
 
