@@ -43,7 +43,8 @@ WANDB_MODES = ("offline", "online")
 NONFINITE_POLICIES = ("skip", "stop")
 CKPT_ERROR_POLICIES = ("stop", "continue")
 PREEMPT_SIGNALS = ("USR1", "USR2")  # signals free for this use: INT, TERM and HUP already stop a run
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # loom/parallel/pipeline.py's SCHEDULES
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")  # loom/parallel/pipeline.py
+SPLIT_BACKWARD_SCHEDULES = ("zb", "zbv", "dualpipev")  # backward in two passes: inputs, then weights
 BIN_DTYPES = ("uint16", "uint32")
 CP_MODES = ("ring", "alltoall")  # loom/parallel/context_parallel.py
 PACKINGS = ("concat", "documents")
@@ -131,8 +132,8 @@ class ParallelConfig:
     # unsharded fp32 gradients between micro-steps (fewer collectives, 4Ψ more memory per rank)
     reduce_every_micro_step: bool = True
     pp: int = 1  # pipeline stages (outermost mesh dim)
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
-    pp_virtual_stages: int = 1  # interleaved: stages per pipeline rank
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb (zero bubble) | zbv | dualpipev
+    pp_virtual_stages: int = 1  # interleaved, zb: stages per pipeline rank (zbv, dualpipev: always 2)
     microbatches: int = 0  # pipeline micro-batches per micro-step; 0 = pp
     tp: int = 1  # tensor-parallel degree (innermost mesh dim: the ranks of one node)
     sequence_parallel: bool = False  # tp: shard norms and residuals along the sequence
@@ -758,6 +759,8 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
                           f"tp = {dims.tp}; use a seq_len divisible by {dims.tp}")
     _check_context_parallel(cfg, dims)
     _check_lora(cfg)
+    if dims.pp > 1 and p.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+        _check_split_backward(p)
     if dims.pp > 1 and t.precision == "fp16":
         raise ConfigError("fp16 loss scaling is not wired into the pipeline schedules; "
                           "use train.precision=bf16")
@@ -770,6 +773,19 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
             f"train.batch_size = {t.batch_size} is not divisible by grad_accum ({t.grad_accum}) × "
             f"data-parallel size ({dims.dp}){pipeline} = {per}; use a multiple of {per}: {multiples}")
     return dims
+
+
+def _check_split_backward(p: ParallelConfig) -> None:
+    """What a schedule that runs each backward in two passes (inputs, then weights) cannot take."""
+    if p.reshard_after_forward:
+        raise ConfigError(f"parallel.reshard_after_forward = true cannot run under pp_schedule = "
+                          f"'{p.pp_schedule}': its deferred weight gradients need the stage's parameters "
+                          f"gathered until the step's last backward; leave it unset or use the 1f1b schedule")
+    if p.activation_checkpointing == "op":
+        raise ConfigError(f"parallel.activation_checkpointing = 'op' cannot run under pp_schedule = "
+                          f"'{p.pp_schedule}': torch's selective checkpoint allows one backward through a "
+                          f"block and the schedule runs two (inputs, then weights); use full or selective, "
+                          f"or the 1f1b schedule")
 
 
 def _check_context_parallel(cfg: Config, dims: ParallelDims) -> None:

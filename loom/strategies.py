@@ -41,10 +41,12 @@ class Strategy:
         """The ZeRO stage the deepspeed engine runs it with (None: hybrid sharding, which it does not)."""
         return None if self.dp_mesh == "hybrid" else self.zero_stage
 
-    def uses_fsdp(self, tp: int = 1, ep: int = 1) -> bool:
+    def uses_fsdp(self, tp: int = 1, ep: int = 1, split_backward: bool = False) -> bool:
         """Under TP or EP, ddp and zero1 replicate through FSDP2 on a (dp, 1) mesh: DDP takes no DTensor
-        parameters, and FSDP2 with nothing to shard over holds the same 16Ψ as DDP."""
-        return self.engine == "fsdp2" or tp > 1 or ep > 1
+        parameters, and FSDP2 with nothing to shard over holds the same 16Ψ as DDP. So under a pipeline
+        schedule that splits the backward (`split_backward`: torch assigns the weight gradients
+        without autograd's hooks, which DDP's reducer waits on; the stage calls FSDP2's reduction)."""
+        return self.engine == "fsdp2" or tp > 1 or ep > 1 or split_backward
 
     def dp_dims(self, dp: int, hybrid_shard: int = 0) -> tuple[int, int]:
         """(dp_replicate, dp_shard) of dp ranks: all replicas, one shard group, or (hybrid) groups

@@ -45,6 +45,7 @@ def analyze(trace_dir: Path) -> dict:
     analysis["moe"] = analysis["run"].pop("_moe")
     analysis["plan"] = run_plan(run_dir / "plan.json")
     analysis["measured_vs_planned"] = measured_vs_planned(run_dir / "summary.json")
+    analysis["pipeline_bubble"] = pipeline_bubble(analysis["ranks"], analysis["plan"])
     analysis["curves"] = read_curves(run_dir / "metrics.jsonl")  # the report's loss and tokens/s curves
     analysis["findings"] = diagnose(analysis, config)
     return analysis
@@ -81,7 +82,8 @@ def run_config(path: Path) -> dict | None:
 # What run_config reads: section -> key -> (type, low, high); text: (str, the choices or None, None).
 _TEXT, _COUNT = (str, None, None), (int, 0, 1 << 20)
 _CONFIG_KEYS = {
-    "model": {"preset": _TEXT, "n_heads": _COUNT, "n_kv_heads": _COUNT, "init_from": _TEXT,
+    "model": {"preset": _TEXT, "n_heads": _COUNT, "n_kv_heads": _COUNT, "n_layers": _COUNT,
+              "init_from": _TEXT,
               "moe_experts": (int, 0, MAX_EXPERTS), "moe_top_k": (int, 1, MAX_EXPERTS),
               "moe_aux_loss_coef": (float, 0, 1e6), "moe_bias_update_rate": (float, 0, 1e6),
               "moe_capacity_factor": (float, 0, 1e6)},
@@ -264,7 +266,7 @@ def run_plan(path: Path) -> dict | None:
     for key in ("label", "strategy"):
         if key in doc:
             doc.str(key)
-    for key in ("step_time_s", "comm_payload_bytes_per_step", "comm_bytes_per_step"):
+    for key in ("step_time_s", "comm_payload_bytes_per_step", "comm_bytes_per_step", "pipeline_bubble"):
         _number_or_null(doc, key)
     if isinstance(doc.raw.get("memory_bytes"), dict):
         _number_or_null(doc.section("memory_bytes"), "total")
@@ -310,15 +312,36 @@ def _pair(doc: Fields, key: str) -> None:
             raise doc.error(key, "a [measured, planned] pair of finite numbers (or null)", pair)
 
 
+def pipeline_bubble(ranks: dict, plan: dict | None) -> list[dict] | None:
+    """Per pipeline rank, the median measured bubble share of its steps beside the planned bubble
+    fraction (plan.json's `pipeline_bubble`, as the planner priced the run's schedule) and their ratio.
+    None without a pipeline in the traces."""
+    planned = (plan or {}).get("pipeline_bubble")
+    planned = float(planned) if type(planned) in (int, float) and math.isfinite(planned) else None
+    rows = []
+    for rank, info in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+        shares = [s["shares"]["bubble"] / 100 for s in info.get("steps", []) if "bubble" in s["shares"]]
+        if not shares:
+            continue
+        measured = statistics.median(shares)
+        ratio = measured / planned if planned else None
+        rows.append({"rank": int(rank), "measured": round(measured, 4), "planned": planned,
+                     "ratio": round(ratio, 2) if ratio is not None else None})
+    return rows or None
+
+
 def render_table(analysis: dict) -> str:
     # context parallelism's exchange: its part of the exposed and hidden comm, where a rank had one
     cp = any("cp_exposed_ms" in s for info in analysis["ranks"].values() for s in info.get("steps", []))
     # and expert parallelism's all-to-alls
     ep = any("ep_exposed_ms" in s for info in analysis["ranks"].values() for s in info.get("steps", []))
+    # a pipeline's bubble (part of comm exp and idle) and zero-bubble B / W phases
+    pp = any("bubble_ms" in s for info in analysis["ranks"].values() for s in info.get("steps", []))
     lines = [(f"{'rank':>4} {'step':>5} {'wall ms':>9} {'compute':>8} {'comm exp':>9} {'io':>6} {'idle':>6} "
               f"{'hidden ms':>9} {'overlap':>7} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>8}"
               + (f" {'cp exp ms':>9} {'cp hid ms':>9}" if cp else "")
-              + (f" {'ep exp ms':>9} {'ep hid ms':>9}" if ep else ""))]
+              + (f" {'ep exp ms':>9} {'ep hid ms':>9}" if ep else "")
+              + (f" {'bubble':>7} {'B ms':>8} {'W ms':>8}" if pp else ""))]
     for rank, info in sorted(analysis["ranks"].items(), key=lambda kv: int(kv[0])):
         for w in info.get("warnings", []):
             lines.append(f"  rank {rank}: warning: {w}")
@@ -331,7 +354,9 @@ def render_table(analysis: dict) -> str:
                          + (f" {s.get('cp_exposed_ms', 0.0):9.1f} {s.get('cp_hidden_ms', 0.0):9.1f}"
                             if cp else "")
                          + (f" {s.get('ep_exposed_ms', 0.0):9.1f} {s.get('ep_hidden_ms', 0.0):9.1f}"
-                            if ep else ""))
+                            if ep else "")
+                         + (f" {sh.get('bubble', 0.0):6.1f}% {s.get('backward_input_ms', 0.0):8.1f}"
+                            f" {s.get('backward_weight_ms', 0.0):8.1f}" if pp else ""))
     kinds: dict[str, list[float]] = {}
     for info in analysis["ranks"].values():
         for c in info.get("collectives", []):
@@ -344,6 +369,14 @@ def render_table(analysis: dict) -> str:
             f"{k} ×{n}, {b / 2**20:.1f} MiB, {ms:.1f} ms" for k, (n, b, ms) in sorted(kinds.items())))
     for s in analysis.get("stragglers", []):
         lines.append(f"straggler: {s['evidence']}")
+    bubble = analysis.get("pipeline_bubble")
+    if bubble:
+        lines.append("\npipeline bubble (median share of the step; planned: plan.json's pipeline_bubble):")
+        for b in bubble:
+            planned = f"{b['planned']:.3f}" if b["planned"] is not None else "—"
+            ratio = f"{b['ratio']:.2f}×" if b["ratio"] is not None else "—"
+            lines.append(f"  rank {b['rank']}: measured {b['measured']:.3f}  planned {planned}  "
+                         f"ratio {ratio}")
     moe = analysis.get("moe")
     if moe:
         parts = [f"{label} {fmt.format(moe[key])}" for key, label, fmt in (

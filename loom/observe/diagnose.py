@@ -159,7 +159,8 @@ def diagnose(analysis: dict, config: dict | None = None) -> list[dict]:
     # parallelism the ranks wait for the one with the busiest experts), judged before the transfers.
     findings += _expert_load(analysis.get("moe"), cfg)
 
-    findings += _exposed_by_kind(ranks, waits, analysis.get("collectives") or [], cfg)
+    findings += _exposed_by_kind(ranks, waits, analysis.get("collectives") or [], cfg,
+                                 (analysis.get("plan") or {}).get("pipeline_bubble"))
 
     idle = _share(steps, "idle")
     if idle >= SHARE and not stragglers:
@@ -300,7 +301,8 @@ def _slowest_op(ranks: dict, slow: str) -> str:
 
 # -- exposed transfer, by collective kind ---------------------------------------------------------
 
-def _exposed_by_kind(ranks: dict, waits: dict, matched: list[dict], cfg: dict) -> list[dict]:
+def _exposed_by_kind(ranks: dict, waits: dict, matched: list[dict], cfg: dict,
+                     planned_bubble: float | None = None) -> list[dict]:
     """Exposed communication less the waiting for a slower rank, shared among the collective
     kinds by their transfer time (context parallelism's exchange takes what the ledger measured as
     its own); a finding for each kind holding a quarter of it or more."""
@@ -330,7 +332,7 @@ def _exposed_by_kind(ranks: dict, waits: dict, matched: list[dict], cfg: dict) -
     overall = {k: sum(v) / len(shares) for k, v in per_kind.items()}
     if not overall:  # exposed time with no collective recorded (sizes and kinds unknown)
         overall = {"unknown": exposed}
-    layout = _layout(ranks, cfg)
+    layout = _layout(ranks, cfg) | {"planned_bubble": planned_bubble}
     wall = _mean(s["wall_ms"] for s in _steps(ranks))
     groups: dict[tuple, list[tuple[str, float]]] = {}  # kinds one key moves share one finding
     ranked = sorted(overall.items(), key=lambda kv: -kv[1])
@@ -413,6 +415,7 @@ def _layout(ranks: dict, cfg: dict) -> dict:
     if (layout["ep"] or 1) > 1:
         label += f", ep {layout['ep']}"
     layout["label"] = label
+    layout["n_layers"] = _layers(cfg)
     return layout
 
 
@@ -453,17 +456,45 @@ def _kind_knob(kind: str, layout: dict) -> tuple[str | None, object, str]:
                             "stop agreement): latency, not a layout setting; fewer optimizer steps per "
                             "token (a larger train.batch_size) amortize them")
     if kind in ("p2p", "send", "recv") and pp > 1:
-        if layout.get("pp_schedule") == "gpipe":
-            return "parallel.pp_schedule", "1f1b", "now gpipe: 1F1B sends while the next micro-batch computes"
-        micro = int(layout.get("microbatches") or 0) or pp
-        return "parallel.microbatches", 2 * micro, (f"now {micro}: more, smaller micro-batches keep the "
-                                                    "stages computing while activations move")
+        return _schedule_knob(layout)
     if kind in ("p2p", "send", "recv"):
         return None, None, "point-to-point transfers come from the model's own code, not from loom's layout"
     if kind == "all_to_all":
         return None, None, ("all-to-all comes from the model's own code (expert or context-parallel layers): "
                             "no loom key moves it; keep the exchange within a node, or exchange less")
     return None, None, f"{kind} on the step's path comes from the step's own code (a barrier, a broadcast)"
+
+
+def _schedule_knob(layout: dict) -> tuple[str | None, object, str]:
+    """Exposed pipeline p2p is the bubble: ranks wait for their neighbour stage. The V schedules fill
+    it with deferred weight gradients (zbv) or overlap one micro-batch's forward with another's
+    backward (dualpipev, which also hides expert all-to-alls: the pick under ep > 1). Both put two
+    stages on each rank, so they need 2·pp layers and at least 2·pp micro-batches."""
+    pp, schedule = int(layout["pp"]), layout.get("pp_schedule", "1f1b")
+    micro = int(layout.get("microbatches") or 0) or pp
+    layers = layout.get("n_layers")
+    planned = layout.get("planned_bubble")
+    now = f"now {schedule}" + (f", planned bubble {planned:.2f}" if planned is not None else "")
+    if schedule in ("zbv", "dualpipev"):
+        return "parallel.microbatches", 2 * micro, (f"{now}, {micro} micro-batches: more, smaller "
+                                                    "micro-batches shorten the V's ramp-up and ramp-down")
+    target = "dualpipev" if (layout.get("ep") or 1) > 1 and layout.get("experts") else "zbv"
+    missing = [f"parallel.microbatches ≥ {2 * pp} (now {micro})"] if micro < 2 * pp else []
+    if layers is not None and layers < 2 * pp:
+        missing.append(f"model.n_layers ≥ {2 * pp} (now {layers})")
+    if not missing:
+        return "parallel.pp_schedule", target, (
+            f"{now}: {target} places two stages per rank in a V and fills the bubble "
+            + ("by overlapping one micro-batch's forward with another's backward (and its all-to-alls)"
+               if target == "dualpipev" else "with deferred weight gradients")
+            + "; `loom plan --explain` prices its bubble" + ("" if layers is not None else
+                                                               f" (needs model.n_layers ≥ {2 * pp})"))
+    if schedule == "gpipe":
+        return "parallel.pp_schedule", "1f1b", (f"{now}: 1F1B sends while the next micro-batch computes; "
+                                                f"{target} would need " + " and ".join(missing))
+    return "parallel.microbatches", max(2 * micro, 2 * pp), (
+        f"{now}: more, smaller micro-batches keep the stages computing; pp_schedule = \"{target}\" "
+        "would empty the bubble once " + " and ".join(missing))
 
 
 def _cp_knob(kind: str, layout: dict) -> tuple[str | None, object, str]:
@@ -521,6 +552,13 @@ def _ep_knob(layout: dict) -> tuple[str | None, object, str]:
 
 
 # -- a mixture of experts' routing --------------------------------------------------------------
+
+def _layers(cfg: dict) -> int | None:
+    """The model's blocks: config.toml's model.n_layers, else its preset's (None: unknown)."""
+    model = cfg.get("model", {})
+    base = None if model.get("init_from") else PRESETS.get(model.get("preset", "small"))
+    return model.get("n_layers") or (base.n_layers if base is not None else None)
+
 
 def moe_config(cfg: dict) -> dict:
     """The run's mixture of experts as its config says (config.toml's model.moe_* keys, else the

@@ -31,6 +31,16 @@ EP's (`ep_exposed_ms`, `ep_hidden_ms`): parts of `comm_exposed_ms` and `comm_hid
 exchange's wherever it was in flight or waited for. On GPU traces NCCL runs an all-to-all as
 grouped send/recv (a SendRecv kernel): the kernel runs the all-to-all issued before it.
 
+Under a pipeline (loom's `loom/pipeline` range, torch.distributed.pipelining's `PP:<action>` or
+`Forward i` / `Backward i` ranges in the trace) a step also says its bubble: the time the rank
+computes nothing while it waits for a neighbour stage. In real gloo traces (loom profile, pp 2, 1f1b
+and zbv) that wait is the main thread inside the pipeline group's recv (and the send it waits on),
+so the exposed time with a send/recv in flight is bubble (`bubble_comm_ms`), and so are idle gaps
+between the schedule's first and last action (`bubble_idle_ms`); both are parts of comm_exposed_ms
+and idle_ms, and `shares["bubble"]` is their sum's share. The runtime schedules' actions give the
+phases: forward (F), backward (a full B), and where the trace has them `backward_input_ms` (I, the
+papers' B), `backward_weight_ms` (W) and DualPipeV's `overlap_f_b_ms`.
+
 Host syncs are counted per step outside the optimizer (its step counters are the library's) and,
 in a loom run, inside loom's forward / backward / pipeline / data ranges only: the syncs between
 them are loom's own loop (`host_syncs_loop`: the stop agreement's reads of a gloo-reduced CPU
@@ -52,6 +62,7 @@ import itertools
 import math
 import multiprocessing
 import os
+import re
 import sys
 from array import array
 from collections import Counter
@@ -96,6 +107,17 @@ CP_KINDS = ("cp_ring", "cp_alltoall")
 EP_ALLTOALL = "ep_alltoall"
 EP_KINDS = (EP_ALLTOALL,)
 _EXCHANGE_KINDS = (*CP_KINDS, *EP_KINDS)
+# torch.distributed.pipelining's ranges: the runtime schedules (interleaved, zb, zbv, dualpipev)
+# wrap each action in `PP:<stage><type><micro-batch>` (F forward, I input-gradient backward "B",
+# W weight gradient, B full backward) or `PP:(<a>;<b>)OVERLAP_F_B` (DualPipeV); gpipe and 1f1b in
+# `Forward i` / `Backward i` (1f1b: none). Any of them, or loom's `loom/pipeline` range around the
+# schedule's step, marks a pipeline rank (PIPE: the schedule's span).
+PIPE = "pp:action"
+_PP_ACTION = re.compile(r"PP:\d+([FIWB])\d+$")
+_PP_PHASES = {"F": "forward", "I": "backward_input", "W": "backward_weight", "B": "backward"}
+_PP_SIMPLE = re.compile(r"(Forward|Backward) \d+$")
+PIPELINE_PHASES = ("backward_input", "backward_weight", "overlap_f_b")
+_P2P_KINDS = ("send", "recv", "p2p")
 _TORCH_FORWARD = ("DistributedDataParallel.forward", "FullyShardedDataParallel.forward")
 _SYNC_OPS = frozenset({
     "aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero",
@@ -195,11 +217,27 @@ def _classify(name: str, cat: str) -> tuple[str, ...]:
         out.append(name)
     elif name in EP_KINDS:
         out.append(name)
+    out.extend(_pipeline_classes(name))
     if name.startswith("loom/data"):
         out.append("loom:data")
     elif io and not name.startswith("loom/checkpoint"):
         out.append("torch:data")
     return tuple(out)
+
+
+def _pipeline_classes(name: str) -> tuple[str, ...]:
+    """A pipeline action's phase class and PIPE, or () for any other name."""
+    if name.startswith("PP:"):
+        action = _PP_ACTION.match(name)
+        if action:
+            return PIPE, "pp:" + _PP_PHASES[action.group(1)]
+        return (PIPE, "pp:overlap_f_b") if name.endswith("OVERLAP_F_B") else (PIPE,)  # SEND_F, RECV_B...
+    if name.startswith("loom/pipeline"):  # loom's range around the schedule (1f1b records no action)
+        return (PIPE,)
+    simple = _PP_SIMPLE.match(name)
+    if simple:
+        return PIPE, "pp:" + simple.group(1).lower()
+    return ()
 
 
 @dataclass
@@ -612,6 +650,13 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
     for p in PHASES:
         loom = union_all(f"loom:{p}")
         phases[p] = loom if len(loom[0]) else union_all(f"torch:{p}")
+    # Under a pipeline the schedule's own ranges give the phases (forward and backward per action,
+    # and the zero-bubble schedules' B and W apart), where loom's or torch's would miss them.
+    pipe = union_all(PIPE)
+    pipe_phases = {p: union_all(f"pp:{p}") for p in ("forward", "backward", *PIPELINE_PHASES)}
+    for p in ("forward", "backward"):
+        if len(pipe_phases[p][0]):
+            phases[p] = pipe_phases[p]
     syncs = _outermost_starts(t[SYNC] for t in all_threads if SYNC in t)
     # Optimizers read their step counters on the host (AdamW on CPU: .item() per parameter):
     # those are the library's; the syncs worth a finding are the ones outside it.
@@ -649,6 +694,13 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
         ep_waits = [arrays[c] for c in EP_KINDS if c in arrays]
         sets = [io, _union(_pairs(ep_waits + [arrays[c] for c in (COMM, *CP_KINDS) if c in arrays])),
                 _union(_pairs([arrays[CPU]] if CPU in arrays else [])), _union(inflight)]
+    # The pipeline's p2p (send/recv of activations and gradients between stages) in flight: a rank
+    # that waits on it waits for its neighbour stage, which is the bubble (see the row's bubble_ms).
+    p2p = [c for c in collectives if c["kind"] in _P2P_KINDS and (c["_ran"] or not gpu)]
+    p2p_at = len(sets)
+    if len(pipe[0]):
+        sets.append(_in_flight(p2p, gpu, []) if p2p else _EMPTY)
+        sets.append(pipe)
     # EP's all-to-alls in flight, their own set (CP's stays the last one)
     ep = [c for c in collectives if c["kind"] in EP_KINDS and (c["_ran"] or not gpu)]
     ep_at = len(sets)
@@ -696,6 +748,11 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
             row["forward_ms"] = _forward_by_bounds(lo, hi, phases["backward"], ops, io) / 1e6
         row["overlap_pct"] = round(100 * hidden / (hidden + exposed), 2) if hidden + exposed else 0.0
         row["shares"] = _shares(wall, compute, exposed, io_ns, idle)
+        if len(pipe[0]):
+            _bubble(row, lo, hi, lengths, cov[p2p_at], cov[p2p_at + 1], compute_m, comm_m, io_m)
+            for p in PIPELINE_PHASES:
+                if len(pipe_phases[p][0]):
+                    row[f"{p}_ms"] = _measure(pipe_phases[p], lo, hi) / 1e6
         row["host_syncs"] = int(np.searchsorted(syncs, hi, "left") - np.searchsorted(syncs, lo, "left"))
         row["host_syncs_optimizer"] = int(np.searchsorted(opt_syncs, hi, "left")
                                           - np.searchsorted(opt_syncs, lo, "left"))
@@ -735,6 +792,25 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
             "steps": steps, "collectives": out_coll,
             "top_ops": [{"name": k, "total_ms": v[0] / 1e6, "self_ms": own[k] / 1e6, "count": v[1]}
                         for k, v in top]}
+
+
+def _bubble(row: dict, lo: int, hi: int, lengths, in_p2p, in_schedule, compute_m, comm_m, io_m) -> None:
+    """The pipeline bubble of one step: the time this rank computes nothing and waits for a
+    neighbour stage — exposed time with the pipeline's p2p in flight (on gloo the main thread sits
+    in the recv; on GPUs only SendRecv kernels run), plus idle gaps between the schedule's first and
+    last action. It is carved out of comm_exposed_ms and idle_ms (`bubble_comm_ms`, `bubble_idle_ms`),
+    which keep their totals so the four shares still add up to the wall; the other idle and the other
+    exposed communication are those minus these."""
+    idle_m = ~compute_m & ~comm_m & ~io_m
+    span = np.zeros(len(lengths), bool)
+    at = np.flatnonzero(in_schedule)
+    if len(at):
+        span[at[0]:at[-1] + 1] = True
+    comm_ns = int(lengths[comm_m & in_p2p].sum())
+    idle_ns = int(lengths[idle_m & (span | in_p2p)].sum())
+    row["bubble_comm_ms"], row["bubble_idle_ms"] = comm_ns / 1e6, idle_ns / 1e6
+    row["bubble_ms"] = (comm_ns + idle_ns) / 1e6
+    row["shares"]["bubble"] = round(100 * (comm_ns + idle_ns) / (hi - lo), 2) if hi > lo else 0.0
 
 
 def _in_flight(calls: list[dict], gpu: bool, ranges: list[array]) -> tuple[np.ndarray, np.ndarray]:

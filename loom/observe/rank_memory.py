@@ -128,14 +128,33 @@ def global_peak_tracker():
     """A MemTracker that keeps only the global live-bytes peak.
 
     Its per-module statistics refuse a module whose forward runs more than once in the tracked
-    region (grad-accumulation micro-steps, pipeline micro-batches); the peak does not need them:
-    every storage is still counted through the dispatch mode, the optimizer hooks and resize_.
+    region (grad-accumulation micro-steps, pipeline micro-batches), and their module tracker hooks
+    every forward's outputs for backward, which autograd.grad refuses (the zero-bubble pipeline
+    schedules' input-gradient pass); the peak needs neither: every storage is still counted through
+    the dispatch mode, the optimizer hooks and resize_.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
     silence_module_hierarchy()  # its ModTracker's advice about the module hierarchy, which this never reads
 
+    class NoModules:
+        """Stands in for MemTracker's ModTracker: no module hooks, never in backward."""
+        parents: set = set()
+        is_bw = False
+
+        def register_user_hooks(self, *hooks): pass
+
+        def clear_user_hooks(self): pass
+
+        def __enter__(self): return self
+
+        def __exit__(self, *args): pass
+
     class GlobalPeakTracker(MemTracker):
+        def __init__(self):
+            super().__init__()
+            self._mod_tracker = NoModules()
+
         def _pre_fw_hook(self, module, inputs): pass
 
         def _post_fw_hook(self, module, inputs, outputs): pass

@@ -28,7 +28,13 @@ from loom.parallel.expert_parallel import shard_experts
 from loom.parallel.fsdp import apply_fsdp
 from loom.parallel.known_warnings import silence_dtensor_sequential_redistribute
 from loom.parallel.mesh import Dist
-from loom.parallel.pipeline import rank_stages, stage_layers, validate_pipeline
+from loom.parallel.pipeline import (
+    SPLIT_BACKWARD,
+    rank_stages,
+    stage_layers,
+    stages_per_rank,
+    validate_pipeline,
+)
 from loom.parallel.weights import WeightSource
 
 
@@ -45,9 +51,10 @@ def parallelize(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter,
         return [_parallelize_part(model, cfg, d, adapter, weights, split)]
     n_layers = adapter.num_layers(model)
     validate_pipeline(n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, pipeline_microbatches(p))
-    num_stages = p.pp * p.pp_virtual_stages
-    layers = stage_layers(n_layers, p.pp, p.pp_virtual_stages)
-    stages = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages)
+    local = stages_per_rank(p.pp_schedule, p.pp_virtual_stages)
+    num_stages = p.pp * local
+    layers = stage_layers(n_layers, p.pp, local)
+    stages = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages, p.pp_schedule)
     return [_parallelize_part(adapter.pipeline_stage(model, s, num_stages, layers[s]), cfg, d, adapter,
                               weights, split) for s in stages]
 
@@ -109,8 +116,14 @@ def materialize(model: nn.Module, device: torch.device, offload: bool = False) -
 
 
 def uses_fsdp(p) -> bool:
-    """Whether FSDP2 wraps the model: zero2/zero3/hsdp, and ddp/zero1 under TP or EP (see fsdp.py)."""
-    return strategies.lookup(p.strategy).uses_fsdp(p.tp, p.ep)
+    """Whether FSDP2 wraps the model: zero2/zero3/hsdp, and ddp/zero1 under TP, EP or a schedule that
+    splits the backward (see fsdp.py, pipeline.py)."""
+    return strategies.lookup(p.strategy).uses_fsdp(p.tp, p.ep, splits_backward(p))
+
+
+def splits_backward(p) -> bool:
+    """Whether the pipeline schedule computes weight gradients apart (zb, zbv, dualpipev)."""
+    return p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD
 
 
 @contextlib.contextmanager

@@ -5,13 +5,20 @@ Each model builds its own stage modules (loom/models/gpt/pipeline.py, loom/model
 the embedding on the first stage, norm + head + loss on the last, the full model's parameter
 names kept so checkpoints map 1:1.
 
-Schedules: `gpipe` and `1f1b` run one stage per rank; `interleaved` (Interleaved 1F1B) runs
-`virtual` stages per rank, assigned round-robin: rank r holds stages r, r + pp, r + 2pp, ...
-The bubble, (p−1)/(m+p−1) or (p−1)/(v·m+p−1), is the planner's loom.plan.step.bubble_fraction.
+Schedules: `gpipe` and `1f1b` run one stage per rank; `interleaved` (Interleaved 1F1B) and `zb`
+(interleaved zero bubble, ZB1P) run `virtual` stages per rank, assigned round-robin: rank r holds
+stages r, r + pp, r + 2pp, ...; `zbv` (zero bubble, V) and `dualpipev` (DeepSeek's DualPipe in its V
+form) run two stages per rank in a V: rank r holds stages r and 2pp − 1 − r, so the first and the last
+stage share rank 0. The zero-bubble schedules split each backward into B (the input gradient, which
+the previous stage waits for) and W (the weight gradient, deferred into the bubble); torch assigns W's
+gradients itself, without autograd's hooks, so DDP's reducer never sees them: ddp and zero1 replicate
+through FSDP2 there (strategies.Strategy.uses_fsdp). The bubble of each is the planner's
+loom.plan.step.bubble_fraction.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 
@@ -21,13 +28,28 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining.schedules import _ComputationType
 
+from loom.config import SPLIT_BACKWARD_SCHEDULES
 from loom.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# An action's kind (private, the same in torch 2.11 and 2.13; see pipeline_eval)
+_Kind = _ComputationType
+_BACKWARD = {_Kind.FULL_BACKWARD, _Kind.BACKWARD_INPUT, _Kind.BACKWARD_WEIGHT, _Kind.SEND_B, _Kind.RECV_B,
+             _Kind.REDUCE_GRAD}
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V
+SPLIT_BACKWARD = SPLIT_BACKWARD_SCHEDULES  # backward split into B (inputs) and W (weights)
+_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+            "zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -57,8 +79,17 @@ def stage_layers(n_layers: int, pp: int, virtual: int = 1) -> list[list[int]]:
     return stages
 
 
-def rank_stages(rank: int, pp: int, virtual: int = 1) -> list[int]:
-    """The stage indices held by pipeline rank `rank`: round-robin, so r, r + pp, r + 2pp, ..."""
+def stages_per_rank(schedule: str, virtual: int) -> int:
+    """The stages each pipeline rank runs: two for the V schedules (whatever pp_virtual_stages says,
+    1 or 2: validate_pipeline refuses the rest), else pp_virtual_stages."""
+    return 2 if schedule in V_SCHEDULES else virtual
+
+
+def rank_stages(rank: int, pp: int, virtual: int = 1, schedule: str = "1f1b") -> list[int]:
+    """The stage indices held by pipeline rank `rank`: in a V (r, 2pp − 1 − r) for zbv and dualpipev,
+    else round-robin (r, r + pp, r + 2pp, ...)."""
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(virtual)]
 
 
@@ -80,7 +111,17 @@ def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, micro
     if pp > n_layers:
         raise ConfigError(f"parallel.pp = {pp} is more than the model's {n_layers} layers; "
                           f"use pp ≤ {n_layers}")
-    refuse_tied_embeddings(tie_embeddings, pp * virtual, "set model.tie_embeddings=false")
+    if schedule in V_SCHEDULES and virtual > 2:
+        raise ConfigError(
+            f"parallel.pp_schedule = {schedule!r} runs exactly two stages per rank (a V), but "
+            f"parallel.pp_virtual_stages = {virtual}; set it to 2 (or 1), or use 'zb' or 'interleaved' "
+            f"for {virtual} stages per rank")
+    local = stages_per_rank(schedule, virtual)
+    refuse_tied_embeddings(tie_embeddings, pp * local, "set model.tie_embeddings=false")
+    if schedule in V_SCHEDULES and 2 * pp > n_layers:
+        raise ConfigError(
+            f"parallel.pp_schedule = {schedule!r} splits the model into 2 × pp = {2 * pp} stages (two per "
+            f"rank, in a V), more than its {n_layers} layers; use pp ≤ {n_layers // 2} or the 1f1b schedule")
     if schedule == "interleaved":
         if virtual < 2:
             raise ConfigError(
@@ -93,22 +134,56 @@ def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, micro
                 f"pp × virtual stages = {pp} × {virtual} = {pp * virtual}; change pp, pp_virtual_stages or "
                 f"n_layers"
             )
-    elif virtual != 1:
+    elif virtual != 1 and schedule in ("gpipe", "1f1b"):
         raise ConfigError(
-            f"parallel.pp_virtual_stages = {virtual} needs parallel.pp_schedule = 'interleaved'; "
-            f"set it to 1 for {schedule!r}"
+            f"parallel.pp_virtual_stages = {virtual} needs a schedule that runs several stages per rank "
+            f"(interleaved, zb, zbv, dualpipev); set it to 1 for {schedule!r}"
         )
-    if schedule in ("1f1b", "interleaved") and microbatches < pp:
+    if schedule in ("1f1b", "interleaved", "zb") and microbatches < pp:
         raise ConfigError(
             f"parallel.microbatches = {microbatches} is fewer than parallel.pp = {pp}, "
             f"which the {schedule} schedule needs; use microbatches ≥ {pp}"
         )
-    if schedule == "interleaved" and microbatches % (microbatches // pp):
+    if schedule in ("interleaved", "zb") and microbatches % (microbatches // pp):
         # torch runs the micro-batches in rounds of microbatches // pp; they must divide evenly.
         raise ConfigError(
             f"parallel.microbatches = {microbatches} is not a multiple of {microbatches // pp} "
-            f"(microbatches // pp), which the interleaved schedule needs; use a multiple of pp = {pp}"
+            f"(microbatches // pp), which the {schedule} schedule needs; use a multiple of pp = {pp}"
         )
+    if schedule in V_SCHEDULES and microbatches < 2 * pp:
+        raise ConfigError(
+            f"parallel.microbatches = {microbatches} is fewer than the {2 * pp} stages of the {schedule} "
+            f"schedule (two per rank), which it needs; use microbatches ≥ 2 × pp = {2 * pp}"
+        )
+
+
+@functools.cache
+def weight_pass_takes_functions() -> bool:
+    """Whether this torch's split backward can compute a weight gradient from a Python autograd
+    Function's node (torch 2.13 can; 2.11 reads input metadata that such nodes do not expose there):
+    tried once on a two-element product through torch's own input and weight passes. Where it cannot,
+    loom's GPT runs plain ops for its Functions that take a parameter (loom/models/gpt/lean_ops.py) and
+    its last stage the full logits instead of the chunked loss."""
+
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            return grad * w, grad * x
+
+    x, w = torch.ones(2, requires_grad=True), nn.Parameter(torch.ones(2))
+    y = Product.apply(x * 2, w)
+    try:
+        _, groups = stage_backward_input([y], [torch.ones(2)], [x], iter([w]))
+        stage_backward_weight(iter([w]), groups)
+    except RuntimeError:
+        return False
+    return True
 
 
 _inferring = threading.local()
@@ -122,7 +197,13 @@ def inferring_shapes() -> bool:
 
 
 class _Stage(PipelineStage):
-    """torch's PipelineStage, its metadata pass marked (inferring_shapes)."""
+    """torch's PipelineStage, its metadata pass marked (inferring_shapes), its first step connecting
+    only neighbours on other ranks."""
+
+    def _get_init_p2p_neighbors_ops(self):
+        # torch 2.11 lists a neighbour on this very rank too (the two middle stages of a V), and gloo
+        # cannot send to itself; those stages hand tensors over in memory, so nothing connects them.
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
     def _forward_metadata_inference(self, *args, **kwargs):
         _inferring.on = True
@@ -161,12 +242,11 @@ def build_schedule(stages: list[nn.Module], stage_indices: list[int], num_stages
     # also shrink gradients accumulated by earlier steps (gradient accumulation); the loss is
     # scaled instead.
     kwargs = {"n_microbatches": microbatches, "loss_fn": _scaled(loss_fn, microbatches), "scale_grads": False}
-    if schedule == "interleaved":
-        return ScheduleInterleaved1F1B(pipeline_stages, **kwargs)
-    if len(pipeline_stages) != 1:
-        raise ValueError(f"the {schedule} schedule runs one stage per rank, got {len(pipeline_stages)}")
-    schedule_class = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    return schedule_class(pipeline_stages[0], **kwargs)
+    if schedule in ("gpipe", "1f1b"):
+        if len(pipeline_stages) != 1:
+            raise ValueError(f"the {schedule} schedule runs one stage per rank, got {len(pipeline_stages)}")
+        return _CLASSES[schedule](pipeline_stages[0], **kwargs)
+    return _CLASSES[schedule](pipeline_stages, **kwargs)
 
 
 def pipeline_step(schedule, inputs: torch.Tensor | None, targets: torch.Tensor | None,
@@ -189,3 +269,38 @@ def pipeline_step(schedule, inputs: torch.Tensor | None, targets: torch.Tensor |
         return None
     # Each recorded loss is already divided by the micro-batch count: their sum is the mean.
     return torch.stack([loss.detach() for loss in losses]).sum()
+
+
+def pipeline_eval(schedule, inputs: torch.Tensor | None, targets: torch.Tensor | None,
+                  losses: list | None) -> None:
+    """Forward only through the stages, each micro-batch's loss appended to `losses` (last stage).
+
+    torch's eval() of the schedules that run from an action list (interleaved, zb, zbv, dualpipev)
+    still walks the training order, backward actions included; under a V the stage that hands its
+    input gradient to the stage beside it on the same rank then fails. Those schedules evaluate
+    through their training order less its backward actions (and their sends and receives): a
+    subsequence of an order that runs, so it runs, each forward waiting only on earlier forwards."""
+    args = (inputs,) if inputs is not None else ()
+    training = getattr(schedule, "pipeline_order_with_comms", None)
+    if training is None:  # gpipe, 1f1b: eval() runs forwards only
+        schedule.eval(*args, target=targets, losses=losses)
+        return
+    forward = getattr(schedule, "_loom_forward_order", None)
+    if forward is None:
+        forward = schedule._loom_forward_order = {rank: list(_forward_actions(actions))
+                                                  for rank, actions in training.items()}
+    schedule.pipeline_order_with_comms = forward
+    try:
+        schedule.eval(*args, target=targets, losses=losses)
+    finally:
+        schedule.pipeline_order_with_comms = training
+
+
+def _forward_actions(actions):
+    """The forward part of one rank's lowered action list (DualPipeV's overlapped F+B: its F)."""
+    for action in actions:
+        kind = action.computation_type
+        if kind == _Kind.OVERLAP_F_B:
+            yield from (a for a in action.sub_actions if a.computation_type == _Kind.FORWARD)
+        elif kind not in _BACKWARD:
+            yield action

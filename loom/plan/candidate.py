@@ -6,6 +6,7 @@ import functools
 from dataclasses import dataclass
 
 from loom import strategies
+from loom.config import SPLIT_BACKWARD_SCHEDULES
 from loom.plan.lora import LoRA
 from loom.plan.shapes import ModelShape
 
@@ -51,7 +52,7 @@ class Candidate:
     pp: int = 1
     dp_shard: int = 0  # hsdp: ranks one shard spans (0: the whole dp group)
     offload: str = "none"
-    schedule: str = "none"  # pipeline schedule: gpipe | 1f1b | interleaved
+    schedule: str = "none"  # pipeline schedule: gpipe | 1f1b | interleaved | zb | zbv | dualpipev
     virtual_stages: int = 1
     activation_checkpointing: str = "none"  # none | selective | full
     ac_every: int = 2
@@ -75,6 +76,18 @@ class Candidate:
     @property
     def strategy_info(self) -> strategies.Strategy:
         return strategies.lookup(self.strategy)
+
+    @property
+    def split_backward(self) -> bool:
+        """A pipeline schedule that runs B and W apart (zb, zbv, dualpipev): ddp and zero1 then
+        replicate through FSDP2 (strategies.Strategy.uses_fsdp), as the run does."""
+        return self.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """Whether the torch engine runs this layout on FSDP2 (the strategy's, TP's, EP's or the split
+        backward's reason)."""
+        return self.strategy_info.uses_fsdp(self.tp, self.ep, self.split_backward)
 
     @property
     def shard_size(self) -> int:
@@ -127,7 +140,7 @@ class Candidate:
         s = self.strategy_info
         if self.engine == "deepspeed":
             return f"DeepSpeed ZeRO-{s.zero_stage}"
-        replicas = "FSDP2" if s.uses_fsdp(self.tp, self.ep) else "DDP"
+        replicas = "FSDP2" if self.uses_fsdp else "DDP"
         return f"{replicas} + ZeroRedundancyOptimizer" if s.shards_optimizer_only else replicas
 
     @property

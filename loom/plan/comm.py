@@ -141,10 +141,14 @@ def tp_reductions(w, c) -> tuple[float, float]:
 def pp_sends(w, c) -> tuple[float, int]:
     """(bytes of one micro-batch's activation between stages, sends per micro-batch on a rank). A
     rank sends forward from each of its v stages but the model's last, and backward from each but
-    the first: 2v on a middle rank, 2v − 1 when p = 2. Sequence parallel sends the split activation."""
+    the first: 2v on a middle rank, 2v − 1 when p = 2. On a V (zbv, dualpipev: stages r and 2p − 1 − r)
+    the turn between stages p − 1 and p stays on the last rank and rank 0 holds both ends: 4 on a
+    middle rank, 2 when p = 2. Sequence parallel sends the split activation."""
     activation = c.local_seq(w.seq_len) * c.micro_batch * w.shape.d_model * w.act_bytes
     if c.sequence_parallel:
         activation /= c.tp
+    if c.schedule in ("zbv", "dualpipev"):
+        return activation, 2 if c.pp == 2 else 4
     return activation, 2 * c.virtual_stages - (1 if c.pp == 2 else 0)
 
 
@@ -568,7 +572,8 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
         pp_inter = c.world > gpus_per_node and c.grad_sync_size * c.tp >= gpus_per_node
         if terms:
             terms.note(f"pipeline ({_link(pp_inter)}): each micro-batch's activation forward from each of a "
-                       f"rank's v stages, its gradient backward: 2v·m sends ((2v−1)·m when p = 2)")
+                       f"rank's v stages, its gradient backward: 2v·m sends ((2v−1)·m when p = 2; on a V "
+                       f"4·m, 2·m when p = 2)")
             terms.item("pp bytes", f"sends·m·{_tokens(c)}·b·h·e" + ("/tp" if c.sequence_parallel else ""),
                        f"{sends}·{c.grad_accum}·{_tokens(c, w.seq_len)}·{c.micro_batch}·{shape.d_model}·"
                        f"{w.act_bytes}"

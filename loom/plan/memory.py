@@ -546,7 +546,7 @@ def ddp_accumulates_apart(w, c) -> bool:
     accumulate into gradients of their own, beside its buckets (the states' gradients), until the
     last micro-step's backward copies them in (measured: +4Ψ)."""
     return (w.recipe == "torch" and c.engine != "deepspeed"
-            and not c.strategy_info.uses_fsdp(c.tp, c.ep)
+            and not c.uses_fsdp
             and c.grad_accum > 1)
 
 
@@ -602,9 +602,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     chunk = w.loss_chunk  # every layout chunks (TP: each rank's vocabulary shard; PP: the last stage)
     deepspeed = c.engine == "deepspeed"
     strategy = c.strategy_info
-    fsdp = not deepspeed and strategy.uses_fsdp(tp, c.ep) and w.recipe == "torch"
+    fsdp = not deepspeed and c.uses_fsdp and w.recipe == "torch"
     # ddp and zero1 (without TP) reach 16-bit through torch.autocast; FSDP2 and DeepSpeed cast weights
-    autocast = not deepspeed and not strategy.uses_fsdp(tp, c.ep) and e < 4
+    autocast = not deepspeed and not c.uses_fsdp and e < 4
     casts_trainables = autocast  # under LoRA: autocast's copies of what trains
     spec = w.lora
     trains_embeddings = spec is None or spec.train_embeddings  # else no embedding or head weight gradient
@@ -699,6 +699,16 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     if terms:
         terms.item("saved", "in flight × (" + " + ".join(n for n, _ in parts) + ")",
                    f"{num(inflight)} × {gb(one_micro)}", gb(saved))
+    deferred = deferred_weight_passes(c, stage)
+    if deferred and shape.known:  # zb, zbv, dualpipev: each deferred W keeps its linears' tensors
+        per_w = deferred_weight_bytes_per_layer(shape, seq, mb, e, tp)
+        kept_for_w = deferred * layers * per_w
+        saved += kept_for_w
+        if terms:
+            terms.item("W deferred", "min(m, p − 1 − stage) (zero bubble: weight gradients run later)",
+                       f"min({c.grad_accum}, {c.pp} − 1 − {stage})", str(deferred))
+            terms.item("kept for W", "W deferred × L_s × s·b·e·(4h + (2h + 2kv + 3f)/tp) (linear inputs and "
+                       "output gradients)", f"{deferred} × {layers} × {gb(per_w)}", gb(kept_for_w))
     transient = head_transient_bytes(shape, seq, mb, tp, chunk, e, terms) if last else 0.0
     # the fp32 log-softmax, or chunked each token's fp32 logsumexp
     loss_saved = 4 * seq * mb * (1 if chunk else shape.vocab_size / tp) if last else 0.0
@@ -754,11 +764,14 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     if spec is None:
         grad_units = units  # every parameter has a gradient
     kept = 0.0
+    # A schedule that defers weight gradients keeps every unit gathered to the step's end, zero3's too
+    # (loom/parallel/fsdp.py: reshard_after_forward).
+    reshards = strategy.reshard_after_forward and not c.split_backward
     if fsdp:
         # The unit gathered at backward's start: zero3 keeps the last one gathered since forward (the
         # head's, or the root's with the tied embedding); zero2 (and ddp/zero1 under TP, FSDP2
         # over a (dp, 1) mesh) keep every unit gathered from forward to backward.
-        kept = e * (units[-1] if strategy.reshard_after_forward else sum(units))
+        kept = e * (units[-1] if reshards else sum(units))
         if c.grad_accum == 1 or pipelined or not w.reduce_every_micro_step:
             held -= grads  # the sharded gradients, not yet rebuilt (a later micro-step holds them)
 
@@ -804,10 +817,10 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         if own_head:  # its gradient reduce-scattered at once, the unit resharded first (zero2: the
             # others stay gathered)
             gloo = device == "cpu" and c.shard_size > 1
-            others_gathered = kept - e * units[-1] if not strategy.reshard_after_forward else 0.0
+            others_gathered = kept - e * units[-1] if not reshards else 0.0
             moments.append(("head reduce-scatter", saved - head,
                             _reduce_scatter(grad_units[-1], e, gloo) + others_gathered + held))
-        if fsdp and strategy.reshard_after_forward and len(units) > 2 and c.shard_size > 1:
+        if fsdp and reshards and len(units) > 2 and c.shard_size > 1:
             # The topmost block's unit gathered again for its backward, the loss and head done: the
             # all-gather's output and the unsharded copy of it, and the next unit's prefetched
             # output (gloo: one more, its copy of the output; measured 4 units on CPU).
@@ -844,7 +857,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             top_local = block_local
         gathered = e * (units[-1] + vh_grad) if tied_root else 0.0
         gathered += e * top_local if len(units) > 1 else 0.0
-        if not strategy.reshard_after_forward:
+        if not reshards:
             gathered = kept
         moments.append(("recompute", others + rebuilt, gathered + held))
     if fsdp and pipelined:
@@ -947,17 +960,24 @@ def _reduce_scatter(unit: float, elem: int, gloo: bool, held: float = 0.0) -> fl
 
 
 def _micro_batches_in_flight(c, stage: int, terms: Terms = NO_TERMS) -> float:
-    """Micro-batches whose activations a stage holds at once: 1 without a pipeline; GPipe all m;
-    1F1B p − stage (p on the first); interleaved 1F1B p·(1 + (p−1)/(p·v)) on the first. The rule's
-    words are templates, filled in only when recorded."""
+    """Micro-batches' worth of a rank's activations it holds at once (`stage`: the rank): 1 without a
+    pipeline; GPipe all m; 1F1B p − stage (p on the first); interleaved 1F1B p·(1 + (p−1)/(p·v)) on the
+    first; zb as 1F1B (ZB-H1 keeps 1F1B's peak), interleaved or not; zbv p on every rank, over its two
+    chunks (Qi et al. 2023: ZB-V's peak equals 1F1B's first stage's); dualpipev p + 1 (DeepSeek-V3's
+    DualPipe table: PP + 1). The rule's words are templates, filled in only when recorded."""
     p, m, v = c.pp, c.grad_accum, c.virtual_stages
     if p == 1:
         inflight, rule, nums = 1, "1 (no pipeline)", None
     elif c.schedule == "gpipe":
         inflight, rule, nums = m, "m (GPipe: every forward before any backward)", "{m}"
-    elif c.schedule == "interleaved" and stage == 0:
+    elif c.schedule == "zbv":
+        inflight, rule, nums = min(m, p), "min(m, p) (ZB-V: both chunks, every rank)", "min({m}, {p})"
+    elif c.schedule == "dualpipev":
+        inflight, rule, nums = min(m, p + 1), "min(m, p + 1) (DualPipeV: PP + 1)", "min({m}, {p} + 1)"
+    elif c.schedule in ("interleaved", "zb") and v > 1 and stage == 0:
         inflight = min(m * v, p * (1 + (p - 1) / (p * v)))
-        rule = "min(m·v, p·(1 + (p−1)/(p·v))) (interleaved 1F1B, first stage)"
+        name = "interleaved 1F1B" if c.schedule == "interleaved" else "zb"
+        rule = f"min(m·v, p·(1 + (p−1)/(p·v))) ({name}, first stage)"
         nums = "min({m}·{v}, {p}·(1 + ({p}−1)/({p}·{v})))"
     else:
         inflight = min(m, p - stage)
@@ -967,3 +987,22 @@ def _micro_batches_in_flight(c, stage: int, terms: Terms = NO_TERMS) -> float:
         nums = nums and nums.format(**fill)
         terms.item("micro-batches in flight", rule.format(**fill), nums, num(inflight))
     return inflight
+
+
+def deferred_weight_passes(c, stage: int) -> int:
+    """Micro-batches whose W (weight gradient) a rank has deferred at most, each keeping its linear
+    layers' inputs and output gradients alive after its B: none but under zb, zbv and dualpipev, where
+    the rank `stage` steps from the pipeline's end defers up to p − 1 − stage of them (ZB-H1 fills the
+    warm-down with them; on a V the ranks' first chunks are placed as 1F1B's stages)."""
+    if not c.split_backward:
+        return 0
+    return min(c.grad_accum, c.pp - 1 - stage)
+
+
+def deferred_weight_bytes_per_layer(shape, seq: int, micro_batch: int, elem: int, tp: int = 1) -> float:
+    """What one micro-batch's deferred W keeps alive in a block: each linear's input (the norm outputs,
+    h wide, before q/k/v and w1/w3; attention's output h/tp before wo; the SwiGLU product f/tp before
+    w2) and its output's gradient (q h/tp, k and v kv/tp each, wo and w2 h, w1 and w3 f/tp each): s·b·e·
+    (4h + (2h + 2kv + 3f)/tp). An MoE block is priced as a dense one of its ffn_hidden (an approximation)."""
+    h, kv, f = shape.d_model, shape.kv_dim, shape.ffn_hidden
+    return seq * micro_batch * elem * (4 * h + (2 * h + 2 * kv + 3 * f) / tp)

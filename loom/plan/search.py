@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom import strategies
+from loom.config import SPLIT_BACKWARD_SCHEDULES as SPLIT_BACKWARD
 from loom.errors import ConfigError
 from loom.plan import context, experts, lora
 from loom.plan.candidate import Candidate, Workload
@@ -20,7 +21,7 @@ from loom.plan.comm import comm_per_step, ep_payload_per_step
 from loom.plan.efficiency import compute_fraction, link_efficiency
 from loom.plan.hardware import Cluster
 from loom.plan.memory import expert_state_bytes, gpu_memory
-from loom.plan.step import bubble_fraction, flops_per_token, step_time
+from loom.plan.step import bubble_fraction, flops_per_token, passes, step_time
 
 GB = 1e9
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -48,7 +49,8 @@ def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
         "comm_bytes_per_step": comm.total, "comm_bytes_by_link": {"intra_node": comm.intra_node,
                                                                   "inter_node": comm.inter_node},
         "comm_bytes_by_kind": comm.by_kind,
-        "pipeline_bubble": bubble_fraction(c.pp, c.grad_accum, c.virtual_stages) if c.pp > 1 else 0.0,
+        "pipeline_bubble": bubble_fraction(c.pp, c.grad_accum, c.virtual_stages, c.schedule,
+                                           passes(w.shape, w.seq_len, w.lora)) if c.pp > 1 else 0.0,
         "fits": None, "why_not": None, "step_time_s": None, "step_time_breakdown_s": None,
         "tokens_per_s": None, "mfu": None,
     }
@@ -111,9 +113,12 @@ def enumerate_candidates(w: Workload, cluster: Cluster,
                                     if mb > local_batch or local_batch % mb:
                                         continue
                                     m = local_batch // mb
-                                    if pp > 1 and m < pp:
+                                    if pp > 1 and (m < pp or not _worth_searching(shape.n_layers, pp, virtual,
+                                                                                  schedule, m)):
                                         # 1F1B-style schedules need m ≥ p (GPipe too, to keep p busy)
                                         continue
+                                    if ac == "op" and schedule in SPLIT_BACKWARD:
+                                        continue  # torch's selective checkpoint allows one backward
                                     yield Candidate(strategy, dp, tp, pp, shard, offload, schedule, virtual,
                                                     ac, 2, mb, m, sequence_parallel=tp > 1,
                                                     framework=framework, cp=cp, cp_mode=mode, ep=ep)
@@ -188,12 +193,42 @@ def _offloads(strategy: str, dp: int, tp: int, pp: int, host_tier: bool = True,
 
 
 def _schedules(shape, pp: int) -> list[tuple[str, int]]:
+    """(schedule, stages per rank) pairs searched; _worth_searching then checks the micro-batches.
+    dualpipev only for a mixture of experts: its bubble and memory price above zbv's (no F&B overlap
+    is credited), and the expert all-to-all it can hide is its reason to exist."""
     if pp == 1:
         return [("none", 1)]
-    options = [("gpipe", 1), ("1f1b", 1)]
+    options = [("gpipe", 1), ("1f1b", 1), ("zb", 1)]
     if shape.n_layers % (pp * 2) == 0:
-        options.append(("interleaved", 2))
+        options += [("interleaved", 2), ("zb", 2)]
+    if 2 * pp <= shape.n_layers:
+        options += [("zbv", 2)] + ([("dualpipev", 2)] if shape.moe else [])
     return options
+
+
+def _worth_searching(n_layers: int, pp: int, virtual: int, schedule: str, microbatches: int) -> bool:
+    """The layout runs (schedule_runs), and is not one that prices worse on every count: zb over two
+    stages per rank where zbv runs (the same sends, a larger bubble, no less memory)."""
+    if not schedule_runs(n_layers, pp, virtual, schedule, microbatches):
+        return False
+    return not (schedule == "zb" and virtual > 1 and schedule_runs(n_layers, pp, 2, "zbv", microbatches))
+
+
+def schedule_runs(n_layers: int, pp: int, virtual: int, schedule: str, microbatches: int) -> bool:
+    """Whether loom/parallel/pipeline.validate_pipeline takes the layout (mirrored here: the planner
+    imports no torch; tests/unit/test_plan_schedules.py checks the two agree)."""
+    stages = 2 * pp if schedule in ("zbv", "dualpipev") else pp * virtual
+    if stages > n_layers or (schedule in ("zbv", "dualpipev") and virtual > 2):
+        return False
+    if schedule == "interleaved" and (virtual < 2 or n_layers % stages):
+        return False
+    if schedule in ("gpipe", "1f1b") and virtual != 1:
+        return False
+    if schedule in ("1f1b", "interleaved", "zb") and microbatches < pp:
+        return False
+    if schedule in ("interleaved", "zb") and microbatches % (microbatches // pp):
+        return False
+    return schedule not in ("zbv", "dualpipev") or microbatches >= 2 * pp
 
 
 NEAR_TIE = 0.05  # this close to the fastest, candidates are ranked by simplicity, not the model's last digits
@@ -688,6 +723,7 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,
     micro = (p.microbatches or pp) if pipelined else t.grad_accum
     per_micro = t.batch_size // (dp * (t.grad_accum * micro if pipelined else micro))
     hybrid = strategies.lookup(p.strategy).dp_mesh == "hybrid"
+    virtual = 2 if p.pp_schedule in ("zbv", "dualpipev") else p.pp_virtual_stages  # a V: always two
     offload = "optimizer+params" if p.offload == "cpu" else "none"
     if p.engine == "deepspeed" and p.offload_params == "nvme":
         offload = "nvme"
@@ -700,7 +736,7 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,
     elif p.engine == "deepspeed" and p.offload_optimizer != "none":
         offload = "optimizer"
     return Candidate(p.strategy, dp, tp, pp, dp_shard if hybrid else 0, offload,
-                     p.pp_schedule if pipelined else "none", p.pp_virtual_stages if pipelined else 1,
+                     p.pp_schedule if pipelined else "none", virtual if pipelined else 1,
                      p.activation_checkpointing, p.ac_every, per_micro, micro,
                      sequence_parallel=p.sequence_parallel and tp > 1, framework=p.engine,
                      fsdp_unit_mb=p.fsdp_unit_mb, cp=cp, cp_mode=p.cp_mode if cp > 1 else "ring", ep=ep)

@@ -12,7 +12,9 @@ Two ways to price compute and collectives:
   and every collective at its measured α + bytes/β.
 Then, for both:
 - recomputation repeats the forward (a third of the work) of the checkpointed blocks;
-- the bubble of a pipeline is (p−1)/(m+p−1) of its time ((p−1)/(v·m+p−1) interleaved);
+- the bubble of a pipeline is its schedule's idle time in a rank's forward (F), input-gradient (B)
+  and weight-gradient (W) passes, split as the FLOPs split (bubble_time): (p−1)/(m+p−1) of the step
+  for 1F1B, less for interleaved, zero-bubble (zb, zbv) and DualPipeV;
 - on GPUs data-parallel collectives overlap with compute (DDP buckets, FSDP prefetch) and only the
   part longer than the compute is exposed; ZeRO-1's parameter broadcast follows the optimizer
   step, and TP and PP transfers sit on the critical path: those are exposed. Context parallelism's
@@ -87,10 +89,111 @@ class StepTime:
                 "total": self.total}
 
 
-def bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float:
+@dataclass(frozen=True)
+class Passes:
+    """FLOPs of one token's forward (F), input-gradient backward (B) and weight-gradient backward (W):
+    the three passes a split-backward schedule places apart. Only their ratios matter to the bubble."""
+
+    f: float
+    b: float
+    w: float
+
+    @property
+    def total(self) -> float:
+        return self.f + self.b + self.w
+
+
+EQUAL_PASSES = Passes(1.0, 1.0, 1.0)  # every linear layer, nothing else: 2N FLOPs each
+
+
+def passes(shape, seq_len: int, lora_spec=None) -> Passes:
+    """F, B, W per token from the model's FLOPs: each linear layer (the head included) costs 2·in·out
+    in each of the three; attention's score and context matmuls (4·L·H·Q·T forward) have B twice their
+    forward (a gradient for each operand) and no W; the input embedding is a lookup. Under LoRA a
+    frozen weight has no W: W is the adapters' weight gradients (2 each, the head's if it trains)."""
+    if lora_spec is not None:
+        total, forward = lora.flops_per_token(shape, lora_spec, seq_len)
+        counted = lora.counted_shape(shape)
+        weights = 2 * lora.active_adapters(counted, lora_spec)
+        if lora_spec.train_embeddings:
+            weights += 2 * counted.vocab_size * counted.d_model
+        return Passes(forward, total - forward - weights, weights)
+    total = shape.flops_per_token(seq_len)
+    attention = 12.0 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len if shape.known else 0.0
+    weights = (total - attention) / 3  # 2N
+    return Passes(weights + attention / 3, weights + 2 * attention / 3, weights)
+
+
+# Each schedule's bubble, in one rank's per-micro-batch F, B, W (all its stages): the formula as
+# printed, and its value. p ranks, v stages per rank (round-robin); the V schedules' chunk is half a
+# rank (F' = F/2, B' = B/2, W' = W/2).
+BUBBLE_FORMULAS = {
+    "gpipe": "(p−1)(F+B+W)",
+    "1f1b": "(p−1)(F+B+W)",
+    "interleaved": "(p−1)(F+B+W)/v",
+    "zb": "max(0, (p−1)(F+B−W)/v)",
+    "zbv": "max(0, (p−1)(F'+B'−2W'))",
+    "dualpipev": "max(0, (p−1)(F&B'+B'−2W')), F&B' = F'+B'+W'",
+}
+
+
+def bubble_time(pp: int, virtual: int = 1, schedule: str = "1f1b", split: Passes = EQUAL_PASSES) -> float:
+    """The idle time of a rank's step, in the units of `split` (one rank's F, B, W of one micro-batch).
+
+    - gpipe, 1f1b: (p−1)(F+B+W); interleaved 1F1B: (p−1)(F+B+W)/v (Narayanan et al. 2021).
+    - zb, torch's ScheduleInterleavedZeroBubble (ZB-H1 of Qi et al. 2023, round-robin over v stages
+      per rank): (p−1)(F+B−W)/v: the deferred W's fill all of the bubble but F+B−W; none left when
+      W ≥ F+B.
+    - zbv (ZB-V, Qi et al. 2023 §6): two chunks per rank in a V, each half of the rank's layers:
+      (p−1)(F'+B'−2W') with one chunk's times; zero when F = B = W.
+    - dualpipev: DeepSeek's DualPipe table gives (PP/2−1)(F&B+B−3W), where its B is a *full* backward
+      chunk (inputs and weights) and F&B the overlapped forward and backward of two micro-batches on a
+      chunk. DualPipeV over p ranks is DualPipe over PP = 2p ranks cut in half (2p chunks, two per rank,
+      each half a rank's layers), so PP/2 − 1 = p − 1; in this module's B (inputs only) the full backward
+      is B'+W': (p−1)(F&B' + B' + W' − 3W') = (p−1)(F&B' + B' − 2W'). F&B' is priced F'+B'+W', with no
+      overlap: overlapping two micro-batches saves no FLOPs (what it can hide is an expert all-to-all,
+      which this bubble does not credit), and loom on CPU runs torch's OVERLAP_F_B one after the other.
+    """
     if pp <= 1:
         return 0.0
-    return (pp - 1) / (virtual * microbatches + pp - 1)
+    f, b, w = split.f, split.b, split.w
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) * (f + b + w)
+    if schedule == "interleaved":
+        return (pp - 1) * (f + b + w) / virtual
+    if schedule == "zb":
+        return max(0.0, (pp - 1) * (f + b - w) / virtual)
+    if schedule == "zbv":
+        return max(0.0, (pp - 1) * (f + b - 2 * w) / 2)
+    if schedule == "dualpipev":
+        return max(0.0, (pp - 1) * ((f + b + w) + b - 2 * w) / 2)
+    raise ValueError(f"pipeline schedule {schedule!r} is unknown; choose one of: "
+                     f"{', '.join(BUBBLE_FORMULAS)}")
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual: int = 1, schedule: str | None = None,
+                    split: Passes = EQUAL_PASSES) -> float:
+    """The bubble's share of a rank's step: bubble / (m·(F+B+W) + bubble) (bubble_time); for gpipe and
+    1f1b (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1). No schedule: 1f1b, or interleaved when v > 1."""
+    schedule = schedule or ("interleaved" if virtual > 1 else "1f1b")
+    bubble = bubble_time(pp, virtual, schedule, split)
+    return bubble / (microbatches * split.total + bubble) if bubble else 0.0
+
+
+def pipeline_text(cfg, shape=None) -> str:
+    """The layout's pipeline line (`loom train` and its --dry-run): stages per rank, the schedule, the
+    F:B:W split of the model `shape` (1:1:1 unknown), its bubble formula and value."""
+    from loom.config import pipeline_microbatches  # loom.config's own imports reach loom.plan
+
+    p = cfg.parallel
+    pp, microbatches, virtual, schedule = p.pp, pipeline_microbatches(p), p.pp_virtual_stages, p.pp_schedule
+    split = EQUAL_PASSES if shape is None else passes(shape, cfg.data.seq_len, lora.from_config(cfg))
+    stages = "2 stages per rank (V)" if schedule in ("zbv", "dualpipev") else f"{virtual} virtual"
+    t = split.total
+    value = bubble_fraction(pp, microbatches, virtual, schedule, split)
+    return (f"pipeline: {pp} stages × {stages}, {schedule}, {microbatches} micro-batches per step: bubble "
+            f"{BUBBLE_FORMULAS[schedule]} / (m(F+B+W) + bubble) = {value:.3f} "
+            f"(F:B:W = {split.f / t:.2f}:{split.b / t:.2f}:{split.w / t:.2f})")
 
 
 def micro_steps(c) -> int:
@@ -258,7 +361,7 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
         compute = max(compute, floor)
     recompute = _recompute(w, c, compute, gpu, terms)
     busy = compute + recompute
-    bubble = _bubble(c, busy, terms)
+    bubble = _bubble(w, c, busy, terms)
     efficiency = cluster.comm_efficiency or link_efficiency(gpu)
     if terms:
         terms.note(f"exposed communication: bytes / (link × efficiency {num(efficiency)}) + α × count "
@@ -459,7 +562,7 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
                        f"{num(peak / 1e12)} TFLOP/s", sec(compute))
         recompute = 0.0
     busy = compute + recompute
-    bubble = _bubble(c, busy, terms)
+    bubble = _bubble(w, c, busy, terms)
     # Collectives at their measured cost, and the copies in and out of their buffers.
     if terms:
         terms.note("collectives at their measured α·count + payload/β, plus copying the payload in and out "
@@ -727,20 +830,46 @@ def _recompute(w, c, compute: float, gpu=None, terms: Terms = NO_TERMS) -> float
     return recompute
 
 
-def _bubble(c, busy: float, terms: Terms = NO_TERMS) -> float:
+def _bubble(w, c, busy: float, terms: Terms = NO_TERMS) -> float:
+    """The schedule's idle time (bubble_time) as a share b of the step, then busy · b/(1−b)."""
     if c.pp <= 1:
         return 0.0
-    v = c.virtual_stages if c.schedule == "interleaved" else 1
-    b = bubble_fraction(c.pp, c.grad_accum, v)
-    p, m = c.pp, c.grad_accum
-    if v > 1 and terms:
-        terms.item("bubble fraction", "(p−1)/(v·m+p−1) (interleaved)", f"({p}−1)/({v}·{m}+{p}−1)", num(b))
-    elif terms:
-        terms.item("bubble fraction", "(p−1)/(m+p−1)", f"({p}−1)/({m}+{p}−1)", num(b))
+    p, m, v, schedule = c.pp, c.grad_accum, c.virtual_stages, c.schedule
+    split = passes(w.shape, w.seq_len, w.lora)
+    b = bubble_fraction(p, m, v, schedule, split)
+    if terms:
+        per = busy / m / split.total  # seconds per FLOP of one rank's micro-batch
+        f, bw, wg = (per * x for x in (split.f, split.b, split.w))
+        t = per * bubble_time(p, v, schedule, split)
+        shares = ":".join(f"{x / split.total:.3f}" for x in (split.f, split.b, split.w))
+        terms.item("F, B, W per micro-batch", "busy/m split as the FLOPs (each linear 2·in·out in each; "
+                   "attention's matmuls B = 2F, no W)", f"{sec(busy)}/{m} × {shares}",
+                   f"{sec(f)}, {sec(bw)}, {sec(wg)}")
+        terms.item("bubble time", f"{BUBBLE_FORMULAS[schedule]} ({schedule})",
+                   _bubble_numbers(schedule, p, v, f, bw, wg), sec(t))
+        if schedule == "dualpipev":
+            terms.note("  F&B' priced F'+B'+W': no overlap of compute (loom runs torch's OVERLAP_F_B one "
+                       "after the other); the expert all-to-all it could hide is not credited")
+        terms.item("bubble fraction", "bubble time / (m·(F+B+W) + bubble time)",
+                   f"{sec(t)} / ({m}·{sec(f + bw + wg)} + {sec(t)})", num(b))
     bubble = busy * b / (1 - b)
     if terms:
         terms.item("bubble", "busy · b/(1−b)", f"{sec(busy)} × {num(b)}/(1 − {num(b)})", sec(bubble))
     return bubble
+
+
+def _bubble_numbers(schedule: str, p: int, v: int, f: float, b: float, w: float) -> str:
+    """BUBBLE_FORMULAS[schedule] with the numbers put in (a V's chunk: half the rank's F, B, W)."""
+    if schedule in ("gpipe", "1f1b"):
+        return f"({p}−1)({sec(f)} + {sec(b)} + {sec(w)})"
+    if schedule == "interleaved":
+        return f"({p}−1)({sec(f)} + {sec(b)} + {sec(w)})/{v}"
+    if schedule == "zb":
+        return f"max(0, ({p}−1)({sec(f)} + {sec(b)} − {sec(w)})/{v})"
+    f, b, w = f / 2, b / 2, w / 2
+    if schedule == "zbv":
+        return f"max(0, ({p}−1)({sec(f)} + {sec(b)} − 2·{sec(w)}))"
+    return f"max(0, ({p}−1)(({sec(f)} + {sec(b)} + {sec(w)}) + {sec(b)} − 2·{sec(w)}))"
 
 
 def _offload(w, c, cluster, terms: Terms = NO_TERMS) -> float:

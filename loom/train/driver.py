@@ -24,11 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from loom import strategies
-from loom.config import Config, lora_base_dtype, pipeline_microbatches, validate
+from loom.config import Config, lora_base_dtype, validate
 from loom.data.loader import build_loaders
 from loom.errors import AgreedError
 from loom.files import atomic_write, claim_run_dir
 from loom.launch import srun_tasks
+from loom.models.gpt.lean_ops import use_plain_ops
 from loom.models.gpt.moe import moe_modules
 from loom.models.lora import WithAdapters, apply_lora, blocks_of
 from loom.models.registry import adapter_for
@@ -44,13 +45,14 @@ from loom.observe.rank_memory import (
 )
 from loom.observe.run_report import write_run_report
 from loom.parallel import deepspeed_engine, precision
-from loom.parallel.apply import parallelize, sequence_split, uses_fsdp
+from loom.parallel.apply import parallelize, sequence_split, splits_backward, uses_fsdp
 from loom.parallel.context_parallel import sequence_share, take_tally
 from loom.parallel.expert_parallel import take_tally as take_ep_tally
 from loom.parallel.mesh import Dist, group_of_this_call, init_distributed
+from loom.parallel.pipeline import weight_pass_takes_functions
 from loom.parallel.weights import TensorsSource
 from loom.plan.memory import deepspeed_states, lora_state_bytes, model_state_bytes
-from loom.plan.step import bubble_fraction
+from loom.plan.step import pipeline_text
 from loom.train import checkpoint, faults, moe_step, record, run_figures
 from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
 from loom.train.optim import build_optimizer, build_scheduler
@@ -121,6 +123,8 @@ def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = Non
             base = weights if weights is not None else adapter.weight_source(user_model, t.seed)
             weights = WithAdapters(base, t.seed)
     split = sequence_split(d, task.document_eos)
+    # loom's GPT: plain ops where this torch's weight pass cannot start at its Functions (pipeline.py)
+    use_plain_ops(splits_backward(cfg.parallel) and not weight_pass_takes_functions())
     parts = parallelize(user_model, cfg, d, adapter, weights, split)
     del user_model  # a pipeline stage keeps only its layers
     _release(task)
@@ -389,10 +393,7 @@ def _print_layout(cfg: Config, d: Dist, task: Task, b: Built, micro_batch: int) 
     if b.lora:
         print(b.lora, flush=True)
     if b.pipe is not None:
-        m = pipeline_microbatches(p)
-        print(f"pipeline: {p.pp} stages × {p.pp_virtual_stages} virtual, {p.pp_schedule}, {m} micro-batches "
-              f"per step: bubble (p−1)/({'v·' if p.pp_virtual_stages > 1 else ''}m+p−1) = "
-              f"{bubble_fraction(p.pp, m, p.pp_virtual_stages):.3f}", flush=True)
+        print(pipeline_text(cfg, task.shape), flush=True)
 
 
 def _start_profiler(cfg: Config, run_dir: Path | None, d: Dist):

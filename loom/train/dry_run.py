@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from loom.config import Config, pipeline_microbatches, resolve_dims
+from loom.config import Config, resolve_dims
 from loom.data.loader import micro_batch_size
 from loom.parallel.mesh import MESH_DIMS, pick_device
 from loom.plan.report import params_text
-from loom.plan.step import bubble_fraction
+from loom.plan.step import pipeline_text
 from loom.train import record
 from loom.train.driver import layout_text
 
@@ -63,9 +63,7 @@ def print_dry_run(cfg: Config, model, world_size: int, per_node: int | None = No
           f"{micro} × grad_accum {t.grad_accum} × dp {dims.dp}, {cfg.data.seq_len} tokens each"
           f"{f' split over cp {dims.cp} ranks' if dims.cp > 1 else ''}, precision {t.precision}", flush=True)
     if p.pp > 1:
-        m = pipeline_microbatches(p)
-        print(f"pipeline: {p.pp} stages × {p.pp_virtual_stages} virtual, {p.pp_schedule}, {m} micro-batches "
-              f"per step: bubble {bubble_fraction(p.pp, m, p.pp_virtual_stages):.3f}", flush=True)
+        print(pipeline_text(cfg, model.shape), flush=True)
     plan = record.plan_run(cfg, model.shape, layout, per_node=per_node)
     for stage, m in sorted(plan["memory_bytes_by_stage"].items()):
         where = f"stage {stage}" if len(plan["memory_bytes_by_stage"]) > 1 else "each rank"

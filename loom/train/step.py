@@ -18,12 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.config import Config, pipeline_microbatches
+from loom.models.gpt.lean_ops import plain_ops
 from loom.models.gpt.model import GPT
 from loom.parallel import precision
 from loom.parallel.apply import gradient_sync, uses_fsdp
 from loom.parallel.context_parallel import SequenceSplit
 from loom.parallel.mesh import Dist, local_view
-from loom.parallel.pipeline import build_schedule, pipeline_step, rank_stages
+from loom.parallel.pipeline import build_schedule, pipeline_eval, pipeline_step, rank_stages, stages_per_rank
 from loom.parallel.tensor_parallel import loss_context
 from loom.parallel.zero1 import local_optimizer
 from loom.train import faults, moe_step
@@ -45,8 +46,8 @@ class Pipeline:
 def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist,
                    split: SequenceSplit | None = None) -> Pipeline:
     p = cfg.parallel
-    num_stages = p.pp * p.pp_virtual_stages
-    stage_ids = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages)
+    num_stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_virtual_stages)
+    stage_ids = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages, p.pp_schedule)
     accum = cfg.train.grad_accum
     scale: dict = {}
     head = chunked_head(parts, stage_ids.index(num_stages - 1), cfg) if num_stages - 1 in stage_ids else None
@@ -74,7 +75,7 @@ def chunked_head(parts: list[nn.Module], last: int, cfg: Config) -> nn.Module | 
     returns its norm's output and the schedule's loss calls this head on it, so the stage never
     holds the full logits. None: the last stage returns logits (loss_chunk 0, other models)."""
     stage = getattr(parts[last], "module", parts[last])  # DDP wraps a stage
-    if cfg.train.loss_chunk <= 0 or not isinstance(stage, GPT):
+    if cfg.train.loss_chunk <= 0 or not isinstance(stage, GPT) or plain_ops():  # (plain_ops: see driver.py)
         return None
     stage.head_in_loss = True
     return stage.output
@@ -271,8 +272,8 @@ def evaluate(model: nn.Module, loader, d: Dist, cfg: Config, loss_fn,
             else:
                 losses: list[torch.Tensor] | None = [] if pipe.last else None
                 inputs, targets = split_batch(batch)
-                pipe.schedule.eval(*((inputs.contiguous(),) if pipe.first else ()),
-                                   target=targets if pipe.last else None, losses=losses)
+                pipeline_eval(pipe.schedule, inputs.contiguous() if pipe.first else None,
+                              targets if pipe.last else None, losses)
                 if losses:  # each was divided by micro-batches × grad_accum (see build_pipeline)
                     total += (local_view(torch.stack([x.detach() for x in losses]).sum())
                               * cfg.train.grad_accum)

@@ -149,15 +149,21 @@ def test_any_model_exports_in_its_own_names(mlp_run, tmp_path):
     _assert_same(load_file(out), state)
 
 
-@pytest.mark.parametrize("extra", [("parallel.tp=2",), ("parallel.pp=2",)], ids=["zero3xtp2", "zero3xpp2"])
+ZBV = ("parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4", "parallel.microbatches=4")
+
+
+@pytest.mark.parametrize("extra", [("parallel.tp=2",), ("parallel.pp=2",), ZBV],
+                         ids=["zero3xtp2", "zero3xpp2", "zero3xpp2-zbv"])
 def test_tensor_and_pipeline_parallel_checkpoints_export_whole(corpus, tmp_path, extra):
-    """TP shards every matrix by rows or columns, PP puts each stage's layers on another rank:
-    the export is the whole model, tensor by tensor equal to what the ranks trained."""
+    """TP shards every matrix by rows or columns, PP puts each stage's layers on another rank (a V
+    two stages each, the first and last on rank 0): the export is the whole model, tensor by tensor
+    equal to what the ranks trained."""
     states = run_ranks(_rank_train, 2, _config(corpus, "zero3", *extra), str(tmp_path / "run"))
     trained = {}
     for state in states:  # pipeline ranks each return their stage's weights
         trained.update(state)
-    assert set(trained) == set(build_model(preset("tiny"), "meta").state_dict())
+    n_layers = 4 if extra == ZBV else 2
+    assert set(trained) == set(build_model(preset("tiny", n_layers=n_layers), "meta").state_dict())
     out = tmp_path / "model.safetensors"
     assert main(["export", str(tmp_path / "run"), str(out)]) == 0
     _assert_same(load_file(out), trained)

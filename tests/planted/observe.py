@@ -7,6 +7,7 @@ from planted import Bug
 
 FINDINGS = "tests/unit/test_diagnosis_findings.py"
 LEDGER = "tests/unit/test_ledger.py"
+PIPELINE = "tests/unit/test_ledger_pipeline.py"
 METRICS = "tests/distributed/test_profile.py::test_light_ledger_in_metrics"
 
 BUGS = [
@@ -85,4 +86,20 @@ BUGS = [
         "opt_syncs, syncs = syncs[in_optimizer], syncs[~in_optimizer]",
         "syncs, opt_syncs = syncs[in_optimizer], syncs[~in_optimizer]",
         (f"{LEDGER}::test_cpu_trace_ledger_is_exact",)),
+    Bug("ledger-bubble-takes-all-exposed-comm", "every exposed collective counted as pipeline bubble, "
+        "not only the pipeline's p2p waits",
+        "loom/observe/ledger.py",
+        "comm_ns = int(lengths[comm_m & in_p2p].sum())",
+        "comm_ns = int(lengths[comm_m].sum())",
+        (f"{PIPELINE}::test_bubble_is_its_own_share_apart_from_other_idle_and_comm",)),
+    Bug("ledger-w-as-b", "the weight-gradient actions (PP:<s>W<m>) read as input-gradient ones",
+        "loom/observe/ledger.py",
+        '"W": "backward_weight"',
+        '"W": "backward_input"',
+        (f"{PIPELINE}::test_b_and_w_are_their_own_phases",)),
+    Bug("diagnose-bubble-ignores-experts", "an exposed bubble under ep > 1 gets zbv, not dualpipev",
+        "loom/observe/diagnose.py",
+        'target = "dualpipev" if (layout.get("ep") or 1) > 1 and layout.get("experts") else "zbv"',
+        'target = "zbv"',
+        (f"{PIPELINE}::test_exposed_bubble_under_experts_suggests_dualpipev",)),
 ]

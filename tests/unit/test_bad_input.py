@@ -268,6 +268,36 @@ def _(c: Ctx) -> str:
     return c.train("--set", "parallel.pp=2", "--set", "parallel.pp_virtual_stages=2", nproc=2)
 
 
+@case("parallel-v-microbatches")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.n_layers=4", "--set", "parallel.pp=2", "--set", "parallel.pp_schedule=zbv",
+                   "--set", "parallel.microbatches=2", nproc=2)
+
+
+@case("parallel-v-over-layers")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.n_layers=3", "--set", "parallel.pp=2",
+                   "--set", "parallel.pp_schedule=dualpipev", "--set", "parallel.microbatches=4", nproc=2)
+
+
+@case("parallel-v-three-stages")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.pp=2", "--set", "parallel.pp_schedule=zbv",
+                   "--set", "parallel.pp_virtual_stages=3", nproc=2)
+
+
+@case("parallel-split-backward-op-checkpointing")
+def _(c: Ctx) -> str:
+    return c.config("parallel.pp=2", "parallel.pp_schedule=zb", "parallel.activation_checkpointing=op",
+                    world=2)
+
+
+@case("parallel-split-backward-reshard")
+def _(c: Ctx) -> str:
+    return c.config("parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.microbatches=4",
+                    "parallel.reshard_after_forward=true", world=2)
+
+
 @case("parallel-pp-schedule")
 def _(c: Ctx) -> str:
     return c.train("--set", "parallel.pp=2", "--set", "parallel.pp_schedule=zigzag", nproc=2)

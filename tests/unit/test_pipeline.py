@@ -10,7 +10,7 @@ from loom.errors import ConfigError
 from loom.models.gpt.config import preset
 from loom.models.gpt.model import build_model
 from loom.models.gpt.pipeline import build_stage
-from loom.parallel.pipeline import rank_stages, stage_layers, validate_pipeline
+from loom.parallel.pipeline import rank_stages, stage_layers, stages_per_rank, validate_pipeline
 from loom.plan.step import bubble_fraction
 
 SEED = 7
@@ -38,6 +38,14 @@ def test_stage_layers_extra_layers_go_to_middle_stages_first() -> None:
     assert stage_layers(5, 2) == [[0, 1, 2], [3, 4]]
 
 
+def test_rank_stages_v_places_first_and_last_stage_on_rank_0() -> None:
+    for schedule in ("zbv", "dualpipev"):
+        assert [rank_stages(r, 4, 1, schedule) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+        assert rank_stages(1, 2, 2, schedule) == [1, 2]
+        assert stages_per_rank(schedule, 1) == stages_per_rank(schedule, 2) == 2
+    assert rank_stages(1, 2, 2, "zb") == [1, 3] and stages_per_rank("zb", 3) == 3
+
+
 def test_rank_stages_round_robin() -> None:
     assert rank_stages(0, 2, 2) == [0, 2]
     assert rank_stages(1, 2, 2) == [1, 3]
@@ -60,7 +68,14 @@ def test_bubble_fraction() -> None:
         ((8, 4, 2, "interleaved", 2), {}, "microbatches = 2 is fewer than parallel.pp = 4"),
         ((4, 2, 1, "interleaved", 4), {}, "needs parallel.pp_virtual_stages ≥ 2"),
         ((6, 2, 2, "interleaved", 4), {}, "not divisible by pp × virtual stages = 2 × 2 = 4"),
-        ((4, 2, 2, "1f1b", 4), {}, "pp_virtual_stages = 2 needs parallel.pp_schedule = 'interleaved'"),
+        ((4, 2, 2, "1f1b", 4), {}, "pp_virtual_stages = 2 needs a schedule that runs several stages"),
+        ((8, 2, 3, "zbv", 4), {}, "'zbv' runs exactly two stages per rank (a V), but"),
+        ((6, 4, 1, "dualpipev", 8), {}, "splits the model into 2 × pp = 8 stages (two per rank"),
+        ((8, 2, 1, "zbv", 3), {}, "microbatches = 3 is fewer than the 4 stages of the zbv schedule"),
+        ((8, 4, 1, "dualpipev", 6), {}, "use microbatches ≥ 2 × pp = 8"),
+        ((8, 4, 1, "zb", 2), {}, "= 2 is fewer than parallel.pp = 4, which the zb schedule"),
+        ((8, 2, 2, "zb", 5), {}, "= 5 is not a multiple of 2 (microbatches // pp), which the zb"),
+        ((8, 2, 1, "zbv", 4), {"tie_embeddings": True}, "set model.tie_embeddings=false"),
         ((8, 2, 2, "interleaved", 5), {}, "microbatches = 5 is not a multiple of 2"),
         ((4, 2, 1, "gpipe", 0), {}, "microbatches must be a positive integer"),
         ((4, 0, 1, "gpipe", 4), {}, "pp must be a positive integer"),

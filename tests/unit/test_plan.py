@@ -76,7 +76,7 @@ def test_recipes_bytes_per_param():
 
 def test_pipeline_bubble():
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
-    assert bubble_fraction(4, 8, virtual=2) == pytest.approx(3 / 19)
+    assert bubble_fraction(4, 8, virtual=2, schedule="interleaved") == pytest.approx(3 / 19)
     w = Workload(from_preset("8b"), 2048, 64)
     records = search(w, Cluster(lookup("H100-SXM"), 8, 1)).candidates
     piped = [r for r in records if r["pp"] == 4 and r["grad_accum"] == 8 and r["pp_schedule"] == "1f1b"]
@@ -176,7 +176,7 @@ def test_every_dimension_is_searched():
     assert seen["strategy"] == {"ddp", "zero1", "zero2", "zero3", "hsdp"}
     assert seen["offload"] == {"none", "optimizer", "optimizer+params", "optimizer-nvme", "nvme"}
     assert {1, 2, 4, 8} <= seen["tp"] and {1, 2, 4, 8} <= seen["pp"]
-    assert seen["schedule"] == {"none", "gpipe", "1f1b", "interleaved"}
+    assert seen["schedule"] == {"none", "gpipe", "1f1b", "interleaved", "zb", "zbv"}  # dualpipev: MoE only
     assert seen["activation_checkpointing"] == {"none", "op", "selective", "full"}
     assert len(seen["micro_batch"]) > 1
 

@@ -169,14 +169,16 @@ def test_pipeline_interleaved_and_1f1b(plan_8b):
     text = explain(plan_8b, i)
     r = plan_8b.candidates[i]
     p, v, m = r["pp"], r["pp_virtual_stages"], r["grad_accum"]
-    assert "(p−1)/(v·m+p−1) (interleaved)" in text
-    assert f"({p}−1)/({v}·{m}+{p}−1) = " in text
+    assert "(p−1)(F+B+W)/v (interleaved)" in text and f"({p}−1)(" in text and f")/{v} = " in text
+    assert "bubble time / (m·(F+B+W) + bubble time) = " in text and f" / ({m}·" in text
+    assert abs(number(text.split("bubble fraction")[1].split("\n")[0].rsplit("=", 1)[1])
+               - (p - 1) / (v * m + p - 1)) < 1e-6  # the interleaved bubble whatever F:B:W is
     assert "min(m·v, p·(1 + (p−1)/(p·v)))" in text and "⌈L_s/2⌉" in text
     assert "2v·m sends" in text and "stages 0 and p−1 priced" in text
     assert_adds_up(text, r)
     j = find(plan_8b, pp_schedule="1f1b", pp=lambda p: p > 1)
     text = explain(plan_8b, j)
-    assert "(p−1)/(m+p−1)" in text and "(1F1B, stage" in text
+    assert "(p−1)(F+B+W) (1f1b)" in text and "(1F1B, stage" in text
     assert_adds_up(text, plan_8b.candidates[j])
 
 

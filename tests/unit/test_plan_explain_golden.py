@@ -39,6 +39,7 @@ def cases() -> list[tuple[str, object, str]]:
     return [("8b zero3", eight_b, "zero3"), ("8b zero3 op", eight_b, "zero3 ac op"),
             ("8b zero2 tp2+sp", eight_b, "zero2 tp2+sp"), ("8b zero3 pp2", eight_b, "zero3 pp2 1f1b"),
             ("8b interleaved", eight_b, "zero1 tp2+sp pp2×v2 interleaved"),
+            ("8b zero3 pp2 zb", eight_b, "zero3 pp2 zb"), ("8b zero3 pp2 zbv", eight_b, "zero3 pp2×v2 zbv"),
             ("8b deepspeed", eight_b, "zero3 on deepspeed"),
             ("8b 2 nodes hsdp, once", once, "hsdp(2×4) tp2+sp ac full"),
             ("8b 2 nodes zero1", once, "zero1 ac full"),

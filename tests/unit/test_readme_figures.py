@@ -146,6 +146,75 @@ FIGURES = [
            (record("observability", "comparison=loom analyze of 8 × 100 MB traces", "seconds"),
             record("observability", "comparison=loom analyze of 8 × 100 MB traces", "peak_rss_gb"))),
 ]
+CP = "bench/context_parallel_results.json"
+MOE = "bench/moe_results.json"
+
+
+def _case(case: str, key: str) -> Callable[[str], float]:
+    """A bench record's row by its case."""
+    return record("rows", f"case={case}", key)
+
+
+def _ratio(case: str, key: str, case_below: str, key_below: str) -> Callable[[str], float]:
+    """One row's value over another's (a share the docs quote)."""
+    return lambda text: _case(case, key)(text) / _case(case_below, key_below)(text)
+
+
+RING, A2A, EP2, EP2_DDP = "cp2 ring", "cp2 alltoall", "moe ep2", "moe ep2 ddp"
+# The context-parallel and MoE benches (docs/long-context.md, docs/moe.md).
+FIGURES += [
+    Figure("no cp on one rank {1,174} tokens/s, activation peak {228.9} MiB; cp2 ring {1,777} tokens/s, "
+           "{128.0} MiB ({0.559}×", CP,
+           (_case("no cp", "tokens_per_s"), _case("no cp", "activation_peak_mib"),
+            _case(RING, "tokens_per_s"), _case(RING, "activation_peak_mib"),
+            _ratio(RING, "activation_peak_mib", "no cp", "activation_peak_mib"))),
+    Figure("{1.12} of its plan), exposed exchange {198} ms of {1,339} ms of attention per step ({0.15}; "
+           "{1,000} ms hidden", CP,
+           (_ratio(RING, "activation_peak_mib", RING, "activation_planned_mib"), _case(RING, "cp_exposed_ms"),
+            _case(RING, "attention_ms"), _ratio(RING, "cp_exposed_ms", RING, "attention_ms"),
+            _case(RING, "cp_hidden_ms"))),
+    Figure("cp2 alltoall {1,453} tokens/s, {128.0} MiB, {361} ms exposed of {1,174} ms ({0.31}", CP,
+           (_case(A2A, "tokens_per_s"), _case(A2A, "activation_peak_mib"), _case(A2A, "cp_exposed_ms"),
+            _case(A2A, "attention_ms"), _ratio(A2A, "cp_exposed_ms", A2A, "attention_ms"))),
+    Figure("the dense equivalent {4,504} tokens/s; zero3 ep 1 {1,994} and ep 2 {2,687}", MOE,
+           tuple(_case(c, "tokens_per_s") for c in ("dense", "moe ep1", EP2))),
+    Figure("ddp ep 1 {4,380} and ep 2 {3,506}. Expert states per rank under ddp: ep 2 ÷ ep 1 = {0.50} "
+           "(under zero3 {1.00}", MOE,
+           (_case("moe ep1 ddp", "tokens_per_s"), _case(EP2_DDP, "tokens_per_s"),
+            _ratio(EP2_DDP, "expert_states_mib", "moe ep1 ddp", "expert_states_mib"),
+            _ratio(EP2, "expert_states_mib", "moe ep1", "expert_states_mib"))),
+    Figure("The all-to-all is {0.48} (zero3) and {0.36} (ddp) of the MoE blocks' forward", MOE,
+           (_ratio(EP2, "a2a_in_forward_ms", EP2, "moe_forward_ms"),
+            _ratio(EP2_DDP, "a2a_in_forward_ms", EP2_DDP, "moe_forward_ms"))),
+]
+PIPELINE = "bench/pipeline_schedules_results.json"
+
+
+def _schedule(key: str, schedule: str, pp: int, field: str) -> Callable[[str], float]:
+    """A row of the pipeline bench's record (`rows`: pp 4, `own_cores`: pp 2); a per-rank list: its max."""
+    def find(text: str) -> float:
+        row = next(r for r in json.loads(text)[key] if r["schedule"] == schedule and r["pp"] == pp)
+        value = row[field]
+        return float(max(value) if isinstance(value, list) else value)
+    return find
+
+
+# README's pipeline-schedules table, row by row.
+FIGURES += [
+    Figure(f"| {schedule} | {pp} | {{{tokens}}} | {{{bubble}}} | {{{planned}}} | {{{peak}}} "
+           f"| {{{peak_plan}}} |", PIPELINE,
+           tuple(_schedule("rows" if pp == 4 else "own_cores", schedule, pp, field) for field in (
+               "tokens_per_s", "bubble_share", "planned_bubble", "activation_peak_mib",
+               "activation_planned_mib")))
+    for schedule, pp, tokens, bubble, planned, peak, peak_plan in (
+        ("gpipe", 4, "1,505", "0.34", "0.158", "60.7", "63.8"),
+        ("1f1b", 4, "1,577", "0.40", "0.158", "21.4", "16.7"),
+        ("interleaved", 4, "1,581", "0.46", "0.086", "35.5", "21.7"),
+        ("zb", 4, "1,407", "0.42", "0.035", "37.5", "36.9"),
+        ("zbv", 4, "1,562", "0.45", "0.007", "38.7", "31.8"),
+        ("dualpipev", 4, "1,849", "0.40", "0.065", "34.5", "35.2"),
+        ("1f1b", 2, "1,971", "0.14", "0.059", "24.1", "19.2"),
+        ("zbv", 2, "1,731", "0.18", "0.002", "42.6", "33.5"))]
 # The LoRA bench's table, row by row: tokens/s full → LoRA, their ratio (the median of the pairs'),
 # model states full → LoRA, their ratio, the peaks' ratio.
 FIGURES += [

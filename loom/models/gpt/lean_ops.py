@@ -13,6 +13,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Plain autograd ops instead of the Functions that take a parameter (RMSNorm, SwiGLU-down): the same
+# math, with autograd's saved tensors. For a zero-bubble pipeline on a torch whose weight pass cannot
+# start at a Python Function (loom/parallel/pipeline.py: weight_pass_takes_functions); set per run.
+_plain = False
+
+
+def use_plain_ops(plain: bool) -> None:
+    global _plain
+    _plain = plain
+
+
+def plain_ops() -> bool:
+    return _plain
+
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
@@ -42,6 +56,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.dtype == torch.float32:
         out_dtype = torch.get_autocast_dtype(device)
+    if _plain:
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+        return out if out_dtype is None else out.to(out_dtype)
     return _RMSNorm.apply(x, weight, eps, out_dtype)
 
 
@@ -130,4 +148,7 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> t
     product (w2's input) nor, under autocast, a 16-bit copy of the weight. Plain tensors only: under
     tensor parallel w2 is row-parallel (a DTensor laid out by its module's hooks) and goes through
     swiglu and its module instead."""
+    if _plain:
+        with torch.autocast(gate.device.type, enabled=False):
+            return F.linear(F.silu(gate) * up, weight.to(gate.dtype))
     return _SwiGLUDown.apply(gate, up, weight)

@@ -1,0 +1,37 @@
+"""Planted bugs in the zero-bubble pipeline schedules (zb, zbv, dualpipev): placement, FSDP2 under a
+split backward, evaluation, validation."""
+
+from __future__ import annotations
+
+from planted import Bug
+
+ZB = "tests/distributed/test_zero_bubble.py"
+SCHEDULES = "tests/distributed/test_pipeline_schedules.py"
+
+BUGS = [
+    Bug("zb-zero3-reshards", "FSDP2 units reshard after forward under a split backward (zero3's default)",
+        "loom/parallel/fsdp.py",
+        "    if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD_SCHEDULES:\n        return False\n", "",
+        (f"{ZB}::test_schedules_match_single_process[zero3-units-2]",)),
+    Bug("v-placed-round-robin", "V stages placed round-robin (r, r + pp), not (r, 2pp − 1 − r)",
+        "loom/parallel/pipeline.py",
+        "        return [rank, 2 * pp - 1 - rank]", "        return [rank, rank + pp]",
+        ("tests/unit/test_pipeline.py::test_rank_stages_v_places_first_and_last_stage_on_rank_0",
+         f"{SCHEDULES}::test_schedule_matches_single_process[zbv-1-4]")),
+    Bug("zb-eval-walks-backward", "eval runs torch's eval() of a V schedule (its backward actions included)",
+        "loom/parallel/pipeline.py",
+        '    training = getattr(schedule, "pipeline_order_with_comms", None)\n    if training is None:',
+        '    training = getattr(schedule, "pipeline_order_with_comms", None)\n    if True:',
+        (f"{ZB}::test_schedules_compose_as_1f1b_does[lora]",)),
+    Bug("v-microbatches-unchecked", "a V schedule accepted with fewer micro-batches than its 2·pp stages",
+        "loom/parallel/pipeline.py",
+        "    if schedule in V_SCHEDULES and microbatches < 2 * pp:",
+        "    if schedule in V_SCHEDULES and microbatches < pp:",
+        ("tests/unit/test_pipeline.py::test_validate_pipeline_errors",
+         "tests/unit/test_bad_input.py::test_bad_input[parallel-v-microbatches]")),
+    Bug("zb-ddp-through-ddp", "ddp under a split backward in DDP (its reducer never sees W's gradients)",
+        "loom/strategies.py",
+        "return self.engine == \"fsdp2\" or tp > 1 or ep > 1 or split_backward",
+        "return self.engine == \"fsdp2\" or tp > 1 or ep > 1",
+        (f"{ZB}::test_schedules_match_single_process[ddp-2]",)),
+]

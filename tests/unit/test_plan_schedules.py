@@ -1,0 +1,177 @@
+"""The planner's price of each pipeline schedule (loom/plan/step.py bubble_time, loom/plan/memory.py
+in flight and deferred W, loom/plan/search.py): the papers' bubbles on hand-computed numbers, the
+F:B:W split from the model's FLOPs, the memory each holds, and the search's choice run as emitted."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from loom.cli import main
+from loom.config import load_config
+from loom.errors import ConfigError
+from loom.parallel.pipeline import stage_layers, stages_per_rank, validate_pipeline
+from loom.plan import device
+from loom.plan.candidate import Candidate, Workload
+from loom.plan.comm import pp_sends
+from loom.plan.command import emit_all, local_cluster
+from loom.plan.explain import explain
+from loom.plan.hardware import Cluster, lookup
+from loom.plan.memory import deferred_weight_bytes_per_layer, stage_memory
+from loom.plan.search import enumerate_candidates, schedule_runs, search
+from loom.plan.shapes import ModelShape, from_preset, layers_of_stage
+from loom.plan.step import EQUAL_PASSES, Passes, bubble_fraction, bubble_time, passes
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_bubble_by_hand_when_f_b_w_are_equal():
+    """p = 4, m = 16, F = B = W = 1 (a rank's, one micro-batch): the step's busy time is 16·3 = 48."""
+    p, m = 4, 16
+    want = {("gpipe", 1): 9 / 57, ("1f1b", 1): 3 / 19,  # 3·3 / (48 + 9)
+            ("interleaved", 2): 3 / 35,                   # 3·3/2 / (48 + 4.5) = (p−1)/(v·m+p−1)
+            ("zb", 1): 3 / 51,                            # 3·(1 + 1 − 1) = 3
+            ("zb", 2): 1.5 / 49.5,                        # 3·1/2
+            ("zbv", 2): 0.0,                              # 3·(½ + ½ − 2·½) = 0
+            ("dualpipev", 2): 3 / 51}                     # 3·((½ + ½ + ½) + ½ − 2·½) = 3
+    for (schedule, v), fraction in want.items():
+        assert bubble_fraction(p, m, v, schedule, EQUAL_PASSES) == pytest.approx(fraction), schedule
+
+
+def test_bubble_by_hand_when_backward_outweighs_forward():
+    """F = 1, B = 2, W = 1 (attention-heavy: its matmuls have B = 2F and no W); busy 16·4 = 64."""
+    split = Passes(1.0, 2.0, 1.0)
+    assert bubble_time(4, 1, "1f1b", split) == pytest.approx(12)      # 3·4
+    assert bubble_time(4, 1, "zb", split) == pytest.approx(6)         # 3·(1 + 2 − 1)
+    assert bubble_time(4, 1, "zbv", split) == pytest.approx(1.5)      # 3·(0.5 + 1 − 1)
+    assert bubble_time(4, 1, "dualpipev", split) == pytest.approx(6)  # 3·((0.5 + 1 + 0.5) + 1 − 1)
+    assert bubble_fraction(4, 16, 1, "zbv", split) == pytest.approx(1.5 / 65.5)
+    # W larger than F + B: every idle slot filled, none left (floored at 0, never negative)
+    assert bubble_time(4, 1, "zb", Passes(1.0, 1.0, 3.0)) == 0.0
+    assert bubble_time(4, 1, "zbv", Passes(1.0, 1.0, 1.5)) == 0.0
+    assert bubble_time(1, 1, "zbv", split) == 0.0  # no pipeline
+
+
+def test_f_b_w_come_from_the_models_flops():
+    """Linears 2N each pass (N the matmul weights, the head's too); attention 4·L·H·Q·T forward, twice
+    that in B, none in W."""
+    shape, t = from_preset("8b"), 8192
+    n = shape.active_params - shape.embedding_params  # untied: the input embedding is a lookup
+    attention = 4 * shape.n_layers * shape.n_heads * shape.head_dim * t
+    split = passes(shape, t)
+    assert split.w == pytest.approx(2 * n)
+    assert split.f == pytest.approx(2 * n + attention)
+    assert split.b == pytest.approx(2 * n + 2 * attention)
+    assert split.total == pytest.approx(shape.flops_per_token(t))
+    assert split.b > split.f > split.w  # not 1:1:1
+
+
+def test_zbv_halves_1f1b_bubble_at_pp4_m16():
+    split = passes(from_preset("8b"), 8192)
+    one_f_one_b = bubble_fraction(4, 16, 1, "1f1b", split)
+    assert bubble_fraction(4, 16, 2, "zbv", split) <= 0.5 * one_f_one_b
+    # the order the papers give: zbv < zb < interleaved < 1f1b
+    assert bubble_fraction(4, 16, 2, "zbv", split) < bubble_fraction(4, 16, 1, "zb", split) \
+        < bubble_fraction(4, 16, 2, "interleaved", split) < one_f_one_b
+
+
+def _activations(schedule: str, virtual: int, stage: int = 0) -> float:
+    w = Workload(from_preset("8b"), 4096, 64)
+    c = Candidate("zero3", 2, 1, 4, schedule=schedule, virtual_stages=virtual, grad_accum=16,
+                  activation_checkpointing="full")
+    return stage_memory(w, c, stage, 0.0).activations
+
+
+def test_memory_each_schedule_holds():
+    """Rank 0 of pp 4: 1F1B holds p micro-batches, zbv the same plus its deferred W's inputs and
+    output gradients, dualpipev one micro-batch more (DeepSeek's PP + 1); zb 1F1B's plus the W's."""
+    one_f_one_b, zb = _activations("1f1b", 1), _activations("zb", 1)
+    zbv, dualpipev = _activations("zbv", 2), _activations("dualpipev", 2)
+    assert dualpipev > zbv >= one_f_one_b
+    shape = from_preset("8b")
+    deferred = 3 * layers_of_stage(shape.n_layers, 0, 4) * deferred_weight_bytes_per_layer(shape, 4096, 1, 2)
+    assert zb - one_f_one_b == pytest.approx(deferred)  # p − 1 − stage = 3 W's deferred
+    assert zbv == pytest.approx(zb)  # both p in flight at rank 0, and 3 W's
+    # the last rank: 1F1B holds one micro-batch, zbv p (its two chunks are the V's middle)
+    assert _activations("zbv", 2, 3) > _activations("1f1b", 1, 3)
+
+
+def test_split_backward_replicates_through_fsdp2():
+    """ddp under zb, zbv and dualpipev runs on FSDP2 (the run's engine): the plan prices that."""
+    assert Candidate("ddp", 2, pp=2, schedule="1f1b", grad_accum=4).implementation == "DDP"
+    for schedule in ("zb", "zbv", "dualpipev"):
+        c = Candidate("ddp", 2, pp=2, schedule=schedule, virtual_stages=2, grad_accum=4)
+        assert c.uses_fsdp and c.implementation == "FSDP2", schedule
+
+
+def test_schedule_runs_mirrors_validate_pipeline():
+    for layers, pp, virtual, schedule, m in itertools.product(
+            (4, 6, 8), (2, 3, 4), (1, 2, 3), ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"),
+            (1, 2, 3, 4, 6, 8, 9, 16)):
+        try:
+            validate_pipeline(layers, pp, virtual, schedule, m)
+            stage_layers(layers, pp, stages_per_rank(schedule, virtual))  # the stages split the layers
+            runs = True
+        except ConfigError:
+            runs = False
+        assert schedule_runs(layers, pp, virtual, schedule, m) == runs, (layers, pp, virtual, schedule, m)
+
+
+def test_explain_shows_the_schedules_terms():
+    plan = search(Workload(from_preset("8b"), 8192, 128), Cluster(lookup("H100-SXM")))
+    i = next(i for i, r in enumerate(plan.candidates)
+             if r["pp_schedule"] == "zb" and r["memory_stage"] == 0 and r["pp"] == 2)
+    text = explain(plan, i)
+    for words in ("F, B, W per micro-batch", "max(0, (p−1)(F+B−W)/v) (zb)", "bubble time / (m·(F+B+W)",
+                  "W deferred", f"min({plan.candidates[i]['grad_accum']}, 2 − 1 − 0) = 1", "kept for W",
+                  "engine torch (FSDP2)"):
+        assert words in text, words
+    j = next(i for i, r in enumerate(plan.candidates) if r["pp_schedule"] == "zbv")
+    assert "max(0, (p−1)(F'+B'−2W')) (zbv)" in explain(plan, j)
+
+
+def test_search_emits_a_v_schedule_that_runs(tmp_path, capsys, monkeypatch):
+    """On two CPU ranks the fastest pipelined layout is zbv; --emit writes it beside the recommendation
+    and `loom train --dry-run` takes the file as written."""
+    cluster = local_cluster(device.load(DATA / "device_cpu.json"), 2)
+    w = Workload(from_preset("small"), 256, 16, "fp32")
+    plan = search(w, cluster)
+    piped = [r for r in plan.candidates if r["pp"] > 1 and r["fits"]]
+    fastest = max(piped, key=lambda r: r["tokens_per_s"])
+    assert fastest["pp_schedule"] == "zbv" and fastest["pp_virtual_stages"] == 2
+    same = [r for r in piped if r["pp_schedule"] == "1f1b" and r["grad_accum"] == fastest["grad_accum"]
+            and r["strategy"] == fastest["strategy"]]
+    assert same and fastest["pipeline_bubble"] < 0.5 * same[0]["pipeline_bubble"]
+    cfg = load_config(None, ["model.preset=small", "data.seq_len=256", "train.batch_size=16"])
+    emit_all(str(tmp_path / "run.toml"), cfg, plan, cluster, w.shape, None, quiet=True)
+    emitted = [p for p in tmp_path.glob("*.toml") if 'pp_schedule = "zbv"' in p.read_text()]
+    assert emitted, "no zbv among the emitted files"
+    monkeypatch.chdir(tmp_path)
+    rc = main(["train", str(emitted[0]), "--dry-run", "--nproc", "2", "--set", "data.source=stdlib",
+               "--set", "data.tokenizer=byte"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "pipeline: 2 stages × 2 stages per rank (V), zbv, " in out
+    assert "bubble max(0, (p−1)(F'+B'−2W')) / (m(F+B+W) + bubble) = " in out
+
+
+def test_dualpipev_is_searched_for_a_mixture_of_experts_only():
+    """Its compute overlap is not credited, so it prices above zbv; its reason is an MoE's all-to-all."""
+    moe = ModelShape("moe", vocab_size=1000, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=192,
+                     moe_experts=8, moe_top_k=2, moe_hidden=32, moe_shared_hidden=32, moe_dense_first=1)
+    cluster = local_cluster(device.load(DATA / "device_cpu.json"), 2)
+    for shape, searched in ((moe, True), (from_preset("small"), False)):
+        schedules = {c.schedule for c in enumerate_candidates(Workload(shape, 128, 16, "fp32"), cluster)}
+        assert ("dualpipev" in schedules) == searched and "zbv" in schedules, shape.name
+
+
+def test_v_sends_per_micro_batch():
+    """A V keeps its turn (stages p − 1 → p) on the last rank and both ends on rank 0: per micro-batch
+    a rank sends 2 when p = 2 (measured by `loom train` on gloo: 8 sends for 4 micro-batches), 4 on a
+    middle rank; round-robin v = 2 sends 2v − 1 = 3 at p = 2."""
+    w = Workload(from_preset("small"), 256, 16, "fp32")
+    for schedule, pp, sends in (("zbv", 2, 2), ("dualpipev", 4, 4), ("interleaved", 2, 3), ("zb", 4, 4)):
+        c = Candidate("ddp", 1, pp=pp, schedule=schedule, virtual_stages=2, grad_accum=8)
+        assert pp_sends(w, c)[1] == sends, schedule
