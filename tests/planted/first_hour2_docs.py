@@ -9,7 +9,6 @@ from planted import Bug
 FIGURES = "tests/unit/test_readme_figures.py"
 RECIPES = "tests/unit/test_first_hour2_recipes.py"
 DISCOVER = "tests/unit/test_first_hour2_discover.py"
-COMMANDS = "tests/distributed/test_readme_commands.py"
 
 BUGS = [
     Bug("recipe-table-drift", "the recipes table quotes a tokens/s its recipe's header (and plan) does not",
@@ -28,10 +27,4 @@ BUGS = [
         '"zero": (2, 2, 12),',
         '"zero": (2, 2, 14),',
         (FIGURES,)),
-    Bug("walkthrough-progress-bars", "the fine-tune walk-through's first command prints transformers' "
-        "progress bar per shard",
-        "examples/make_tiny_llama.py",
-        "    transformers.utils.logging.disable_progress_bar()\n",
-        "",
-        (f"{COMMANDS}::test_fine_tune_walkthrough_and_continued_pretraining",)),
 ]
