@@ -338,6 +338,8 @@ def cases(gpus: int) -> list[Case]:
         Case("AC full", train("AC full", "parallel.activation_checkpointing=full"), 90),
         Case("fp16", train("fp16", "train.precision=fp16"), 90),
         Case("LoRA rank 16", train("LoRA rank 16", "lora.rank=16"), 90),
+        # Muon's step is loom's (AdamW keeps fused kernels for the rest under auto)
+        Case("Muon", train("Muon", "train.optimizer=muon", "train.optimizer_impl=auto"), 120),
         Case(f"MoE 8×{half} top 2", moe, 150),
         Case("loom profile + loom analyze", profile, 120),
         Case("async checkpoint from CUDA memory, resumed", async_checkpoint, 150),
@@ -348,6 +350,7 @@ def cases(gpus: int) -> list[Case]:
             ("ddp", ()),
             ("zero2", ("parallel.strategy=zero2",)),
             ("zero3", ("parallel.strategy=zero3",)),
+            ("zero3 Muon", ("parallel.strategy=zero3", "train.optimizer=muon", "train.optimizer_impl=auto")),
             ("tp2", ("parallel.strategy=zero3", "parallel.tp=2")),
             ("pp2", ("parallel.strategy=zero3", "parallel.pp=2")),
             ("cp2 ring", ("parallel.strategy=zero3", "parallel.cp=2", "parallel.cp_mode=ring")),

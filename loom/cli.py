@@ -327,16 +327,16 @@ def _check_run_dir(cfg, run_dir: Path, args: argparse.Namespace, spec) -> bool:
                         "by hand, or give --node-rank (node 0 deletes it)")
     owner = spec.nnodes == 1 or spec.node_rank == 0
     exists = run_dir.exists() or run_dir.is_symlink()
-    used = owner and exists and (not run_dir.is_dir() or any(p.name != RUN_MARKER for p in run_dir.iterdir()))
+    used = owner and exists and (not run_dir.is_dir() or not _set_up_for_a_run(run_dir))
     if not used:
         return False
+    if not run_dir.is_dir():
+        raise LoomError(f"--out {run_dir} is a file, not a run directory; pick another --out")
     if not overwrite:
         if resume != "auto":
             raise LoomError(f"run directory {run_dir} already exists; continue it with --resume auto, "
                             f"replace it with --overwrite, or pick a new --out")
         return False
-    if not run_dir.is_dir():
-        raise LoomError(f"--out {run_dir} is a file, not a run directory; pick another --out")
     if run_dir.is_symlink():
         raise LoomError(f"--out {run_dir} is a symbolic link; --overwrite removes only a run directory "
                         f"itself: pass the folder it points to ({run_dir.resolve()}), or pick another --out")
@@ -356,6 +356,19 @@ def _check_run_dir(cfg, run_dir: Path, args: argparse.Namespace, spec) -> bool:
     if not is_loom_run(run_dir):
         raise LoomError(f"--overwrite would delete {run_dir}, which is not a run directory loom made (it has "
                         f"no {RUN_MARKER} marker); delete it by hand if you mean to, or pick another --out")
+    return True
+
+
+def _set_up_for_a_run(run_dir: Path) -> bool:
+    """A folder nothing has run in yet: empty but for loom's marker and a `checkpoints` link to an
+    empty folder (a scratch disk linked before the first run; the checkpoints' own check follows)."""
+    from loom.files import RUN_MARKER
+    from loom.train.checkpoint import CHECKPOINTS
+
+    for p in run_dir.iterdir():
+        linked_empty = p.name == CHECKPOINTS and p.is_symlink() and p.is_dir() and not any(p.iterdir())
+        if p.name != RUN_MARKER and not linked_empty:
+            return False
     return True
 
 
@@ -453,7 +466,7 @@ def _check_resume(cfg, run_dir: Path, resume: str | None, model) -> None:
         check_resumable(meta, cfg, path)
         _check_same_model(meta, cfg, model, path)
         check_rng_files(path, meta)
-        expected = safe_load.adamw_entries(_as_trained(cfg, model.build("meta")))
+        expected = safe_load.trained_entries(_as_trained(cfg, model.build("meta")), cfg.train.optimizer)
         safe_load.check_entries(path, safe_load.read_metadata(path), expected)
         kept_metrics(run_dir / "metrics.jsonl", meta["step"])
 

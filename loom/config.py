@@ -35,6 +35,9 @@ OFFLOADS = ("none", "cpu")
 ENGINES = ("torch", "deepspeed")
 DEEPSPEED_OFFLOADS = ("none", "cpu", "nvme")
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
+OPTIMIZERS = ("adamw", "muon")  # muon: loom/train/muon.py, for the blocks' matrices; AdamW for the rest
+MUON_UPDATE_SCALES = ("match_rms_adamw", "original")
+MUON_NS_DTYPES = ("bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 TOKENIZERS = ("auto", "byte", "bpe")  # or the path of a Hugging Face tokenizer.json
 DATA_FORMATS = ("text", "sft")
@@ -45,6 +48,7 @@ CKPT_ERROR_POLICIES = ("stop", "continue")
 PREEMPT_SIGNALS = ("USR1", "USR2")  # signals free for this use: INT, TERM and HUP already stop a run
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")  # loom/parallel/pipeline.py
 SPLIT_BACKWARD_SCHEDULES = ("zb", "zbv", "dualpipev")  # backward in two passes: inputs, then weights
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V
 BIN_DTYPES = ("uint16", "uint32")
 CP_MODES = ("ring", "alltoall")  # loom/parallel/context_parallel.py
 PACKINGS = ("concat", "documents")
@@ -165,7 +169,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
     # tokens per chunk of the output projection + cross entropy (no full logits); 0: the full logits
     loss_chunk: int = 512
-    optimizer_impl: str = "auto"  # auto | foreach | fused
+    optimizer: str = "adamw"  # adamw | muon (the blocks' matrices; AdamW for the rest: [muon])
+    optimizer_impl: str = "auto"  # auto | foreach | fused (AdamW's kernels)
     eval_every: int = 0  # 0 = only at the end
     eval_batches: int = 2  # held-out batches per eval (0: no eval)
     log_every: int = 10  # steps between progress lines
@@ -216,6 +221,22 @@ class LoRAConfig:
 
 
 @dataclass
+class MuonConfig:
+    """Muon (loom/train/muon.py) for the blocks' 2-D matrices when train.optimizer = "muon": each
+    matrix's momentum orthogonalized by Newton-Schulz iterations. The embedding, head, norms and
+    routers stay on AdamW (train.lr, betas, eps, weight_decay)."""
+    lr: float | None = None  # None: train.lr (the match_rms_adamw scale makes AdamW's LR fit Muon)
+    momentum: float = 0.95  # the momentum's decay
+    nesterov: bool = True  # orthogonalize the Nesterov look-ahead (grad blended toward the momentum)
+    ns_steps: int = 5  # Newton-Schulz iterations per matrix
+    weight_decay: float | None = None  # decoupled, as AdamW's; None: train.weight_decay
+    # match_rms_adamw: update RMS as AdamW's (0.2·sqrt(max(rows, cols)), Moonlight's and Kimi's);
+    # original: sqrt(max(1, rows/cols)), Keller Jordan's
+    update_scale: str = "match_rms_adamw"
+    ns_dtype: str = "bf16"  # the iterations' precision (bf16 as published; fp32 for exact comparisons)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -223,6 +244,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -340,6 +362,7 @@ RULES: dict[str, Rule] = {
     "train.eps": Rule(0, above=True, why="(AdamW divides by it where a gradient is 0)", eg="1e-8"),
     "train.grad_clip": Rule(0, why="(0 turns clipping off)"),
     "train.loss_chunk": _count(0, why="(tokens per chunk of the loss; 0: the full logits)", eg="512"),
+    "train.optimizer": _one_of(OPTIMIZERS),
     "train.optimizer_impl": _one_of(OPTIMIZER_IMPLS),
     "train.eval_every": _count(0, why="(0: only at the end)"),
     "train.eval_batches": _count(0, why="(0 turns eval off)"),
@@ -363,6 +386,13 @@ RULES: dict[str, Rule] = {
     "lora.targets": _name("name linears to adapt: q, k, v, o, gate, up, down, all-linear or a module-name "
                           "pattern"),
     "lora.base_dtype": _one_of(LORA_BASE_DTYPES),
+    # muon
+    "muon.lr": Rule(0, above=True, eg="0.02"),
+    "muon.momentum": Rule(0, 1, below=True, span=True, why="(the momentum's decay rate)", eg="0.95"),
+    "muon.ns_steps": _count(1, 99, "(Newton-Schulz iterations; 5 is the published choice)", eg="5"),
+    "muon.weight_decay": Rule(0, eg="0.1"),
+    "muon.update_scale": _one_of(MUON_UPDATE_SCALES),
+    "muon.ns_dtype": _one_of(MUON_NS_DTYPES),
     # profile
     "profile.wait": _count(0), "profile.warmup": _count(0), "profile.active": _count(),
 }
@@ -724,6 +754,7 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
         raise ConfigError(f"the profiler needs profile.wait + warmup + active = "
                           f"{prof.wait + prof.warmup + prof.active} steps but train.steps = {t.steps}; "
                           f"raise train.steps or lower profile.active")
+    _check_muon(cfg)  # (before the engine's: DeepSpeed need not be installed to be refused)
     _check_engine(p, this_machine)
     fixed = sorted(set(shape_overrides(cfg.model)) - {"max_seq_len", *MOE_TRAINING_FIELDS})
     if cfg.model.init_from and fixed:
@@ -759,7 +790,7 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
                           f"tp = {dims.tp}; use a seq_len divisible by {dims.tp}")
     _check_context_parallel(cfg, dims)
     _check_lora(cfg)
-    if dims.pp > 1 and p.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+    if splits_backward(p):
         _check_split_backward(p)
     if dims.pp > 1 and t.precision == "fp16":
         raise ConfigError("fp16 loss scaling is not wired into the pipeline schedules; "
@@ -773,6 +804,33 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
             f"train.batch_size = {t.batch_size} is not divisible by grad_accum ({t.grad_accum}) × "
             f"data-parallel size ({dims.dp}){pipeline} = {per}; use a multiple of {per}: {multiples}")
     return dims
+
+
+def _check_muon(cfg: Config) -> None:
+    """Muon's keys need train.optimizer = "muon"; Muon's step is loom's, not fused AdamW's, and
+    DeepSpeed's engine steps its own optimizer."""
+    t, p = cfg.train, cfg.parallel
+    if t.optimizer != "muon":
+        changed = [k for k, v in dataclasses.asdict(cfg.muon).items() if v != getattr(MuonConfig(), k)]
+        if changed:
+            raise ConfigError(f"muon.{changed[0]} is set but train.optimizer = '{t.optimizer}'; set "
+                              f"train.optimizer=muon to train with Muon, or remove the [muon] keys")
+        return
+    if t.optimizer_impl == "fused":
+        raise ConfigError("train.optimizer_impl = 'fused' is AdamW's one-kernel step, and Muon's "
+                          "Newton-Schulz matmuls have none; set train.optimizer_impl=auto (or foreach)")
+    if p.engine == "deepspeed":
+        raise ConfigError("train.optimizer = 'muon' runs on the torch engine (DeepSpeed steps its own "
+                          "optimizer); set parallel.engine=torch, or train.optimizer=adamw")
+    if p.offload != "none":
+        raise ConfigError(f"train.optimizer = 'muon' with parallel.offload = '{p.offload}': Muon's exchange "
+                          f"of whole matrices runs on the device, and offload keeps them on the host; set "
+                          f"parallel.offload=none (zero3 shards Muon's one momentum per matrix), or "
+                          f"train.optimizer=adamw")
+    if strategies.lookup(p.strategy).shards_optimizer_only and p.tp > 1:
+        raise ConfigError(f"train.optimizer = 'muon' with zero1 and parallel.tp = {p.tp}: ZeRO-1 steps each "
+                          f"rank's TP shard of a matrix alone, and Muon needs the whole matrix; set "
+                          f"parallel.strategy=zero2 (or zero3), or parallel.tp=1")
 
 
 def _check_split_backward(p: ParallelConfig) -> None:
@@ -1107,6 +1165,17 @@ def _deepspeed_accepts(user: dict, source: str, stage: int) -> None:
 def shape_overrides(m: ModelConfig) -> dict[str, Any]:
     """The model shape fields the config sets over its preset (None keeps the preset's)."""
     return {k: v for k, v in vars(m).items() if k not in ("preset", "init_from") and v is not None}
+
+
+def splits_backward(p: ParallelConfig) -> bool:
+    """Whether the pipeline schedule computes weight gradients apart (zb, zbv, dualpipev)."""
+    return p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD_SCHEDULES
+
+
+def stages_per_rank(schedule: str, virtual: int) -> int:
+    """The stages each pipeline rank runs: two for the V schedules (whatever pp_virtual_stages says,
+    1 or 2: validate_pipeline refuses the rest), else pp_virtual_stages."""
+    return 2 if schedule in V_SCHEDULES else virtual
 
 
 def pipeline_microbatches(p: ParallelConfig) -> int:

@@ -15,7 +15,7 @@ README = ROOT / "README.md"
 # The pages a user reads: README and the docs pages it links (bad-input, calibration, security and
 # architecture hold no `loom` commands to check).
 DOCS = [ROOT / "docs" / f"{name}.md" for name in (
-    "strategies", "memory", "long-context", "moe", "planner", "observability", "lora", "hugging-face",
+    "strategies", "memory", "long-context", "moe", "planner", "observability", "lora", "muon", "hugging-face",
     "checkpoints", "data", "config")]
 PAGES = [README, *DOCS]
 

@@ -24,7 +24,7 @@ import statistics
 from collections import defaultdict
 
 from loom.models.gpt.config import PRESETS
-from loom.observe.ledger import CP_KINDS, EP_KINDS
+from loom.observe.ledger import CP_KINDS, EP_KINDS, MUON_ALLTOALL
 
 # A part of the step worth a finding (percent of wall time).
 SHARE = 15.0
@@ -40,6 +40,10 @@ _CP_CAUSE = {
     "ep_alltoall": "every MoE block sends its tokens to their experts' ranks and back (forward and backward) "
                    "between the router and the experts' matmuls: nothing computes while they move, and "
                    "across nodes they cross the network",
+    # Muon's exchange (ledger.MUON_ALLTOALL)
+    MUON_ALLTOALL: "Muon's optimizer step gathers each matrix's shards to its owner and scatters the "
+                   "orthogonalized result back: after backward, only the other matrices' iterations "
+                   "can hide them",
 }
 # The busiest expert's tokens over the mean (metrics.jsonl moe_load_imbalance, max over MoE blocks)
 # worth a finding. The MoE block waits for its busiest expert: under expert parallelism every rank
@@ -350,7 +354,7 @@ def _exposed_by_kind(ranks: dict, waits: dict, matched: list[dict], cfg: dict,
             + ", ".join(f"{k} {v:.0f}%" for k, v in ranked) + f"; layout {layout['label']}",
             _CP_CAUSE.get(kind, f"{kind} transfers run after the compute that could hide them"), knob, value,
             note, f"up to {share:.0f}% shorter steps as {kind} overlaps compute"
-            if kind not in (*CP_KINDS, *EP_KINDS) else
+            if kind not in (*CP_KINDS, *EP_KINDS, MUON_ALLTOALL) else
             f"up to {share:.0f}% shorter steps as less of the exchange waits", kind=kind))
     return out
 
@@ -426,6 +430,11 @@ def _kind_knob(kind: str, layout: dict) -> tuple[str | None, object, str]:
         return _cp_knob(kind, layout)
     if kind in EP_KINDS:
         return _ep_knob(layout)
+    if kind == MUON_ALLTOALL:
+        return "train.optimizer", "adamw", ("Muon's gathers and scatters move every matrix once a step, "
+                                            "in the optimizer step; AdamW steps shards where they are "
+                                            "(hybrid sharding, parallel.strategy = hsdp, keeps them "
+                                            "within the smaller shard group)")
     if layout["engine"] == "deepspeed" and kind in ("all_gather", "reduce_scatter", "all_reduce"):
         return None, None, ("DeepSpeed overlaps ZeRO's collectives itself: overlap_comm and the bucket sizes "
                             "in the JSON of parallel.deepspeed_config")

@@ -23,9 +23,11 @@ in: a collective issued inside a `cp_ring` range (its k/v and dk/dv isend/irecv)
 `cp_ring`, one inside `cp_alltoall` (Ulysses' all_to_all_single) of kind `cp_alltoall`; the same
 send/recv outside stay send/recv/p2p. Expert parallelism's all-to-alls (the split counts, then the
 tokens to their experts' ranks and back, forward and backward) run inside `ep_alltoall` ranges and
-are of kind `ep_alltoall` alike. On CPU traces the main thread's time inside those ranges (issuing
-the exchange, waiting for it) is communication, though the autograd Function's op around it
-(`_AllToAll`, a backward node) would read as compute. Steps of a rank with such exchanges also say
+are of kind `ep_alltoall` alike. On CPU traces the main thread's time inside CP's and EP's ranges
+(issuing the exchange, waiting for it) is communication, though the autograd Function's op around
+it (`_AllToAll`, a backward node) would read as compute. Muon's gathers and scatters of whole
+matrices (the optimizer step's all-to-alls) run inside `muon_alltoall` ranges, which only name
+their kind. Steps of a rank with such exchanges also say
 how much of their exposed and hidden communication was CP's (`cp_exposed_ms`, `cp_hidden_ms`) and
 EP's (`ep_exposed_ms`, `ep_hidden_ms`): parts of `comm_exposed_ms` and `comm_hidden_ms`, the
 exchange's wherever it was in flight or waited for. On GPU traces NCCL runs an all-to-all as
@@ -106,7 +108,10 @@ CP_KINDS = ("cp_ring", "cp_alltoall")
 # the analysis runs without torch).
 EP_ALLTOALL = "ep_alltoall"
 EP_KINDS = (EP_ALLTOALL,)
-_EXCHANGE_KINDS = (*CP_KINDS, *EP_KINDS)
+# Muon's gathers of each matrix to its owner and the scatters back, in the optimizer step
+# (loom/train/muon.py's range of the same name)
+MUON_ALLTOALL = "muon_alltoall"
+_EXCHANGE_KINDS = (*CP_KINDS, *EP_KINDS, MUON_ALLTOALL)
 # torch.distributed.pipelining's ranges: the runtime schedules (interleaved, zb, zbv, dualpipev)
 # wrap each action in `PP:<stage><type><micro-batch>` (F forward, I input-gradient backward "B",
 # W weight gradient, B full backward) or `PP:(<a>;<b>)OVERLAP_F_B` (DualPipeV); gpipe and 1f1b in
@@ -216,6 +221,8 @@ def _classify(name: str, cat: str) -> tuple[str, ...]:
     if name in CP_KINDS:
         out.append(name)
     elif name in EP_KINDS:
+        out.append(name)
+    elif name == MUON_ALLTOALL:
         out.append(name)
     out.extend(_pipeline_classes(name))
     if name.startswith("loom/data"):

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from loom import strategies
-from loom.config import Config, pipeline_microbatches
+from loom.config import Config, pipeline_microbatches, splits_backward, stages_per_rank
 from loom.parallel.activation_checkpointing import apply_activation_checkpointing
 from loom.parallel.adapter import ModelAdapter
 from loom.parallel.context_parallel import SequenceSplit
@@ -28,13 +28,7 @@ from loom.parallel.expert_parallel import shard_experts
 from loom.parallel.fsdp import apply_fsdp
 from loom.parallel.known_warnings import silence_dtensor_sequential_redistribute
 from loom.parallel.mesh import Dist
-from loom.parallel.pipeline import (
-    SPLIT_BACKWARD,
-    rank_stages,
-    stage_layers,
-    stages_per_rank,
-    validate_pipeline,
-)
+from loom.parallel.pipeline import rank_stages, stage_layers, validate_pipeline
 from loom.parallel.weights import WeightSource
 
 
@@ -119,11 +113,6 @@ def uses_fsdp(p) -> bool:
     """Whether FSDP2 wraps the model: zero2/zero3/hsdp, and ddp/zero1 under TP, EP or a schedule that
     splits the backward (see fsdp.py, pipeline.py)."""
     return strategies.lookup(p.strategy).uses_fsdp(p.tp, p.ep, splits_backward(p))
-
-
-def splits_backward(p) -> bool:
-    """Whether the pipeline schedule computes weight gradients apart (zb, zbv, dualpipev)."""
-    return p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD
 
 
 @contextlib.contextmanager

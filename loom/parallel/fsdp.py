@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from loom import strategies
-from loom.config import SPLIT_BACKWARD_SCHEDULES, ParallelConfig
+from loom.config import ParallelConfig, splits_backward
 from loom.parallel.mesh import Dist
 from loom.parallel.precision import DTYPES
 
@@ -22,7 +22,7 @@ def reshard_after_forward(p: ParallelConfig) -> bool:
     weight gradients (zb, zbv, dualpipev) a unit stays gathered until the step's last backward (the
     schedule reshards the stage then): re-gathered for a deferred W, torch's split backward gives
     wrong gradients (up to 90% off in tests/distributed/test_zero_bubble.py's zero3 case)."""
-    if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+    if splits_backward(p):
         return False
     if p.reshard_after_forward is not None:
         return p.reshard_after_forward

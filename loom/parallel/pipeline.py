@@ -37,7 +37,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining.schedules import _ComputationType
 
-from loom.config import SPLIT_BACKWARD_SCHEDULES
+from loom.config import V_SCHEDULES, stages_per_rank
 from loom.errors import ConfigError
 
 # An action's kind (private, the same in torch 2.11 and 2.13; see pipeline_eval)
@@ -46,8 +46,6 @@ _BACKWARD = {_Kind.FULL_BACKWARD, _Kind.BACKWARD_INPUT, _Kind.BACKWARD_WEIGHT, _
              _Kind.REDUCE_GRAD}
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
-V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V
-SPLIT_BACKWARD = SPLIT_BACKWARD_SCHEDULES  # backward split into B (inputs) and W (weights)
 _CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
             "zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
 
@@ -77,12 +75,6 @@ def stage_layers(n_layers: int, pp: int, virtual: int = 1) -> list[list[int]]:
         stages.append(list(range(start, start + size)))
         start += size
     return stages
-
-
-def stages_per_rank(schedule: str, virtual: int) -> int:
-    """The stages each pipeline rank runs: two for the V schedules (whatever pp_virtual_stages says,
-    1 or 2: validate_pipeline refuses the rest), else pp_virtual_stages."""
-    return 2 if schedule in V_SCHEDULES else virtual
 
 
 def rank_stages(rank: int, pp: int, virtual: int = 1, schedule: str = "1f1b") -> list[int]:

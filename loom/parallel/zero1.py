@@ -18,11 +18,13 @@ from torch.distributed.tensor import DTensor
 from loom.parallel.mesh import Dist, local_view
 
 
-def build_zero1_optimizer(groups: list[dict], d: Dist, **adamw) -> ZeroRedundancyOptimizer:
-    """AdamW over `groups` (param groups), its states partitioned over the dp group."""
+def build_zero1_optimizer(groups: list[dict], d: Dist, kind: type = torch.optim.AdamW,
+                          **adamw) -> ZeroRedundancyOptimizer:
+    """`kind` (AdamW, or Muon with AdamW) over `groups` (param groups), its states partitioned over
+    the dp group: each rank steps the whole parameters it holds the states of."""
     sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
     zero = _ZeroOverLocalShards if sharded else ZeroRedundancyOptimizer
-    return zero(groups, optimizer_class=torch.optim.AdamW, process_group=d.grad_mesh.get_group(), **adamw)
+    return zero(groups, optimizer_class=kind, process_group=d.grad_mesh.get_group(), **adamw)
 
 
 def is_zero1(optimizer) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from loom import strategies
 from loom.config import SPLIT_BACKWARD_SCHEDULES
 from loom.plan.lora import LoRA
+from loom.plan.muon import Muon
 from loom.plan.shapes import ModelShape
 
 # Where the offloadable states live. "optimizer": ZeRO-Offload (grads and optimizer states on
@@ -34,6 +35,8 @@ class Workload:
     moe_imbalance: float = 1.0
     # LoRA fine-tuning (plan/lora.py): the base frozen, adapters trained; None: every weight trains
     lora: LoRA | None = None
+    # train.optimizer = "muon" (plan/muon.py): Muon for the blocks' matrices; None: AdamW for all
+    muon: Muon | None = None
 
     @property
     def act_bytes(self) -> int:

@@ -47,7 +47,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loom.plan import context, experts, lora
+from loom.config import V_SCHEDULES
+from loom.plan import context, experts, lora, muon
 from loom.plan.memory import GRAD_COMM_BYTES, RECIPES
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num
@@ -147,7 +148,7 @@ def pp_sends(w, c) -> tuple[float, int]:
     activation = c.local_seq(w.seq_len) * c.micro_batch * w.shape.d_model * w.act_bytes
     if c.sequence_parallel:
         activation /= c.tp
-    if c.schedule in ("zbv", "dualpipev"):
+    if c.schedule in V_SCHEDULES:
         return activation, 2 if c.pp == 2 else 4
     return activation, 2 * c.virtual_stages - (1 if c.pp == 2 else 0)
 
@@ -588,10 +589,31 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
     acc.group = "ep"
     if c.ep > 1 and shape.moe:
         groups["ep"] = _expert_dispatch(w, c, gpus_per_node, acc, terms)
+    acc.group = "dp"
+    groups["muon"] = _muon_exchange(w, c, gpus_per_node, acc, terms) if w.muon is not None and shape.known \
+        else 0.0
     if terms:
         counts = ", ".join(f"{g} {n}" for g, n in acc.count_by_group.items()) or "none"
         terms.note(f"collectives issued per step (each pays a latency α): {counts}")
     return acc, groups
+
+
+def _muon_exchange(w, c, gpus_per_node: int, acc: CommAccount, terms: Terms) -> float:
+    """Muon's whole matrices from their shards, in the optimizer step (plan/muon.py): its wire bytes."""
+    wire = 0.0
+    for ex in muon.workload_cost(w, c).exchanges:
+        sent = ring(ex.kind, ex.group, ex.payload)
+        if terms:
+            what = ("2·⌈M/G⌉ all-to-alls, a rank's input 2·e·Ψ_m/G (its shards to the owners, its owned "
+                    "results back)" if ex.kind == muon.KIND else
+                    "2 all-gathers per matrix split over FSDP2 × TP, their output 4·(Ψ_m/tp + Ψ_m) (fp32)")
+            terms.item(f"muon {ex.kind}", what, f"{ex.count} over G = {ex.group}", gb(ex.payload))
+            terms.item("  its wire bytes", "ring: all-to-all (G−1)/G·payload, all-gather (G−1)/G·output",
+                       None, gb(sent))
+        acc.add(ex.kind, sent, ex.group > gpus_per_node)
+        acc.issue(ex.kind, ex.group, ex.payload, ex.count)
+        wire += sent
+    return wire
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from loom.errors import ConfigError
 from loom.files import atomic_write
 from loom.hf_config import read_hf_config
 from loom.models.gpt.config import preset
-from loom.plan import device, lora, starting_point
+from loom.plan import device, lora, muon, starting_point
 from loom.plan.candidate import Workload
 from loom.plan.explain import explain
 from loom.plan.hardware import GPU, Cluster, lookup, with_overrides
@@ -67,7 +67,7 @@ def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
     own_batch = args.config is not None and not str(args.config).endswith(".json")
     if own_batch or args.gpu == "local":
         w = Workload(shape, cfg.data.seq_len, cfg.train.batch_size, precision, args.recipe, chunk, every,
-                     lora=adapters)
+                     lora=adapters, muon=muon.from_config(cfg))
         return w, f"the config's batch: {w.global_batch} × {w.seq_len} tokens"
     if "data.seq_len" in chosen:
         seq, why = cfg.data.seq_len, "data.seq_len"
@@ -81,7 +81,8 @@ def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
     else:
         batch = max(1, math.ceil(TARGET_TOKENS / seq / world)) * world
         size = f"{batch} sequences ≈ {batch * seq / 1e6:.2f}M tokens, a multiple of {world} GPUs"
-    w = Workload(shape, seq, batch, precision, args.recipe, chunk, every, lora=adapters)
+    w = Workload(shape, seq, batch, precision, args.recipe, chunk, every, lora=adapters,
+                 muon=muon.from_config(cfg))
     return w, (f"assumed workload: {size} × {seq} tokens ({why} sequence length); "
                f"change with --set train.batch_size=… --set data.seq_len=…")
 

@@ -156,6 +156,8 @@ def _comm(out: Terms, record: dict, w, c: Candidate, cluster):
     parts = [("dp", groups["dp"])]
     parts += [(g, groups[g]) for g, degree in (("tp", c.tp), ("pp", c.pp), ("cp", c.cp), ("ep", c.ep))
               if degree > 1 and w.shape.known]
+    if groups.get("muon"):
+        parts.append(("muon", groups["muon"]))
     out.check(parts, sum(v for _, v in parts), record["comm_bytes_per_step"], gb)
     return comm, groups
 

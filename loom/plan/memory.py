@@ -6,11 +6,12 @@ precision: fp32 parameters and gradients, Adam m and v in fp32 -> 4Ψ + 4Ψ + 8�
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 from loom import strategies
-from loom.plan import context, experts, lora
+from loom.plan import context, experts, lora, muon
 from loom.plan.shapes import (
     activation_bytes_per_layer,
     checkpointed_layers,
@@ -220,6 +221,9 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
                                    paper_stages=recipe == "zero" or deepspeed, tp=c.tp,
                                    tp_replicated=replicated - routed if replicated else 0)
         expert = expert_state_bytes(w, c, stage) if routed else None
+    adamw = states, expert
+    if w.muon is not None:
+        states, expert = _muon_states(w, c, stage, states, expert, NO_TERMS)
     params, grads, optimizer = states.params, states.grads, states.optimizer
     if expert is not None:
         params, grads, optimizer = params + expert.params, grads + expert.grads, optimizer + expert.optimizer
@@ -237,11 +241,11 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
         nvme, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
 
     if terms and w.lora is not None:
-        _record_lora_states(terms, w, c, stage, stage_params, states, (params, grads, optimizer), host + nvme,
-                            expert)
+        _record_lora_states(terms, w, c, stage, stage_params, adamw[0], (params, grads, optimizer),
+                            host + nvme, adamw[1])
     elif terms:
-        _record_states(terms, w, c, stage, stage_params, replicated, states, (params, grads, optimizer),
-                       host + nvme, moved=buffers, expert=expert)
+        _record_states(terms, w, c, stage, stage_params, replicated, adamw[0], (params, grads, optimizer),
+                       host + nvme, moved=buffers, expert=adamw[1])
         if deepspeed:
             terms.note(f"DeepSpeed buckets: its reduce and all-gather buckets, 2 × 25 MiB = "
                        f"{gb(DEEPSPEED_BUCKETS)}, held through the step")
@@ -283,6 +287,38 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
                    f"{fragmentation:g} × {gb(allocated)}", gb(fragmentation * allocated))
     return MemoryAccount(params, grads, optimizer, activations, buffers, fragmentation * allocated,
                          host, nvme, stage)
+
+
+def _muon_states(w, c, stage: int, states: ModelStateBytes, expert: ModelStateBytes | None,
+                 terms: Terms) -> tuple[ModelStateBytes, ModelStateBytes | None]:
+    """Muon's states (plan/muon.py): each of its matrices keeps one fp32 momentum where AdamW keeps m
+    and v, 4 bytes fewer per parameter (torch's recipe: 4Ψ_muon + 8Ψ_adamw), divided as the strategy
+    divides the optimizer's states: the rest over N, the routed experts over N_e. Its matrices: the
+    blocks' (a rank's after TP's split, E/ep of the experts), under LoRA the adapters (trained
+    embeddings and norms stay on AdamW); of a bare parameter count, its Llama-style stand-in's."""
+    shape = w.shape if w.shape.known else llama_like(w.shape.num_params)
+    dense, routed = muon.rank_state_params(shape, c, stage, w.lora)
+    sharded = strategies.OPTIMIZER in c.strategy_info.sharded
+    n, ne = (c.shard_size, c.expert_shard_size) if sharded else (1, 1)
+    saved = 4 * dense / n
+    rest = dataclasses.replace(states, optimizer=states.optimizer - saved)
+    held = None if expert is None else \
+        dataclasses.replace(expert, optimizer=expert.optimizer - 4 * routed / ne)
+    if terms:
+        what = "Ψ_m: the adapters A, B on a rank" if w.lora is not None else \
+            "Ψ_m: the blocks' matrices on a rank (attention, MLP; after TP)"
+        terms.item(what, "wq, wk, wv, wo, w1, w3, w2 (not the embedding, head, norms, router)"
+                   if w.lora is None else "A [r, in], B [out, r] of each adapted linear", None, num(dense))
+        terms.item("muon optimizer", f"AdamW's − 4·Ψ_m{'/N' if n > 1 else ''} (one fp32 momentum, not m and "
+                   f"v: 4·Ψ_m + 8·Ψ_adamw in torch's recipe)",
+                   f"{gb(states.optimizer)} − 4 × {num(dense)}{f' / {n}' if n > 1 else ''}",
+                   gb(rest.optimizer))
+        if held is not None:
+            over = f" / {ne}" if ne > 1 else ""
+            terms.item("muon expert optimizer", f"AdamW's − 4·P_e/ep{'/N_e' if ne > 1 else ''} (each "
+                       "expert's matrices)", f"{gb(expert.optimizer)} − 4 × {num(routed)}{over}",
+                       gb(held.optimizer))
+    return rest, held
 
 
 # What each moment _step_peak compares holds beyond the model states at rest (its names).
@@ -450,6 +486,8 @@ def _record_states(terms: Terms, w, c, stage: int, stage_params: int, replicated
     if moved:
         terms.note(f"  DeepSpeed frees its gradient partitions after each step: grads {gb(moved)} counted "
                    f"as a buffer (held during the step), 0 at rest")
+    if w.muon is not None:
+        _muon_states(w, c, stage, states, expert, terms)
     if c.offload != "none":
         terms.note(f"  offload {c.offload}: {OFFLOADED[c.offload]}: {gb(offloaded)} per GPU leave the GPU")
     params, grads, optimizer = on_gpu
@@ -534,6 +572,8 @@ def _record_lora_states(terms: Terms, w, c, stage: int, stage_params: int, state
             sym, div = by(sharded)
             terms.item(name, f"({formula}){sym}" if sym else formula, f"({numbers}){div}" if div else numbers,
                        gb(value))
+    if w.muon is not None:
+        _muon_states(w, c, stage, states, expert, terms)
     if c.offload != "none":
         terms.note(f"  offload {c.offload}: {OFFLOADED[c.offload]}: {gb(offloaded)} per GPU leave the GPU")
     params, grads, optimizer = on_gpu

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
-from loom.plan import lora
+import dataclasses
+
+from loom.plan import lora, muon
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.memory import gpu_memory
-from loom.plan.search import GB, Plan, size_text, unrunnable
+from loom.plan.search import GB, Plan, estimate, size_text, unrunnable
 from loom.strategies import STRATEGIES
 
 
@@ -21,6 +23,8 @@ def model_state_account(w: Workload, cluster) -> list[dict]:
     offloaded = [] if on_cpu else [("zero3", "optimizer"), ("zero3", "optimizer+params")]
     if w.lora is not None:
         offloaded = [(strategy, tier) for strategy, tier in offloaded if tier == "optimizer+params"]
+    if w.muon is not None:  # Muon's exchange runs on the device: loom refuses offload with it
+        offloaded = []
     for strategy, offload in unsharded_dp + offloaded:
         c = Candidate(strategy, world, offload=offload)
         m = gpu_memory(w, c, 0.0)
@@ -42,6 +46,43 @@ def lora_line(w: Workload) -> str:
             f"{params_text(shape.num_params)}){stand_in}; the frozen base "
             f"{size_text(spec.base_bytes * frozen)} ({spec.base_bytes} bytes each), what trains "
             f"{size_text(16 * trained)} (16 bytes each), before sharding")
+
+
+def muon_line(w: Workload, world: int) -> str:
+    """What Muon changes (plan/muon.py): its share of the parameters, their optimizer bytes, and a
+    zero3 rank's Newton-Schulz FLOPs and exchange per step."""
+    shape = w.shape
+    mats = muon.stage_matrices(shape, 0, 1, w.lora)
+    cost = muon.rank_cost(shape, Candidate("zero3", world), w.muon, 0, w.lora)
+    what = "LoRA's adapters" if w.lora is not None else "the blocks' matrices"
+    trained = lora.trainable_params(shape, w.lora) if w.lora is not None else shape.num_params
+    return (f"muon: {what} ({params_text(mats.params)} of {params_text(trained)} trained params) keep one "
+            f"momentum, 4 bytes where AdamW keeps 8; per step a zero3 rank on {world} runs "
+            f"{flops_text(cost.flops)} of Newton-Schulz ({w.muon.ns_steps} iterations) and sends "
+            f"{size_text(cost.payload)} in {cost.count} all-to-alls")
+
+
+def muon_versus_adamw(plan: Plan) -> str:
+    """The recommendation priced again with AdamW for every parameter: Muon's memory drop and the
+    time its Newton-Schulz iterations and exchange add."""
+    from loom.plan.explain import candidate_of  # (explain imports search, as this module does)
+    best = plan.candidates[plan.recommended]
+    adamw = estimate(dataclasses.replace(plan.workload, muon=None), candidate_of(best), plan.cluster)
+    m, a = best["memory_bytes"], adamw["memory_bytes"]
+    unit = "rank" if plan.cluster.profile is not None and plan.cluster.profile.device == "cpu" else "GPU"
+    step, base = best["step_time_s"], adamw["step_time_s"]
+    return (f"muon vs AdamW on the recommendation: optimizer states {size_text(m['optimizer'])} vs "
+            f"{size_text(a['optimizer'])} per {unit} ({size_text(a['optimizer'] - m['optimizer'])} less), "
+            f"step {step:.3f} s vs {base:.3f} s ({(step / base - 1):+.1%}: Newton-Schulz and its exchange "
+            f"in the optimizer's {best['step_time_breakdown_s']['optimizer']:.3f} s)")
+
+
+def flops_text(flops: float) -> str:
+    """FLOPs for people: 83.2 TFLOP, 58.3 MFLOP."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}FLOP"
+    return f"{flops:.3g} FLOP"
 
 
 def params_text(count: float) -> str:
@@ -77,6 +118,8 @@ def render_table(plan: Plan, top: int = 5) -> str:
                    "give a preset or config.json for those)")
     if w.lora is not None:
         out.append(f"  {lora_line(w)}")
+    if w.muon is not None and shape.known:
+        out.append(f"  {muon_line(w, cluster.world_size)}")
     out.append("")
     account = model_state_account(w, cluster)
     name, scale = byte_unit(max(row["gpu_bytes"] + row["host_bytes_per_gpu"] for row in account))
@@ -138,7 +181,10 @@ def render_table(plan: Plan, top: int = 5) -> str:
     best = records[plan.recommended]
     t = best["step_time_breakdown_s"]
     out += ["", "step time of the recommendation: " + ", ".join(
-        f"{k.replace('_', ' ')} {v:.3f} s" for k, v in t.items() if k != "total") + f" = {t['total']:.3f} s",
+        f"{k.replace('_', ' ')} {v:.3f} s" for k, v in t.items() if k != "total") + f" = {t['total']:.3f} s"]
+    if w.muon is not None and shape.known:
+        out.append(muon_versus_adamw(plan))
+    out += [
         "assumptions: " + "; ".join(plan.to_dict()["assumptions"]), "",
         f"recommended (*): {plan.reason}"]
     return "\n".join(out)

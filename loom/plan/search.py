@@ -14,8 +14,9 @@ from pathlib import Path
 
 from loom import strategies
 from loom.config import SPLIT_BACKWARD_SCHEDULES as SPLIT_BACKWARD
+from loom.config import V_SCHEDULES, stages_per_rank
 from loom.errors import ConfigError
-from loom.plan import context, experts, lora
+from loom.plan import context, experts, lora, muon
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.comm import comm_per_step, ep_payload_per_step
 from loom.plan.efficiency import compute_fraction, link_efficiency
@@ -102,7 +103,10 @@ def enumerate_candidates(w: Workload, cluster: Cluster,
         eps = [1] + (experts.splits(shape, dp) if cp == 1 else [])
         for strategy in names:
             for shard in _shards(strategy, dp, tp, per_node, cluster.nodes, cp):
-                for offload, framework in _offloads(strategy, dp, tp, pp, host_tier, cp, w.lora is not None):
+                for offload, framework in _offloads(strategy, dp, tp, pp, host_tier, cp,
+                                                    w.lora is not None or w.muon is not None):
+                    if w.muon is not None and not muon.runs(strategies.lookup(strategy), tp, offload):
+                        continue
                     for ep in eps:
                         if ep > 1 and not experts.valid(shape, Candidate(strategy, dp, tp, pp, shard, offload,
                                                                          framework=framework, ep=ep)):
@@ -167,7 +171,8 @@ def _offloads(strategy: str, dp: int, tp: int, pp: int, host_tier: bool = True,
     only. Sharding over one rank is no sharding: with dp = 1 only the simplest strategy that
     offers an offload tier is a candidate (zero3 tp8 is ddp tp8). loom's deepspeed engine runs
     ZeRO without TP or PP: those layouts are also priced on it. Nor does it split sequences: under
-    cp > 1 only the torch engine's tiers; nor train LoRA adapters (`lora`): the torch engine's alone."""
+    cp > 1 only the torch engine's tiers; nor train LoRA adapters or step Muon (`lora`): the torch
+    engine's alone."""
     s = strategies.lookup(strategy)
     if s.zero_stage == 0:
         tiers = ("none",)
@@ -217,8 +222,8 @@ def _worth_searching(n_layers: int, pp: int, virtual: int, schedule: str, microb
 def schedule_runs(n_layers: int, pp: int, virtual: int, schedule: str, microbatches: int) -> bool:
     """Whether loom/parallel/pipeline.validate_pipeline takes the layout (mirrored here: the planner
     imports no torch; tests/unit/test_plan_schedules.py checks the two agree)."""
-    stages = 2 * pp if schedule in ("zbv", "dualpipev") else pp * virtual
-    if stages > n_layers or (schedule in ("zbv", "dualpipev") and virtual > 2):
+    stages = pp * stages_per_rank(schedule, virtual)
+    if stages > n_layers or (schedule in V_SCHEDULES and virtual > 2):
         return False
     if schedule == "interleaved" and (virtual < 2 or n_layers % stages):
         return False
@@ -228,7 +233,7 @@ def schedule_runs(n_layers: int, pp: int, virtual: int, schedule: str, microbatc
         return False
     if schedule in ("interleaved", "zb") and microbatches % (microbatches // pp):
         return False
-    return schedule not in ("zbv", "dualpipev") or microbatches >= 2 * pp
+    return schedule not in V_SCHEDULES or microbatches >= 2 * pp
 
 
 NEAR_TIE = 0.05  # this close to the fastest, candidates are ranked by simplicity, not the model's last digits
@@ -708,7 +713,7 @@ def config_workload(cfg, shape, recipe: str = "torch", moe_imbalance: float = 1.
     the mean, e.g. measured by a run; 1 is ideal routing), its LoRA (lora.*) included."""
     return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe,
                     loss_chunk_of(cfg), cfg.parallel.reduce_every_micro_step, moe_imbalance,
-                    lora.from_config(cfg))
+                    lora.from_config(cfg), muon.from_config(cfg))
 
 
 def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,
@@ -723,7 +728,6 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,
     micro = (p.microbatches or pp) if pipelined else t.grad_accum
     per_micro = t.batch_size // (dp * (t.grad_accum * micro if pipelined else micro))
     hybrid = strategies.lookup(p.strategy).dp_mesh == "hybrid"
-    virtual = 2 if p.pp_schedule in ("zbv", "dualpipev") else p.pp_virtual_stages  # a V: always two
     offload = "optimizer+params" if p.offload == "cpu" else "none"
     if p.engine == "deepspeed" and p.offload_params == "nvme":
         offload = "nvme"
@@ -736,7 +740,8 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,
     elif p.engine == "deepspeed" and p.offload_optimizer != "none":
         offload = "optimizer"
     return Candidate(p.strategy, dp, tp, pp, dp_shard if hybrid else 0, offload,
-                     p.pp_schedule if pipelined else "none", virtual if pipelined else 1,
+                     p.pp_schedule if pipelined else "none",
+                     stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if pipelined else 1,
                      p.activation_checkpointing, p.ac_every, per_micro, micro,
                      sequence_parallel=p.sequence_parallel and tp > 1, framework=p.engine,
                      fsdp_unit_mb=p.fsdp_unit_mb, cp=cp, cp_mode=p.cp_mode if cp > 1 else "ring", ep=ep)

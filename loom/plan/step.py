@@ -42,8 +42,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loom.plan import context, experts, lora
+from loom.config import V_SCHEDULES
+from loom.plan import context, experts, lora, muon
 from loom.plan.comm import DDP_BUCKET, CommAccount, cp_exchange, ep_payload_per_step
+from loom.plan.comm import ring as comm_ring
 from loom.plan.efficiency import D0_SCALE, DEFAULT, FAMILY, compute_fraction, link_efficiency
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num, sec
@@ -188,7 +190,7 @@ def pipeline_text(cfg, shape=None) -> str:
     p = cfg.parallel
     pp, microbatches, virtual, schedule = p.pp, pipeline_microbatches(p), p.pp_virtual_stages, p.pp_schedule
     split = EQUAL_PASSES if shape is None else passes(shape, cfg.data.seq_len, lora.from_config(cfg))
-    stages = "2 stages per rank (V)" if schedule in ("zbv", "dualpipev") else f"{virtual} virtual"
+    stages = "2 stages per rank (V)" if schedule in V_SCHEDULES else f"{virtual} virtual"
     t = split.total
     value = bubble_fraction(pp, microbatches, virtual, schedule, split)
     return (f"pipeline: {pp} stages × {stages}, {schedule}, {microbatches} micro-batches per step: bubble "
@@ -424,6 +426,24 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
                        "Ψ_lora/N (what trains, a rank's after TP)", None, num(local))
             terms.item("optimizer", "(28 Adam + 12 clip bytes)·Ψ/HBM",
                        f"40 × {num(local)} / {num(gpu.hbm_tbps)} TB/s", sec(optimizer))
+    if w.muon is not None and w.shape.known:
+        cost = muon.workload_cost(w, c)
+        ns = cost.flops / (gpu.bf16_tflops * 1e12 * fraction)
+        optimizer += ns
+        if terms:
+            terms.item("muon Newton-Schulz", "a rank's ns_steps·(4m²n + 2m³) FLOPs / (peak × fraction)",
+                       f"{num(cost.flops)} / ({num(gpu.bf16_tflops)}e12 × {num(fraction)})", sec(ns))
+        for ex in cost.exchanges:  # exposed: the optimizer waits for them
+            inter = ex.group > cluster.gpus_per_node
+            link = gpu.inter_node_gbps if inter else gpu.intra_node_gbps
+            alpha = gpu.inter_node_latency_s if inter else gpu.intra_node_latency_s
+            sent = comm_ring(ex.kind, ex.group, ex.payload)
+            t = sent / (link * 1e9 * efficiency) + alpha * ex.count
+            optimizer += t
+            if terms:
+                terms.item(f"muon {ex.kind}", "Φ_sent/(link × eff) + α × count (exposed)",
+                           f"{gb(sent)}/({num(link)} GB/s × {num(efficiency)}) + {num(alpha)} × {ex.count}",
+                           sec(t))
     return StepTime(compute, recompute, bubble, exposed, optimizer, _offload(w, c, cluster, terms))
 
 
@@ -568,11 +588,18 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
         terms.note("collectives at their measured α·count + payload/β, plus copying the payload in and out "
                    "(2·payload at the bandwidth measured for one collective's size); nothing overlaps")
     exposed = 0.0
+    # Muon's exchange is priced with its optimizer step (_measured_muon_seconds), not here
+    own = ({} if w.muon is None or not shape.known
+           else {ex.kind: ex for ex in muon.workload_cost(w, c).exchanges})
     for kind, payload in comm.payload_by_kind.items():
         if kind in context.OBSERVED or kind == experts.KIND:  # the context- and expert-parallel ones, below
             continue
         kind = "send" if kind == "recv" else kind
         count = _count(comm, kind, payload)
+        if kind in own:
+            payload, count = payload - own[kind].payload, count - own[kind].count
+            if payload <= 0:
+                continue
         copy_bw = profile.elementwise_bytes(ranks, payload / max(count, 1))
         t = profile.collective_seconds(ranks, kind, payload, count) + 2 * payload / copy_bw  # staging copies
         fits = profile.ranks_entry(ranks)["collectives"]
@@ -631,7 +658,28 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
     elif terms:
         terms.item("optimizer", "Ψ_local × measured clipping + AdamW seconds per parameter",
                    f"{num(local)} × {num(optimizer / local)} s", sec(optimizer))
+    if w.muon is not None and shape.known:
+        optimizer += _measured_muon_seconds(w, c, profile, ranks, terms)
     return StepTime(compute, recompute, bubble, exposed, optimizer, _offload(w, c, cluster, terms))
+
+
+def _measured_muon_seconds(w, c, profile, ranks: int, terms: Terms) -> float:
+    """Muon on a calibrated device: its Newton-Schulz FLOPs at the best measured matmul rate, its
+    exchange at the measured collective's α and β (exposed: the optimizer waits for it)."""
+    cost = muon.workload_cost(w, c)
+    peak = profile.peak_flops(ranks)
+    ns = cost.flops / peak
+    moved = 0.0
+    if terms:
+        terms.item("muon Newton-Schulz", "a rank's ns_steps·(4m²n + 2m³) FLOPs / best measured rate",
+                   f"{num(cost.flops)} / {num(peak / 1e12)} TFLOP/s", sec(ns))
+    for ex in cost.exchanges:
+        t = profile.collective_seconds(ranks, ex.kind, ex.payload, ex.count)
+        moved += t
+        if terms:
+            terms.item(f"muon {ex.kind}", "α·count + payload/β (exposed: the optimizer waits for them)",
+                       f"{ex.count} × over {ex.group} ranks, {gb(ex.payload)}", sec(t))
+    return ns + moved
 
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")

@@ -160,10 +160,15 @@ def check_checkpoints_dir(run_dir: Path) -> None:
         return
     if owner is None and not any(p.name != OWNER for p in root.iterdir()):
         return
-    whose = f"the checkpoints of the run {owner}" if owner else "files loom did not write for this run"
-    raise LoomError(f"{root} links to {root.resolve()}, which holds {whose}; loom writes and cleans up only "
-                    f"this run's checkpoints: link checkpoints to an empty folder of its own, e.g. "
-                    f"{root.resolve() / Path(run_dir).resolve().name}")
+    target, me = root.resolve(), Path(run_dir).resolve()
+    fresh = f"link checkpoints to an empty folder of its own, e.g. {target / me.name}"
+    if owner:
+        raise LoomError(f"{root} links to {target}, which holds the checkpoints of the run {owner}; "
+                        f"loom writes and cleans up only this run's checkpoints: {fresh}")
+    raise LoomError(f"{root} links to {target}, which holds files not marked as this run's (loom marks "
+                    f"a linked checkpoints folder with {OWNER} naming its run); loom writes and cleans up "
+                    f"only this run's checkpoints: {fresh}, or, if they are this run's checkpoints moved "
+                    f"there, mark them: echo {me} > {target / OWNER}")
 
 
 def claim_checkpoints_dir(run_dir: Path) -> None:

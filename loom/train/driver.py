@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom import strategies
-from loom.config import Config, lora_base_dtype, validate
+from loom.config import Config, lora_base_dtype, splits_backward, validate
 from loom.data.loader import build_loaders
 from loom.errors import AgreedError
 from loom.files import atomic_write, claim_run_dir
@@ -45,7 +45,7 @@ from loom.observe.rank_memory import (
 )
 from loom.observe.run_report import write_run_report
 from loom.parallel import deepspeed_engine, precision
-from loom.parallel.apply import parallelize, sequence_split, splits_backward, uses_fsdp
+from loom.parallel.apply import parallelize, sequence_split, uses_fsdp
 from loom.parallel.context_parallel import sequence_share, take_tally
 from loom.parallel.expert_parallel import take_tally as take_ep_tally
 from loom.parallel.mesh import Dist, group_of_this_call, init_distributed
@@ -53,7 +53,8 @@ from loom.parallel.pipeline import weight_pass_takes_functions
 from loom.parallel.weights import TensorsSource
 from loom.plan.memory import deepspeed_states, lora_state_bytes, model_state_bytes
 from loom.plan.step import pipeline_text
-from loom.train import checkpoint, faults, moe_step, record, run_figures
+from loom.train import checkpoint, faults, moe_step, muon, record, run_figures
+from loom.train.export_lora import peft_holds
 from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
 from loom.train.optim import build_optimizer, build_scheduler
 from loom.train.step import Pipeline, build_pipeline, deepspeed_train_step, evaluate, train_step
@@ -96,6 +97,7 @@ class Built:
     engine_config: dict | None = None  # the deepspeed engine's final config (written to the run directory)
     engine: str = "torch"  # "deepspeed": model is a DeepSpeedEngine, optimizer the AdamW it wraps
     lora: str = ""  # what LoRA adapted, for the start line ("" without LoRA)
+    optimizers: dict | None = None  # train.optimizer = "muon": which parameters each optimizer steps
 
 
 def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = None) -> Built:
@@ -122,6 +124,7 @@ def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = Non
         if adapter.meta_init:  # written after sharding: the adapters' own init, the base as it was
             base = weights if weights is not None else adapter.weight_source(user_model, t.seed)
             weights = WithAdapters(base, t.seed)
+    sides = muon.assignment(user_model) if t.optimizer == "muon" else None
     split = sequence_split(d, task.document_eos)
     # loom's GPT: plain ops where this torch's weight pass cannot start at its Functions (pipeline.py)
     use_plain_ops(splits_backward(cfg.parallel) and not weight_pass_takes_functions())
@@ -133,11 +136,12 @@ def build_training(cfg: Config, d: Dist, task: Task, swap_dir: Path | None = Non
         checkpoint.load_weights(task.init_checkpoint, model, d)
     pipe = build_pipeline(parts, cfg, d, split) if p.pp > 1 else None
     moe_step.configure(parts, cfg)
-    optimizer = build_optimizer(model, t, p.strategy, d)
+    optimizer = build_optimizer(model, t, p.strategy, d, muon=cfg.muon)
     scheduler = build_scheduler(optimizer, t)
     params = [q for q in model.parameters() if q.requires_grad]
     scaler = precision.grad_scaler(t.precision, uses_fsdp(p), d.device)
-    return Built(parts, model, pipe, optimizer, scheduler, scaler, params, num_params, lora=lora)
+    return Built(parts, model, pipe, optimizer, scheduler, scaler, params, num_params, lora=lora,
+                 optimizers=sides)
 
 
 def _build_deepspeed(cfg: Config, d: Dist, task: Task, swap_dir: Path | None) -> Built:
@@ -228,7 +232,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
             else None)
     plan = record.plan_run(cfg, task.shape, d, len(built.params)) if task.shape is not None else None
     if run_dir is not None and main:
-        record.write_start(run_dir, cfg, plan, built.engine_config)
+        record.write_start(run_dir, cfg, plan, built.engine_config, built.optimizers)
     log = StepLog(cfg, run_dir, start_step, t.batch_size * task.tokens_per_sample, main, say, plan)
     if say:
         _print_layout(cfg, d, task, built, loaders.micro_batch)
@@ -392,6 +396,13 @@ def _print_layout(cfg: Config, d: Dist, task: Task, b: Built, micro_batch: int) 
           flush=True)
     if b.lora:
         print(b.lora, flush=True)
+    if b.optimizers is not None:
+        m = cfg.muon
+        print(f"optimizer: muon (momentum {m.momentum:g}{', nesterov' if m.nesterov else ''}, {m.ns_steps} "
+              f"Newton-Schulz steps in {m.ns_dtype}, {m.update_scale} scale) for the blocks' matrices, "
+              f"adamw for the rest", flush=True)
+        for line in muon.assignment_lines(b.optimizers):
+            print(f"  {line}", flush=True)
     if b.pipe is not None:
         print(pipeline_text(cfg, task.shape), flush=True)
 
@@ -550,6 +561,9 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
         if routed:
             expected += model_state_bytes(p.strategy, routed / d.ep_size, expert_shard).total
         formula = strategies.lookup(p.strategy).formula
+    if cfg.train.optimizer == "muon" and b.engine == "torch":
+        expected -= _muon_unkept_bytes(cfg, d, b, moe, shard, expert_shard)
+        formula += " − Muon's 4Ψ_m"
     if b.engine == "deepspeed":
         act_bytes = 4 if cfg.train.precision == "fp32" else 2
         expected, formula = deepspeed_states(p.strategy, b.num_params, shard, act_bytes)
@@ -591,9 +605,33 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
                  if from_config else
                  f"run your script again with train(cfg, Path('{run_dir}'), task=..., resume='auto') and a "
                  f"higher train.steps")
-        weights = (f"adapter: loom export {last} {last.parents[1].name}-adapter --lora adapter"
-                   if cfg.lora.rank else f"weights: loom export {last} model.safetensors")
+        name = last.parents[1].name
+        weights = f"weights: loom export {last} model.safetensors"
+        if cfg.lora.rank and peft_holds([n for n, q in b.model.named_parameters() if q.requires_grad]):
+            weights = f"adapter: loom export {last} {name}-adapter --lora adapter"
+        elif cfg.lora.rank:  # experts adapted, or norms trained whole: the merged model holds them
+            weights = f"merged: loom export {last} {name}-merged.safetensors --lora merged"
         print(f"checkpoint: {last}  (continue: {again}; {weights})")
+
+
+def _muon_unkept_bytes(cfg: Config, d: Dist, b: Built, moe: list, shard: int, expert_shard: int) -> float:
+    """The AdamW moment Muon does not keep: 4 bytes per matrix parameter (train/muon.py) this rank
+    holds the state of, split as the formula splits them (TP the blocks' matrices, ep and the
+    expert shard the routed experts, the shard where the strategy shards the optimizer)."""
+    p = cfg.parallel
+    sharded = strategies.OPTIMIZER in strategies.lookup(p.strategy).sharded
+    whole_over_tp = {id(q) for m in moe for q in m.parameters()}  # the MoE feed-forward, whole on each
+    routed = {id(q) for m in moe for q in m.experts.parameters()}
+    unkept = 0.0
+    for name, q in b.model.named_parameters():
+        if not (q.requires_grad and muon.is_muon_matrix(name, q)):
+            continue
+        if id(q) in routed:
+            unkept += 4 * q.numel() / d.ep_size / (expert_shard if sharded else 1)
+        else:
+            tp = p.tp if id(q) not in whole_over_tp else 1
+            unkept += 4 * q.numel() / tp / (shard if sharded else 1)
+    return unkept
 
 
 def _lora_states(cfg: Config, b: Built, moe: list, shard: int, expert_shard: int) -> tuple[float, str]:

@@ -55,6 +55,12 @@ def _owner(name: str) -> tuple[str, str]:
     return (stem[:-1] if stem.endswith("_") else stem + "weight"), suffix
 
 
+def peft_holds(trained: list[str]) -> bool:
+    """Whether a PEFT adapter can hold what a LoRA run trained (`trained`: its trained parameters'
+    names): adapters of weights alone, no stacked experts' and nothing trained whole."""
+    return all(is_adapter(n) and _owner(n)[0].endswith(".weight") for n in trained)
+
+
 def merged_tensors(meta: dict, path: Path, tensors: dict[str, torch.Tensor],
                    names: dict[str, tuple[int, ...]], gpt: GPTConfig | None) -> dict[str, torch.Tensor]:
     """The whole model: the base's tensors (read by `names`: name -> shape), each adapted weight

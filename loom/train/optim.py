@@ -1,5 +1,5 @@
-"""AdamW (foreach or fused; ZeRO-1's sharded one comes from loom/parallel/zero1.py), the LR
-schedule and gradient clipping."""
+"""AdamW (foreach or fused; ZeRO-1's sharded one comes from loom/parallel/zero1.py) or Muon with
+AdamW (loom/train/muon.py), the LR schedule and gradient clipping."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from loom import strategies
-from loom.config import TrainConfig, choose_deepspeed_accelerator
+from loom.config import MuonConfig, TrainConfig, choose_deepspeed_accelerator
 from loom.parallel.mesh import Dist
 from loom.parallel.zero1 import build_zero1_optimizer
+from loom.train.muon import MuonAdamW, muon_groups
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -27,11 +28,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig, strategy: str, d: Dist,
-                    engine: str = "torch", offloaded: bool = False) -> torch.optim.Optimizer:
+                    engine: str = "torch", offloaded: bool = False,
+                    muon: MuonConfig | None = None) -> torch.optim.Optimizer:
     """AdamW, fused on GPUs and foreach on CPU unless `train.optimizer_impl` says; sharded over the
     dp group when the strategy shards only the optimizer (zero1) on the torch engine. The deepspeed
-    engine shards it itself, and steps an offloaded optimizer with its CPU Adam (AdamW mode)."""
-    groups = param_groups(model, t.weight_decay)
+    engine shards it itself, and steps an offloaded optimizer with its CPU Adam (AdamW mode).
+    train.optimizer = "muon": Muon for the blocks' matrices, this AdamW for the rest (muon.py)."""
+    use_muon = t.optimizer == "muon"
+    groups = muon_groups(model, t, muon or MuonConfig()) if use_muon else param_groups(model, t.weight_decay)
     if offloaded:
         choose_deepspeed_accelerator()
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # an optional dependency: deepspeed engine only
@@ -41,9 +45,10 @@ def build_optimizer(model: nn.Module, t: TrainConfig, strategy: str, d: Dist,
     if impl == "auto":
         impl = "fused" if d.device.type == "cuda" else "foreach"
     adamw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **{impl: True})
+    kind = MuonAdamW if use_muon else torch.optim.AdamW
     if engine == "torch" and strategies.lookup(strategy).shards_optimizer_only:
-        return build_zero1_optimizer(groups, d, **adamw)
-    return torch.optim.AdamW(groups, **adamw)
+        return build_zero1_optimizer(groups, d, kind, **adamw)
+    return kind(groups, **adamw)
 
 
 def lr_lambda(t: TrainConfig):

@@ -31,11 +31,16 @@ from loom.plan.memory import stage_memory
 from loom.plan.search import config_candidate, config_workload, estimate
 from loom.plan.shapes import ModelShape
 from loom.plan.step import flops_per_token
+from loom.train import muon
 from loom.train.meters import format_duration
 
 
-def write_start(run_dir: Path, cfg: Config, plan: dict | None, engine_config: dict | None = None) -> None:
-    atomic_write(run_dir / "config.toml", to_toml(cfg).encode())
+def write_start(run_dir: Path, cfg: Config, plan: dict | None, engine_config: dict | None = None,
+                optimizers: dict | None = None) -> None:
+    text = to_toml(cfg)
+    if optimizers is not None:  # which parameters Muon steps and which AdamW: comments, read by people
+        text += "\n".join(f"# {line}" for line in muon.assignment_lines(optimizers)) + "\n"
+    atomic_write(run_dir / "config.toml", text.encode())
     if plan is not None:
         atomic_write(run_dir / "plan.json", json.dumps(plan, indent=1).encode())
     if engine_config is not None:  # the deepspeed engine's config, as it ran

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from loom.errors import LoomError
+from loom.train.muon import is_muon_matrix
 
 # Entry name -> (dtype, shape) that a load expects.
 Expected = dict[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -314,18 +315,24 @@ def _describe(dtype: torch.dtype, shape) -> str:
     return f"{str(dtype).removeprefix('torch.')} {list(shape)}"
 
 
-def adamw_entries(model: torch.nn.Module) -> Expected:
-    """What loom's checkpoint of `model` trained with AdamW holds: `model.<name>` for every state
-    dict entry and `optim.<name>.{step,exp_avg,exp_avg_sq}` for every trained parameter (a tied
-    parameter's states under its first name). Works on a model built on the meta device.
-    With a frozen base (LoRA), the frozen parameters are left out as the checkpoint leaves them out
-    (torch's ignore_frozen_params: each by its first name); the buffers stay."""
+def trained_entries(model: torch.nn.Module, optimizer: str = "adamw") -> Expected:
+    """What loom's checkpoint of `model` holds: `model.<name>` for every state dict entry and, for
+    every trained parameter (a tied one's states under its first name), AdamW's
+    `optim.<name>.{step,exp_avg,exp_avg_sq}`, or with optimizer = "muon" Muon's
+    `optim.<name>.momentum_buffer` for the matrices it steps (loom/train/muon.py). Works on a model
+    built on the meta device. With a frozen base (LoRA), the frozen parameters are left out as the
+    checkpoint leaves them out (torch's ignore_frozen_params: each by its first name); the buffers
+    stay."""
     out: Expected = {f"model.{k}": (v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             out.pop(f"model.{name}", None)
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if not p.requires_grad:
+            continue
+        if optimizer == "muon" and is_muon_matrix(name, p):
+            out[f"optim.{name}.momentum_buffer"] = (p.dtype, tuple(p.shape))
+        else:
             out[f"optim.{name}.step"] = (torch.float32, ())
             out[f"optim.{name}.exp_avg"] = out[f"optim.{name}.exp_avg_sq"] = (p.dtype, tuple(p.shape))
     return out

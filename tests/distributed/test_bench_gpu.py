@@ -27,7 +27,7 @@ def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypa
     monkeypatch.setattr(gpu, "BUDGET_S", 3600.0)
     bench = {"rows": [], "notes": [], "missed": [], "plots": []}
     saved = []
-    ctx = harness.Context(True, tmp_path, {"benches": {"gpu": bench}}, harness.Progress(14), tmp_path,
+    ctx = harness.Context(True, tmp_path, {"benches": {"gpu": bench}}, harness.Progress(15), tmp_path,
                           save=lambda: saved.append(len(bench["rows"])))
     ctx.bench = "gpu"
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
@@ -37,10 +37,10 @@ def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypa
     assert list(rows) == ["bf16 matmul 256³", "eager", "CP attention pieces vs one SDPA",
                           "zero3 + CPU offload", "hand-written loop (loom's GPT)",
                           "Hugging Face LlamaForCausalLM", "compile", "AC op", "AC full", "fp16",
-                          "LoRA rank 16",
+                          "LoRA rank 16", "Muon",
                           "MoE 8×64 top 2", "loom profile + loom analyze",
                           "async checkpoint from CUDA memory, resumed"]
-    assert saved == list(range(1, 15))  # the results written after every case
+    assert saved == list(range(1, 16))  # the results written after every case
     assert "accelerator" in rows["zero3 + CPU offload"]["error"]  # refused on a CPU, in one line
     for name in ("eager", "compile", "AC op", "AC full", "fp16", "LoRA rank 16", "MoE 8×64 top 2"):
         row = rows[name]
@@ -49,6 +49,8 @@ def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypa
         assert row["planned_peak_gib"] > 0 and row["measured_vs_planned"] > 0, row  # measured beside planned
         assert list(row)[:4] == ["case", "measured", "planned", "measured_vs_planned"]  # the table's columns
         assert "train.optimizer_impl=fused" in row["command"]
+    assert "error" not in rows["Muon"] and rows["Muon"]["measured"] > 0, rows["Muon"]
+    assert "train.optimizer=muon" in rows["Muon"]["command"]
     assert "train.precision=bf16" in rows["eager"]["command"]
     assert "train.precision=fp16" in rows["fp16"]["command"]
     assert rows["AC full"]["peak_gib"] < rows["eager"]["peak_gib"]  # full AC frees activations

@@ -48,12 +48,12 @@ def _with_lora(cfg):
 
 
 @functools.cache
-def lora_reference(corpus: Path, extra: tuple[str, ...] = ()):
+def lora_reference(corpus: Path, extra: tuple[str, ...] = (), optimizers=None):
     """The plain loop on the plain model with the same adapters: (losses, norms, final state)."""
     cfg = make_config(corpus, "ddp", *LORA, *extra)
     return reference_run(cfg, loss_fn=lambda model, batch: model(batch[:, :-1], batch[:, 1:],
                                                                    loss_chunk=cfg.train.loss_chunk),
-                         prepare=_with_lora(cfg))
+                         prepare=_with_lora(cfg), optimizers=optimizers)
 
 
 @functools.cache
@@ -64,8 +64,8 @@ def base_weights(corpus: Path, extra: tuple[str, ...] = ()) -> dict[str, torch.T
     return model.state_dict()
 
 
-def assert_lora_matches(results, corpus: Path, extra: tuple[str, ...] = ()) -> None:
-    ref_losses, ref_norms, ref_state = lora_reference(corpus, extra)
+def assert_lora_matches(results, corpus: Path, extra: tuple[str, ...] = (), optimizers=None) -> None:
+    ref_losses, ref_norms, ref_state = lora_reference(corpus, extra, optimizers)
     base = base_weights(corpus, tuple(e for e in extra if e.startswith("model.")))
     assert ref_losses[-1] < ref_losses[0]
     held = set()

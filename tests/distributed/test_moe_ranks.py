@@ -43,7 +43,8 @@ WEIGHTS_RTOL = 5e-5  # final weights: the last bits of 4 Adam steps, summed in a
 
 
 @functools.cache
-def moe_reference(corpus: Path, extra: tuple[str, ...] = ()) -> tuple[list[float], list[float], dict]:
+def moe_reference(corpus: Path, extra: tuple[str, ...] = (), optimizers=None
+                  ) -> tuple[list[float], list[float], dict]:
     """The plain loop (test_strategies.reference_run) with the MoE step's two additions: the aux
     loss weighted per micro-batch, and the bias update after each optimizer step."""
     cfg = make_config(corpus, "ddp", *MOE, *extra)
@@ -54,7 +55,8 @@ def moe_reference(corpus: Path, extra: tuple[str, ...] = ()) -> tuple[list[float
 
     return reference_run(cfg, loss_fn=lambda model, batch: model(batch[:, :-1], batch[:, 1:],
                                                                    loss_chunk=cfg.train.loss_chunk),
-                         prepare=aux_share, after_step=lambda model: moe_step.after_step(model, None, 8))
+                         prepare=aux_share, after_step=lambda model: moe_step.after_step(model, None, 8),
+                         optimizers=optimizers)
 
 
 def test_reference_balances_and_learns(corpus):

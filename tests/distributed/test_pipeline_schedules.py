@@ -36,17 +36,14 @@ def _rank_pipeline(schedule_name: str, pp: int, virtual: int, n_layers: int, mic
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from loom.config import SPLIT_BACKWARD_SCHEDULES
     from loom.models.gpt.lean_ops import use_plain_ops
-    from loom.parallel.pipeline import (
-        SPLIT_BACKWARD,
-        build_schedule,
-        pipeline_step,
-        weight_pass_takes_functions,
-    )
+    from loom.parallel.pipeline import build_schedule, pipeline_step, weight_pass_takes_functions
     from loom.train.task import cross_entropy
 
     dist.init_process_group("gloo")
-    use_plain_ops(schedule_name in SPLIT_BACKWARD and not weight_pass_takes_functions())  # as in parallelize
+    # as the driver does
+    use_plain_ops(schedule_name in SPLIT_BACKWARD_SCHEDULES and not weight_pass_takes_functions())
     mesh = init_device_mesh("cpu", (pp,), mesh_dim_names=("pp",))
     rank = mesh.get_local_rank("pp")
     cfg = preset("tiny", n_layers=n_layers)

@@ -51,11 +51,12 @@ def reference(cfg: Config, task=None) -> tuple[list[float], dict[str, torch.Tens
     return losses, state
 
 
-def reference_run(cfg: Config, task=None, loss_fn=None, prepare=None,
-                  after_step=None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def reference_run(cfg: Config, task=None, loss_fn=None, prepare=None, after_step=None,
+                  optimizers=None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """The plain loop's per-step losses, gradient norms (before clipping) and final weights. With
     loom's GPT: `loss_fn(model, batch)` instead of the loss on its full logits, `prepare(model)` once
-    built, `after_step(model)` after each optimizer step."""
+    built, `after_step(model)` after each optimizer step. `optimizers(model, train_config)`: the
+    optimizers to step instead of AdamW (each with the LR schedule)."""
     t = cfg.train
     torch.manual_seed(t.seed)
     if task is None:
@@ -71,13 +72,14 @@ def reference_run(cfg: Config, task=None, loss_fn=None, prepare=None,
         torch.manual_seed(t.seed)
         model = task.model_fn()
     sampler = GlobalBatchSampler(len(train_set), t.batch_size, 0, 1, t.grad_accum, t.seed, num_steps=t.steps)
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                            eps=t.eps, foreach=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t))
+    opts = optimizers(model, t) if optimizers is not None else [torch.optim.AdamW(
+        param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=True)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t)) for opt in opts]
     micro_batches = iter(sampler)
     losses, norms = [], []
     for _ in range(t.steps):
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
         total = 0.0
         for _ in range(t.grad_accum):
             batch = torch.stack([train_set[i] for i in next(micro_batches)])
@@ -85,8 +87,9 @@ def reference_run(cfg: Config, task=None, loss_fn=None, prepare=None,
             (loss / t.grad_accum).backward()
             total += loss.item()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip).item())
-        opt.step()
-        sched.step()
+        for opt, sched in zip(opts, scheds):
+            opt.step()
+            sched.step()
         if after_step is not None:
             after_step(model)
         losses.append(total / t.grad_accum)

@@ -102,8 +102,10 @@ BUGS = [
     Bug("diagnose-expert-load-after-transfers", "the experts' load judged after the exposed transfers",
         "loom/observe/diagnose.py",
         '    findings += _expert_load(analysis.get("moe"), cfg)\n\n'
-        '    findings += _exposed_by_kind(ranks, waits, analysis.get("collectives") or [], cfg)\n',
-        '    findings += _exposed_by_kind(ranks, waits, analysis.get("collectives") or [], cfg)\n'
+        '    findings += _exposed_by_kind(ranks, waits, analysis.get("collectives") or [], cfg,\n'
+        '                                 (analysis.get("plan") or {}).get("pipeline_bubble"))\n',
+        '    findings += _exposed_by_kind(ranks, waits, analysis.get("collectives") or [], cfg,\n'
+        '                                 (analysis.get("plan") or {}).get("pipeline_bubble"))\n'
         '    findings += _expert_load(analysis.get("moe"), cfg)\n',
         (ORDER,)),
     Bug("analyze-routing-every-step", "the routing's medians taken over every logged step though the "

@@ -13,8 +13,9 @@ BUGS = [
     Bug('lora-resume-expects-the-base', "the pre-launch check of a LoRA resume expects the whole model "
         "(no adapters added, nothing frozen): every LoRA resume refused",
         'loom/cli.py',
-        '        expected = safe_load.adamw_entries(_as_trained(cfg, model.build("meta")))\n',
-        '        expected = safe_load.adamw_entries(model.build("meta"))\n',
+        '        expected = safe_load.trained_entries(_as_trained(cfg, model.build("meta")), '
+        'cfg.train.optimizer)\n',
+        '        expected = safe_load.trained_entries(model.build("meta"), cfg.train.optimizer)\n',
         (f"{UNIT}::test_the_pre_launch_check_accepts_a_lora_checkpoint",)),
     Bug('lora-resume-expects-frozen-params', "the checkpoint's expected entries keep the frozen base's "
         "parameters, which a LoRA checkpoint leaves out",

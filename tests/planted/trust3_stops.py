@@ -37,11 +37,11 @@ BUGS = [
         '    elif signum == signal.SIGINT:\n',
         (f"{UNIT}::test_one_ctrl_c_delivered_twice_is_one_and_a_later_one_aborts",
          f"{UNIT}::test_only_a_ctrl_c_aborts_and_the_window_counts_from_the_first_signal")),
-    Bug('profile-thinks-it-is-a-rank', 'loom profile decides after training whether it is a rank (a world '
-        'of one has set RANK by then): no ledger, report or findings',
+    Bug('profile-thinks-it-is-a-rank', 'loom profile takes its own --nproc for a launcher having started it '
+        'as a rank: no ledger, report or findings',
         'loom/cli.py',
-        '    if rc != 0 or a_rank:\n',
-        '    if rc != 0 or under_launcher():\n',
+        '    a_rank = under_launcher(launching)  #',
+        '    a_rank = launching  #',
         (f"{UNIT}::test_profile_of_one_process_writes_the_ledger_report_and_findings",)),
     Bug('restart-traceback-on-console', "a rank's failure with a restart left is shown, not kept in the log",
         'loom/launch.py',

@@ -11,7 +11,7 @@ SCHEDULES = "tests/distributed/test_pipeline_schedules.py"
 BUGS = [
     Bug("zb-zero3-reshards", "FSDP2 units reshard after forward under a split backward (zero3's default)",
         "loom/parallel/fsdp.py",
-        "    if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD_SCHEDULES:\n        return False\n", "",
+        "    if splits_backward(p):\n        return False\n", "",
         (f"{ZB}::test_schedules_match_single_process[zero3-units-2]",)),
     Bug("v-placed-round-robin", "V stages placed round-robin (r, r + pp), not (r, 2pp − 1 − r)",
         "loom/parallel/pipeline.py",

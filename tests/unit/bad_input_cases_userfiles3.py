@@ -98,6 +98,14 @@ def _(c: Ctx) -> str:
         return c.train("--resume", "auto", out=run)
 
 
+@case("checkpoints-link-dangling")
+def _(c: Ctx) -> str:
+    run = loom_run(c.tmp / "run", "metrics.jsonl")
+    (run / "checkpoints").symlink_to(c.tmp / "scratch" / "gone", target_is_directory=True)
+    with unchanged(run):
+        return c.train("--resume", "auto", out=run)
+
+
 # ---------------------------------------------------------------------------------------------
 # loom export: a folder export never into the home or working directory
 

@@ -765,6 +765,12 @@ def _(c: Ctx) -> str:
     return c.train("--overwrite")
 
 
+@case("run-dir-is-a-file-no-overwrite")
+def _(c: Ctx) -> str:
+    (c.tmp / "run").write_text("not a directory")
+    return c.train()
+
+
 # ---------------------------------------------------------------------------------------------
 # checkpoints and resume
 

@@ -146,7 +146,7 @@ def test_an_untouched_checkpoint_still_loads_and_exports(source, tmp_path):
     from loom.models.gpt.config import preset
     from loom.models.gpt.model import build_model
 
-    expected = safe_load.adamw_entries(build_model(preset("tiny"), "meta"))
+    expected = safe_load.trained_entries(build_model(preset("tiny"), "meta"))
     safe_load.check_entries(source, metadata, expected)  # exactly the model's and AdamW's tensors
     assert set(metadata.state_dict_metadata) == set(expected)
     tensors = checkpoint.read_tensors(source, "")

@@ -53,7 +53,7 @@ def saved(tmp_path_factory, corpus) -> dict:
     assert rc == 0
     step = run / "checkpoints" / "step_2"
     tensors = checkpoint.read_tensors(step, "")
-    expected = safe_load.adamw_entries(build_model(preset("tiny"), "meta"))
+    expected = safe_load.trained_entries(build_model(preset("tiny"), "meta"))
     return {"step": step, "index": (step / ".metadata").read_bytes(), "tensors": tensors,
             "split": _split_rows(step, tensors), "expected": expected}
 

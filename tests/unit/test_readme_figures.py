@@ -231,6 +231,65 @@ FIGURES += [
         ("ddp", "bf16", "1,110", "1,484", "1.36", "196.1", "34.0", "0.173", "0.39"))]
 
 
+MUON = "bench/muon_results.json"
+MUON_8B = "loom plan --model 8b --gpu H100-SXM --set train.optimizer=muon"
+
+
+def _muon(*path: str | int) -> Callable[[str], float]:
+    return record("runs", *path)
+
+
+def _adamw_final(text: str) -> float:
+    """AdamW's final loss as the bench smooths it: the mean of the last 10 steps."""
+    return sum(json.loads(text)["runs"]["adamw"]["losses"][-10:]) / 10
+
+
+def _muon_steps_share(text: str) -> float:
+    r = json.loads(text)
+    return r["muon_steps_to_adamw_final"] / r["steps"]
+
+
+def _muon_time(text: str) -> float:
+    """Muon's time to AdamW's final loss over AdamW's whole run: steps × step time."""
+    r = json.loads(text)
+    return (r["muon_steps_to_adamw_final"] * r["runs"]["muon"]["step_ms"]
+            / (r["steps"] * r["runs"]["adamw"]["step_ms"]))
+
+
+def _ns_gflop_per_rank(_text: str) -> float:
+    """The small preset's blocks: 5·(4m²n + 2m³) per m × n matrix (m ≤ n), over 2 owners."""
+    def flops(m: int, n: int) -> int:
+        return 5 * (4 * m * m * n + 2 * m ** 3)
+    block = 2 * flops(256, 256) + 2 * flops(128, 256) + 3 * flops(256, 768)
+    return 4 * block / 2 / 1e9
+
+
+# The Muon bench (docs/muon.md) and plan (docs/planner.md).
+FIGURES += [
+    Figure("zero3 on 8 GPUs keeps {4.5} GB of optimizer states per GPU", MUON_8B,
+           (row(r"^  zero3\s+GPU.*optimizer ([\d.]+)\)"),)),
+    Figure("where AdamW keeps {8.0} GB", MUON_8B.replace(" --set train.optimizer=muon", ""),
+           (row(r"^  zero3\s+GPU.*optimizer ([\d.]+)\)"),)),
+    Figure("({6.98}B of its {8.03}B parameters are matrices)", MUON_8B,
+           (row(r"muon: the blocks' matrices \(([\d.]+)B of"),
+            row(r"muon: the blocks' matrices \([\d.]+B of ([\d.]+)B"))),
+    Figure("final loss ({1.7673}, smoothed over 10 steps) at step {154} of {300}: {0.51}× the steps", MUON,
+           (_adamw_final, record("muon_steps_to_adamw_final"), record("steps"), _muon_steps_share)),
+    Figure("held-out loss at the end is {1.6211} against AdamW's {1.9604}", MUON,
+           (_muon("muon", "eval_loss"), _muon("adamw", "eval_loss"))),
+    Figure("states per rank are {6.51} MiB against {12.51} MiB: {0.520}×", MUON,
+           (_muon("muon", "optimizer_mib", 0), _muon("adamw", "optimizer_mib", 0), record("states_ratio"))),
+    Figure("phase takes {129.8} ms per step against AdamW's {12.5} ms: {10.42}× (goal ≤ 1.5×, missed; "
+           "planned {160.3} ms)", MUON,
+           (_muon("muon", "optimizer_ms"), _muon("adamw", "optimizer_ms"), record("time_ratio"),
+            _muon("muon", "planned_optimizer_ms"))),
+    Figure("the whole step {604} ms against {454} ms", MUON,
+           (_muon("muon", "step_ms"), _muon("adamw", "step_ms"))),
+    Figure("{9.5} GFLOP per rank per step", "", (_ns_gflop_per_rank,)),
+    Figure("final loss in {0.68}× AdamW's time", MUON, (_muon_time,)),
+]
+
+
 def _numbers(said: str) -> list[str]:
     return re.findall(r"\{([^}]*)\}", said)
 

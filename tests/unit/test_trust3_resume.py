@@ -122,3 +122,13 @@ def test_a_str_keys_set_value_is_its_text(raw):
             assert "must be str" not in str(e), (key, str(e))
             continue
         assert getattr(getattr(cfg, section), name) == raw, key
+
+
+def test_the_closing_hint_names_the_export_a_peft_adapter_can_hold():
+    """The end-of-run hint offers `--lora adapter` only where a PEFT adapter holds what trained:
+    a run that adapted MoE experts (all-linear on an MoE model) or trained norms whole is pointed at
+    `--lora merged`, which exports it (the adapter export refuses it)."""
+    attention = ["layers.0.attention.wq.lora_A", "layers.0.attention.wq.lora_B"]
+    assert export_lora.peft_holds(attention)
+    assert not export_lora.peft_holds([*attention, "layers.1.feed_forward.experts.w1_lora_A"])
+    assert not export_lora.peft_holds([*attention, "norm.weight"])

@@ -120,7 +120,7 @@ def test_linked_checkpoints_cleanup_and_keep_last_touch_only_this_runs(tmp_path,
     assert tree(neighbour) == before
     (run / "checkpoints").unlink()  # now linked to the neighbour's: refused before anything is removed
     (run / "checkpoints").symlink_to(neighbour, target_is_directory=True)
-    with pytest.raises(LoomError, match="holds files loom did not write for this run"):
+    with pytest.raises(LoomError, match="holds files not marked as this run's"):
         ckpt.Checkpointer(run, cfg, gloo_world_of_one, keep_last=1, async_save=False)
     assert tree(neighbour) == before
 
@@ -174,3 +174,37 @@ def test_analyze_replaces_its_own_outputs_and_the_users_only_with_overwrite(tmp_
     assert loom.cli.main(["analyze", str(run / "traces"), "--overwrite"]) == 0
     assert (run / "report.html").read_text().startswith("<!DOCTYPE html>")
     assert json.loads((run / "ledger.json").read_text())["ranks"]
+
+
+def test_a_scratch_disk_linked_before_the_first_run_takes_its_checkpoints(tmp_path, corpus):
+    """`mkdir run; ln -s /scratch/run run/checkpoints; loom train --out run`: the run starts (the
+    folder holds only the link to an empty folder), its checkpoints land on the scratch disk, marked
+    as this run's; checkpoints moved there by hand and marked with the printed command continue."""
+    from in_process import world_of_one
+
+    scratch = tmp_path / "scratch" / "run"
+    scratch.mkdir(parents=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(scratch, target_is_directory=True)
+    sets = ["model.preset=tiny", f'data.source="{corpus}"', "data.seq_len=32", "train.batch_size=4",
+            "data.num_workers=0", "train.device=cpu", "parallel.strategy=ddp", "train.eval_batches=0",
+            "train.ckpt_every_min=0"]
+    argv = ["train", "--nproc", "1", "--out", str(run), *[a for s in sets for a in ("--set", s)]]
+    with world_of_one():
+        assert loom.cli.main([*argv, "--set", "train.steps=2"]) == 0
+    assert (scratch / "step_2" / "meta.json").is_file()
+    assert (scratch / ckpt.OWNER).read_text().strip() == str(run.resolve())
+    moved = tmp_path / "scratch2"  # the run's checkpoints moved to another disk, linked, not yet marked
+    scratch.rename(moved)
+    (moved / ckpt.OWNER).unlink()
+    (run / "checkpoints").unlink()
+    (run / "checkpoints").symlink_to(moved, target_is_directory=True)
+    with pytest.raises(LoomError, match="mark them: echo") as refused:
+        ckpt.check_checkpoints_dir(run)
+    command = str(refused.value).rsplit("mark them: ", 1)[1]
+    assert command == f"echo {run.resolve()} > {moved.resolve() / ckpt.OWNER}"
+    (moved / ckpt.OWNER).write_text(f"{run.resolve()}\n")  # what the command does
+    with world_of_one():
+        assert loom.cli.main([*argv, "--set", "train.steps=3", "--resume", "auto"]) == 0
+    assert (moved / "step_3").is_dir()
