@@ -1178,6 +1178,15 @@ def stages_per_rank(schedule: str, virtual: int) -> int:
     return 2 if schedule in V_SCHEDULES else virtual
 
 
+def rank_stages(rank: int, pp: int, virtual: int = 1, schedule: str = "1f1b") -> list[int]:
+    """The stage indices held by pipeline rank `rank`: in a V (r, 2pp − 1 − r) for zbv and dualpipev,
+    else round-robin (r, r + pp, r + 2pp, ...). Here, below the planner, so that it prices the same
+    placement."""
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(virtual)]
+
+
 def pipeline_microbatches(p: ParallelConfig) -> int:
     """Micro-batches a pipeline step splits each rank's micro-batch into (0 means pp)."""
     return p.microbatches or p.pp

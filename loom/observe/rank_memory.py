@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,8 +103,10 @@ def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer,
 class PeakMemory:
     """Peak bytes of live tensors over a region: CUDA allocator stats on GPU, MemTracker on CPU."""
 
-    def __init__(self, device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 held: Callable[[], list[torch.Tensor]] = list):
         self.device, self.model, self.optimizer = device, model, optimizer
+        self.held = held  # tensors made before the region and kept through it (a pipeline's receive buffers)
         self.peak_bytes: int | None = None
 
     @contextlib.contextmanager
@@ -117,7 +119,8 @@ class PeakMemory:
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             return
         tracker = global_peak_tracker()
-        tracker.track_external(self.model, local_optimizer(self.optimizer))  # states that already exist
+        # states and buffers that already exist (on a GPU the allocator counts them anyway)
+        tracker.track_external(self.model, local_optimizer(self.optimizer), *self.held())
         with tracker:
             yield
         peaks = tracker.get_tracker_snapshot("peak")

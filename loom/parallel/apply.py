@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from loom import strategies
-from loom.config import Config, pipeline_microbatches, splits_backward, stages_per_rank
+from loom.config import Config, pipeline_microbatches, rank_stages, splits_backward, stages_per_rank
 from loom.parallel.activation_checkpointing import apply_activation_checkpointing
 from loom.parallel.adapter import ModelAdapter
 from loom.parallel.context_parallel import SequenceSplit
@@ -28,7 +28,7 @@ from loom.parallel.expert_parallel import shard_experts
 from loom.parallel.fsdp import apply_fsdp
 from loom.parallel.known_warnings import silence_dtensor_sequential_redistribute
 from loom.parallel.mesh import Dist
-from loom.parallel.pipeline import rank_stages, stage_layers, validate_pipeline
+from loom.parallel.pipeline import stage_layers, validate_pipeline
 from loom.parallel.weights import WeightSource
 
 

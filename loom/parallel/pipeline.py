@@ -77,14 +77,6 @@ def stage_layers(n_layers: int, pp: int, virtual: int = 1) -> list[list[int]]:
     return stages
 
 
-def rank_stages(rank: int, pp: int, virtual: int = 1, schedule: str = "1f1b") -> list[int]:
-    """The stage indices held by pipeline rank `rank`: in a V (r, 2pp − 1 − r) for zbv and dualpipev,
-    else round-robin (r, r + pp, r + 2pp, ...)."""
-    if schedule in V_SCHEDULES:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(virtual)]
-
-
 def refuse_tied_embeddings(tied: bool, num_stages: int, fix: str) -> None:
     """The embedding (first stage) and the head (last stage) cannot share one weight across ranks."""
     if tied and num_stages > 1:
@@ -239,6 +231,16 @@ def build_schedule(stages: list[nn.Module], stage_indices: list[int], num_stages
             raise ValueError(f"the {schedule} schedule runs one stage per rank, got {len(pipeline_stages)}")
         return _CLASSES[schedule](pipeline_stages[0], **kwargs)
     return _CLASSES[schedule](pipeline_stages, **kwargs)
+
+
+def receive_buffers(schedule) -> list[torch.Tensor]:
+    """The tensors this rank's stages receive into, allocated at the first step and kept: a buffer per
+    micro-batch for each input (all but the first stage) and for each output's gradient (all but the
+    last). A memory measurement that starts after the first step must be given them."""
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    return [info.buffer for stage in stages
+            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+            for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
 
 
 def pipeline_step(schedule, inputs: torch.Tensor | None, targets: torch.Tensor | None,

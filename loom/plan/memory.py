@@ -11,7 +11,8 @@ import functools
 from dataclasses import dataclass
 
 from loom import strategies
-from loom.plan import context, experts, lora, muon
+from loom.config import rank_stages, stages_per_rank
+from loom.plan import context, experts, in_flight, lora, muon
 from loom.plan.shapes import (
     activation_bytes_per_layer,
     checkpointed_layers,
@@ -118,10 +119,37 @@ def lora_state_bytes(strategy: str, base_params: float, trainable_params: float,
                            grads=g * trainable_params / sg, optimizer=o * trainable_params / so)
 
 
+def rank_stages_of(c, rank: int) -> tuple[list[int], int]:
+    """(the stages pipeline rank `rank` runs, the pipeline's stage count): one stage a rank, or v of
+    them round-robin (interleaved, zb), or two in a V (zbv, dualpipev: rank 0 runs the first and the
+    last), as loom.config.rank_stages places them."""
+    if c.pp == 1:
+        return [0], 1
+    per = stages_per_rank(c.schedule, c.virtual_stages)
+    return rank_stages(rank, c.pp, per, c.schedule), c.pp * per
+
+
+def holds_last_stage(c, rank: int) -> bool:
+    """Whether pipeline rank `rank` runs the last stage (the norm, head and loss): rank p − 1, but rank
+    0 under a V."""
+    stages, total = rank_stages_of(c, rank)
+    return stages[-1] == total - 1
+
+
+def rank_sum(c, rank: int, of_stage, zero=0):
+    """`of_stage(stage, stages)` (a ModelShape.stage_* method) summed over the stages `rank` runs."""
+    if c.pp == 1 or stages_per_rank(c.schedule, c.virtual_stages) == 1:
+        return of_stage(rank, c.pp)
+    stages, total = rank_stages_of(c, rank)
+    return sum((of_stage(s, total) for s in stages), zero)
+
+
 def lora_states(w, c, stage: int = 0) -> tuple[ModelStateBytes, ModelStateBytes | None]:
     """A LoRA workload's model states on a rank of pipeline stage `stage`: (the stage but its routed
     experts over N, the routed experts over N_e, or None for a dense model)."""
-    rest, routed = lora.stage_params(w.shape, w.lora, stage, c.pp, c.tp, c.ep)
+    stages, total = rank_stages_of(c, stage)
+    parts = [lora.stage_params(w.shape, w.lora, s, total, c.tp, c.ep) for s in stages]
+    rest, routed = sum((r for r, _ in parts), lora.Params()), sum((e for _, e in parts), lora.Params())
     b = w.lora.base_bytes
     held = lora_state_bytes(c.strategy, routed.frozen, routed.trainable, c.expert_shard_size, b)
     return (lora_state_bytes(c.strategy, rest.frozen, rest.trainable, c.shard_size, b),
@@ -137,7 +165,7 @@ def expert_state_bytes(w, c, stage: int = 0) -> ModelStateBytes:
     ep = 1; under ddp 16·P_e/ep. Under LoRA their frozen weights and adapters (lora_states)."""
     if w.lora is not None:
         return lora_states(w, c, stage)[1] or ModelStateBytes(0.0, 0.0, 0.0)
-    routed = w.shape.stage_routed_params(stage, c.pp)
+    routed = rank_sum(c, stage, w.shape.stage_routed_params)
     recipe = engine_recipe(w, c)
     return model_state_bytes(c.strategy, routed / c.ep, c.expert_shard_size, recipe,
                              paper_stages=recipe == "zero" or c.engine == "deepspeed")
@@ -205,15 +233,16 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
     allocate differently (see _step_peak). `moments`: a list that receives every moment compared,
     as (name, activations, buffers); the account is the largest. Each quantity is recorded in
     `terms` (plan/terms.py)."""
-    shape, last = w.shape, stage == c.pp - 1
-    stage_params = shape.stage_params(stage, c.pp)
-    layers = layers_of_stage(shape.n_layers, stage, c.pp) if shape.known else 0
-    moe_layers = shape.stage_moe_layers(stage, c.pp)
+    shape, last = w.shape, holds_last_stage(c, stage)
+    # a rank's stages summed: under a V rank 0 holds the embedding and the head
+    stage_params = rank_sum(c, stage, shape.stage_params)
+    layers = rank_sum(c, stage, lambda s, n: layers_of_stage(shape.n_layers, s, n)) if shape.known else 0
+    moe_layers = rank_sum(c, stage, shape.stage_moe_layers)
     replicated = shape.tp_replicated_params(layers, last, moe_layers) if (c.tp > 1 and shape.known) else 0
     recipe = engine_recipe(w, c)
     deepspeed = c.engine == "deepspeed"
     # The routed experts apart (expert_state_bytes): split over ep, sharded over N_e, never over tp
-    routed = shape.stage_routed_params(stage, c.pp)
+    routed = rank_sum(c, stage, shape.stage_routed_params)
     if w.lora is not None:  # the base frozen, the adapters trained (the deepspeed engine refuses LoRA)
         states, expert = lora_states(w, c, stage)
     else:
@@ -332,13 +361,14 @@ MOMENTS = {
     "block backward": "the topmost block's unit all-gathered again for its backward, the next prefetched",
     "recompute": "the topmost checkpointed block rebuilt, with its backward's first gradients (SwiGLU "
                  "gate and up); its unit gathered again",
-    "pipeline": "a micro-batch's backward done, the others in flight, every unit gathered",
+    "pipeline steady": "as many micro-batches as at the peak, under FSDP2 every unit gathered, the sends "
+                       "and input gradients torch holds to the step's end",
     "reduce-scatter": "the end of backward: the last unit's reduce-scatter",
     "tied embedding": "the embedding's gradient added to the head's",
     "optimizer": "foreach AdamW's sqrt(v) on CPU: half the optimizer states",
     "ring forward": "the last block's ring attention: its k/v blocks in flight and fp32 accumulators",
     "ring backward": "the topmost (or rebuilt) block's ring backward: k/v in flight, fp32 dk, dv, dq",
-    "at rest": "between steps: the states alone",
+    "at rest": "between steps: the states alone (and a pipeline's receive buffers)",
 }
 
 
@@ -368,8 +398,9 @@ RECIPE_WORDS = {"torch": "torch: fp32 params 4 + fp32 grads 4 + Adam m, v 8 byte
                 "deepspeed_fp32": "DeepSpeed over fp32 weights: params 4 + grads 4 + master, m, v 12"}
 
 
-def _record_params(terms: Terms, shape, stage: int, pp: int, total: int) -> None:
-    """Ψ of one stage (shape.stage_params), in symbols and numbers."""
+def _record_params(terms: Terms, shape, c, stage: int, total: int) -> None:
+    """Ψ of one pipeline rank's stages (shape.stage_params), in symbols and numbers."""
+    pp = c.pp
     if not shape.known:
         if pp == 1:
             terms.item("Ψ parameters", "--params", None, num(total))
@@ -379,11 +410,12 @@ def _record_params(terms: Terms, shape, stage: int, pp: int, total: int) -> None
     d, kv, f = shape.d_model, shape.kv_dim, shape.ffn_hidden
     terms.item("P_layer per block" if not shape.moe else "P_layer per dense block", "2h² + 2h·kv + 3h·f + 2h",
                f"2·{d}² + 2·{d}·{kv} + 3·{d}·{f} + 2·{d}", num(shape.layer_params))
-    layers = shape.n_layers if pp == 1 else layers_of_stage(shape.n_layers, stage, pp)
-    first, last = stage == 0, stage == pp - 1
+    stages, count = rank_stages_of(c, stage)
+    layers = sum(layers_of_stage(shape.n_layers, s, count) for s in stages)
+    first, last = stages[0] == 0, holds_last_stage(c, stage)
     sym, vals = [f"{'L' if pp == 1 else 'L_s'}·P_layer"], [f"{layers}·{num(shape.layer_params)}"]
     if shape.moe:
-        moe = shape.stage_moe_layers(stage, pp)
+        moe = rank_sum(c, stage, shape.stage_moe_layers)
         e, he, sh = shape.moe_experts, shape.moe_hidden, shape.moe_shared_hidden
         gate = " + h" if shape.moe_shared_gate else ""
         terms.item("P_moe per MoE block", f"2h² + 2h·kv + 2h + h·E + 3h·h_e·E + 3h·h_s{gate} (router, E "
@@ -402,10 +434,12 @@ def _record_params(terms: Terms, shape, stage: int, pp: int, total: int) -> None
         else:
             sym.append("(V·h + h)")
             vals.append(f"({shape.vocab_size}·{d} + {d})")
-    what = "Ψ parameters" if pp == 1 else f"Ψ of stage {stage}"
+    what = "Ψ parameters" if pp == 1 else f"Ψ of stage {stage}" if len(stages) == 1 else f"Ψ of rank {stage}"
     terms.item(what, " + ".join(sym), " + ".join(vals), num(total))
     if pp > 1:
-        terms.note(f"  (stage {stage} of {pp}: L_s = {layers} blocks{'; the embedding' if first else ''}"
+        held = f"stage {stage} of {pp}" if len(stages) == 1 else \
+            f"rank {stage} of {pp}, stages {', '.join(map(str, stages))} of {count}"
+        terms.note(f"  ({held}: L_s = {layers} blocks{'; the embedding' if first else ''}"
                    f"{'; the final norm and head' if last else ''}"
                    f"{' (tied: its own copy of the embedding)' if last and shape.tie_embeddings else ''})")
 
@@ -427,13 +461,13 @@ def _record_states(terms: Terms, w, c, stage: int, stage_params: int, replicated
     """The stage's parameters, the recipe's and strategy's model states, and where the account
     keeps them (GPU, host, NVMe; DeepSpeed's gradient partitions, `moved`, as a buffer); an MoE
     model's routed experts (`expert`, expert_state_bytes) apart."""
-    _record_params(terms, w.shape, stage, c.pp, stage_params)
+    _record_params(terms, w.shape, c, stage, stage_params)
     psi = stage_params
-    routed = w.shape.stage_routed_params(stage, c.pp) if expert is not None else 0
+    routed = rank_sum(c, stage, w.shape.stage_routed_params) if expert is not None else 0
     if routed:
         psi = stage_params - routed
         terms.item("P_e routed experts", "L_m·3h·h_e·E (the stage's; below apart: split over ep, never "
-                   "over tp)", f"{w.shape.stage_moe_layers(stage, c.pp)}·3·{w.shape.d_model}·"
+                   "over tp)", f"{rank_sum(c, stage, w.shape.stage_moe_layers)}·3·{w.shape.d_model}·"
                    f"{w.shape.moe_hidden}·{w.shape.moe_experts}", num(routed))
         terms.item("Ψ the rest", "Ψ − P_e", f"{num(stage_params)} − {num(routed)}", num(psi))
     if c.tp > 1 and routed:
@@ -506,7 +540,7 @@ def _record_lora_states(terms: Terms, w, c, stage: int, stage_params: int, state
     """LoRA's model states (lora_states): the model's parameters, its adapters and what else trains, a
     rank's share of each before sharding, and the strategy's bytes: b·Ψ_base + 16·Ψ_lora, sharded."""
     shape, spec = w.shape, w.lora
-    _record_params(terms, shape, stage, c.pp, stage_params)
+    _record_params(terms, shape, c, stage, stage_params)
     counted = lora.counted_shape(shape)
     r = spec.rank
     shaped = lora.linears(counted)
@@ -638,7 +672,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     residual stream): priced as FSDP2's, autocast caching only the fp32 trainables' copies.
     """
     shape, tp, e = w.shape, c.tp, w.act_bytes
-    last, pipelined = stage == c.pp - 1, c.pp > 1
+    last, pipelined = holds_last_stage(c, stage), c.pp > 1
     chunk = w.loss_chunk  # every layout chunks (TP: each rank's vocabulary shard; PP: the last stage)
     deepspeed = c.engine == "deepspeed"
     strategy = c.strategy_info
@@ -725,30 +759,16 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                    f"({layers} − {ckpt})·{gb(per_layer)} + {ckpt}·{gb(per_ckpt)}", gb(blocks))
     elif terms and not moe:
         terms.item("blocks", "L_s·block", f"{layers}·{gb(per_layer)}", gb(blocks))
-    parts = [("blocks", blocks)]
-    if last:
-        parts.append(("head", head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast, chunk, terms)))
-    elif pipelined:  # the stage's output, kept by the schedule for its backward
-        parts.append(("stage output", residual))
-        if terms:
-            terms.item("stage output", f"s·b·h·{'4' if autocast else 'e'} (kept for its backward)",
-                       f"{sb}·{h}·{ne}", gb(residual))
-    one_micro = sum(x for _, x in parts)
-    inflight = _micro_batches_in_flight(c, stage, terms)
-    saved = inflight * one_micro
-    if terms:
-        terms.item("saved", "in flight × (" + " + ".join(n for n, _ in parts) + ")",
-                   f"{num(inflight)} × {gb(one_micro)}", gb(saved))
-    deferred = deferred_weight_passes(c, stage)
-    if deferred and shape.known:  # zb, zbv, dualpipev: each deferred W keeps its linears' tensors
-        per_w = deferred_weight_bytes_per_layer(shape, seq, mb, e, tp)
-        kept_for_w = deferred * layers * per_w
-        saved += kept_for_w
-        if terms:
-            terms.item("W deferred", "min(m, p − 1 − stage) (zero bubble: weight gradients run later)",
-                       f"min({c.grad_accum}, {c.pp} − 1 − {stage})", str(deferred))
-            terms.item("kept for W", "W deferred × L_s × s·b·e·(4h + (2h + 2kv + 3f)/tp) (linear inputs and "
-                       "output gradients)", f"{deferred} × {layers} × {gb(per_w)}", gb(kept_for_w))
+    head = head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast, chunk, terms) if last else 0.0
+    if pipelined and terms:
+        terms.item("stage output", f"s·b·h·{'4' if autocast else 'e'} (kept for its backward; each stage "
+                   "but the last)", f"{sb}·{h}·{ne}", gb(residual))
+    # zb, zbv, dualpipev: each deferred W keeps its linears' output gradients beside its saved tensors
+    per_w = deferred_weight_bytes_per_layer(shape, seq, mb, e, tp) if c.split_backward else 0.0
+    boundary = residual / (tp if sp else 1)  # what crosses between stages: sequence parallel's split
+    peak = _held_micro_batches(c, stage, shape.n_layers, layers, blocks, head, residual, boundary, per_w,
+                               terms)
+    saved, one_micro = peak.saved, peak.one_micro
     transient = head_transient_bytes(shape, seq, mb, tp, chunk, e, terms) if last else 0.0
     # the fp32 log-softmax, or chunked each token's fp32 logsumexp
     loss_saved = 4 * seq * mb * (1 if chunk else shape.vocab_size / tp) if last else 0.0
@@ -788,8 +808,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             cast = (layers - moe) * shape.autocast_cached_params + moe * moe_cast
             # and the routed experts' w1, w3 (views of the stacked weights, cast at each use, not
             # cached) kept by their matmuls for backward, in each micro-batch in flight
-            held += e * moe * 2 * d * shape.moe_hidden * shape.moe_experts / c.ep \
-                * _micro_batches_in_flight(c, stage)
+            held += e * moe * 2 * d * shape.moe_hidden * shape.moe_experts / c.ep * peak.in_flight
         cast += shape.vocab_size * shape.d_model if last else 0
         held += e * cast
     if casts_trainables and spec is not None:  # autocast caches the fp32 trainables' 16-bit copies
@@ -833,7 +852,6 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     others = saved - one_micro  # other micro-batches in flight (pipeline)
     moments = [] if named is None else named  # (name, activations, buffers)
     if last:
-        head = parts[-1][1]
         # Forward's end, in the loss: the logits (and their fp32 copy under 16-bit) beside the
         # log-softmax; FSDP2 frees the latest all-gather's flat buffer only after the root's forward
         # (the last block's unit, or the head's; with one unit, a second copy of the model).
@@ -900,10 +918,12 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         if not reshards:
             gathered = kept
         moments.append(("recompute", others + rebuilt, gathered + held))
-    if fsdp and pipelined:
-        # A micro-batch's backward done, the others in flight: the schedule keeps every unit gathered
-        # until the step's last backward, the first unit's gradient being accumulated.
-        moments.append(("pipeline", others, e * sum(units) + e * grad_units[0] + held))
+    if pipelined:
+        # The steady phase, as many micro-batches held as at the peak: FSDP2 keeps every unit gathered
+        # from the first backward to the step's last, and each unit's unsharded gradient (held); the
+        # split schedules' input gradients and the multi-stage schedules' sends, held to the step's end.
+        gathered = e * sum(units) if fsdp else 0.0
+        moments.append(("pipeline steady", saved, gathered + held + peak.input_grads + peak.sent))
     if fsdp and stage == 0:
         # The end of backward: the unit reduced last is the root when it holds the tied embedding
         # (complete only after the embedding's backward), else the first unit; every other sharded
@@ -952,8 +972,81 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     if device == "cpu":
         moments.append(("optimizer", 0.0, optimizer / 2))
     moments.append(("at rest", 0.0, 0.0))  # between steps: the states alone (gradients included)
+    # A pipeline's receive buffers are made at the first step and kept: in every moment
+    moments[:] = [(name, a, b + peak.receive) for name, a, b in moments]
     _, activations, buffers = max(moments, key=lambda m: m[1] + m[2])
     return activations, buffers
+
+
+@dataclass(frozen=True)
+class HeldMicroBatches:
+    """What a pipeline rank keeps of its micro-batches at its peak (_held_micro_batches)."""
+    saved: float  # the live micro-batches' saved tensors, and the deferred W's output gradients
+    one_micro: float  # one micro-batch of the stage whose backward comes next (the last's, if held)
+    in_flight: float  # micro-batches of all the rank's blocks that those live ones add up to
+    receive: float  # the receive buffers: a micro-batch's input and output gradient, per stage
+    input_grads: float  # split schedules: each micro-batch's input gradient, left on its receive buffer
+    sent: float  # the multi-stage schedules' sends, each tensor held to the step's end
+
+
+def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float, head: float,
+                        residual: float, boundary: float, per_w: float,
+                        terms: Terms = NO_TERMS) -> HeldMicroBatches:
+    """Pipeline rank `rank`, whose stages hold `layers` blocks keeping `blocks` of one micro-batch (split
+    by their layers), the last stage also `head`, every other its output (`residual`), at the largest
+    of the moments loom/plan/in_flight.py gives; per_w: what a deferred W keeps of one block beside its
+    saved tensors; `boundary`: one micro-batch's tensor between stages, as received and sent. Without a
+    pipeline: one micro-batch, nothing received."""
+    if c.pp == 1:
+        if terms:
+            terms.item("micro-batches in flight", "1 (no pipeline)", None, "1")
+            terms.item("saved", "in flight × (blocks + head)", f"1 × {gb(blocks + head)}", gb(blocks + head))
+        return HeldMicroBatches(blocks + head, blocks + head, 1.0, 0.0, 0.0, 0.0)
+    stages, total = rank_stages_of(c, rank)
+    m = c.grad_accum
+    stage_layers = {s: layers_of_stage(n_layers, s, total) for s in stages}
+    micro = {s: blocks * stage_layers[s] / layers + (head if s == total - 1 else residual) for s in stages}
+    best, at = -1.0, ()
+    for moment in in_flight.rank_moments(c.schedule, c.pp, c.virtual_stages, m, rank):
+        saved = sum(ch.live * micro[ch.stage] + ch.deferred * stage_layers[ch.stage] * per_w for ch in moment)
+        if saved > best:
+            best, at = saved, moment
+    live = sum(ch.live * stage_layers[ch.stage] / layers for ch in at)
+    # torch allocates each stage's receive buffers at the first step and keeps them
+    receive = sum(m * boundary * ((s > 0) + (s < total - 1)) for s in stages)
+    # Under the split schedules torch's B leaves each input gradient on the stage's receive buffer (its
+    # .grad) to the next step: m per stage but the first by the step's end, fewer before (an upper bound)
+    input_grads = sum(m * boundary for s in stages if s > 0) if c.split_backward else 0.0
+    # The multi-stage schedules (torch's _PipelineScheduleRuntime) wait on their sends only at the step's
+    # end, each send holding its tensor: a stage's outputs to another rank, and its input gradients
+    # (those of the split schedules are the ones above)
+    sent = 0.0
+    if len(stages) > 1:
+        sent = sum(m * boundary for s in stages if s < total - 1 and s + 1 not in stages)
+        if not c.split_backward:
+            sent += sum(m * boundary for s in stages if s > 0 and s - 1 not in stages)
+    one_micro = micro[total - 1] if total - 1 in micro else max(micro.values())
+    if terms:
+        terms.item("micro-batches in flight", in_flight.rule(c.schedule),
+                   ", ".join(f"stage {ch.stage}: {ch.live}" + (f" ({ch.deferred} W deferred)" if ch.deferred
+                                                               else "") for ch in at),
+                   str(sum(ch.live for ch in at)))
+        sums = [f"{ch.live} × {gb(micro[ch.stage])}"
+                + (f" + {ch.deferred}·{stage_layers[ch.stage]} × {gb(per_w)}" if ch.deferred else "")
+                for ch in at]
+        terms.item("saved", "Σ over its stages: live × (its blocks + its head, or its output) + deferred × "
+                   "its blocks × kept for W", " + ".join(sums), gb(best))
+        terms.item("receive buffers", "m·s·b·h·e per stage's input (all but the first) and per stage's "
+                   "output gradient (all but the last), made at the first step and kept", None, gb(receive))
+        if input_grads:
+            terms.item("input gradients", "m·s·b·h·e per stage but the first (split schedules: left on the "
+                       "receive buffers to the step's end; at most that many by the last forward)", None,
+                       gb(input_grads))
+        if sent:
+            back = "" if c.split_backward else " and per input gradient sent back"
+            terms.item("sends held", f"m·s·b·h·e per output sent to another rank{back} (waited on at the "
+                       "step's end; at most that many by the last forward)", None, gb(sent))
+    return HeldMicroBatches(best, one_micro, live, receive, input_grads, sent)
 
 
 def _moe_block_local(shape, tp: int, ep: int) -> float:
@@ -999,50 +1092,10 @@ def _reduce_scatter(unit: float, elem: int, gloo: bool, held: float = 0.0) -> fl
     return max(elem * unit + 4 * unit, held + 8 * unit if gloo else 0.0)
 
 
-def _micro_batches_in_flight(c, stage: int, terms: Terms = NO_TERMS) -> float:
-    """Micro-batches' worth of a rank's activations it holds at once (`stage`: the rank): 1 without a
-    pipeline; GPipe all m; 1F1B p − stage (p on the first); interleaved 1F1B p·(1 + (p−1)/(p·v)) on the
-    first; zb as 1F1B (ZB-H1 keeps 1F1B's peak), interleaved or not; zbv p on every rank, over its two
-    chunks (Qi et al. 2023: ZB-V's peak equals 1F1B's first stage's); dualpipev p + 1 (DeepSeek-V3's
-    DualPipe table: PP + 1). The rule's words are templates, filled in only when recorded."""
-    p, m, v = c.pp, c.grad_accum, c.virtual_stages
-    if p == 1:
-        inflight, rule, nums = 1, "1 (no pipeline)", None
-    elif c.schedule == "gpipe":
-        inflight, rule, nums = m, "m (GPipe: every forward before any backward)", "{m}"
-    elif c.schedule == "zbv":
-        inflight, rule, nums = min(m, p), "min(m, p) (ZB-V: both chunks, every rank)", "min({m}, {p})"
-    elif c.schedule == "dualpipev":
-        inflight, rule, nums = min(m, p + 1), "min(m, p + 1) (DualPipeV: PP + 1)", "min({m}, {p} + 1)"
-    elif c.schedule in ("interleaved", "zb") and v > 1 and stage == 0:
-        inflight = min(m * v, p * (1 + (p - 1) / (p * v)))
-        name = "interleaved 1F1B" if c.schedule == "interleaved" else "zb"
-        rule = f"min(m·v, p·(1 + (p−1)/(p·v))) ({name}, first stage)"
-        nums = "min({m}·{v}, {p}·(1 + ({p}−1)/({p}·{v})))"
-    else:
-        inflight = min(m, p - stage)
-        rule, nums = "min(m, p − stage) (1F1B, stage {stage})", "min({m}, {p} − {stage})"
-    if terms:
-        fill = {"m": m, "p": p, "v": v, "stage": stage}
-        nums = nums and nums.format(**fill)
-        terms.item("micro-batches in flight", rule.format(**fill), nums, num(inflight))
-    return inflight
-
-
-def deferred_weight_passes(c, stage: int) -> int:
-    """Micro-batches whose W (weight gradient) a rank has deferred at most, each keeping its linear
-    layers' inputs and output gradients alive after its B: none but under zb, zbv and dualpipev, where
-    the rank `stage` steps from the pipeline's end defers up to p − 1 − stage of them (ZB-H1 fills the
-    warm-down with them; on a V the ranks' first chunks are placed as 1F1B's stages)."""
-    if not c.split_backward:
-        return 0
-    return min(c.grad_accum, c.pp - 1 - stage)
-
-
 def deferred_weight_bytes_per_layer(shape, seq: int, micro_batch: int, elem: int, tp: int = 1) -> float:
-    """What one micro-batch's deferred W keeps alive in a block: each linear's input (the norm outputs,
-    h wide, before q/k/v and w1/w3; attention's output h/tp before wo; the SwiGLU product f/tp before
-    w2) and its output's gradient (q h/tp, k and v kv/tp each, wo and w2 h, w1 and w3 f/tp each): s·b·e·
-    (4h + (2h + 2kv + 3f)/tp). An MoE block is priced as a dense one of its ffn_hidden (an approximation)."""
+    """What one micro-batch's deferred W keeps of a block beside its saved tensors (torch's B retains the
+    graph, so those stay too): each linear's output gradient, which W multiplies by the linear's input
+    (q h/tp, k and v kv/tp each, wo and w2 h, w1 and w3 f/tp each): s·b·e·(2h + (h + 2kv + 2f)/tp). An MoE
+    block is priced as a dense one of its ffn_hidden (an approximation)."""
     h, kv, f = shape.d_model, shape.kv_dim, shape.ffn_hidden
-    return seq * micro_batch * elem * (4 * h + (2 * h + 2 * kv + 3 * f) / tp)
+    return seq * micro_batch * elem * (2 * h + (h + 2 * kv + 2 * f) / tp)

@@ -49,7 +49,7 @@ from loom.parallel.apply import parallelize, sequence_split, uses_fsdp
 from loom.parallel.context_parallel import sequence_share, take_tally
 from loom.parallel.expert_parallel import take_tally as take_ep_tally
 from loom.parallel.mesh import Dist, group_of_this_call, init_distributed
-from loom.parallel.pipeline import weight_pass_takes_functions
+from loom.parallel.pipeline import receive_buffers, weight_pass_takes_functions
 from loom.parallel.weights import TensorsSource
 from loom.plan.memory import deepspeed_states, lora_state_bytes, model_state_bytes
 from loom.plan.step import pipeline_text
@@ -240,7 +240,8 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     # The steps.
     b = built
     memory: RankMemory | None = None
-    peak = PeakMemory(d.device, b.model, b.optimizer)
+    peak = PeakMemory(d.device, b.model, b.optimizer,
+                      (lambda: receive_buffers(b.pipe.schedule)) if b.pipe is not None else list)
     comm_seen: dict | None = None  # the collectives of the second step (CollectiveCounter.summary)
     timer = PhaseTimer(d.device)
     profiler = _start_profiler(cfg, run_dir, d)

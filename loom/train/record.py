@@ -24,7 +24,7 @@ from loom.config import Config, to_toml
 from loom.files import atomic_write
 from loom.parallel.mesh import Dist
 from loom.plan import device
-from loom.plan.comm import comm_per_step, loop_collectives, with_loop
+from loom.plan.comm import comm_per_step, loop_collectives, rank_sends, with_loop
 from loom.plan.command import local_cluster
 from loom.plan.hardware import Cluster, detect
 from loom.plan.memory import stage_memory
@@ -136,6 +136,24 @@ def print_step_time(entry: dict, device_type: str) -> None:
           f"(planned: {parts}){loaded}")
 
 
+def _p2p_share(plan: dict, stage: int) -> float:
+    """This pipeline rank's sends (and receives) as a share of the busiest rank's, which the plan
+    prices: the two ends of a 1F1B pipeline send one direction only."""
+    if plan.get("pp", 1) == 1:
+        return 1.0
+    pp, virtual, schedule = plan["pp"], plan["pp_virtual_stages"], plan["pp_schedule"]
+    sends = [rank_sends(pp, virtual, schedule, r) for r in range(pp)]
+    return sends[stage] / max(sends)
+
+
+def _less_p2p(total, by_kind: dict, share: float):
+    """A per-step total of the plan, its sends and receives scaled to this rank's `share` of them."""
+    if total is None or share == 1.0:
+        return total
+    p2p = sum(by_kind.get(k) or 0 for k in ("send", "recv"))
+    return total - (1 - share) * p2p if isinstance(total, float) else round(total - (1 - share) * p2p)
+
+
 def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:
     """Per rank, [measured, planned] pairs: model-state bytes, the step's activation peak (peak
     minus model states) and the collectives of a step: payload bytes and counts (observed, in all
@@ -147,20 +165,24 @@ def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:
     plan_count = plan.get("comm_count_by_kind") or {}
     for rank, m in enumerate(ranks):
         planned = plan["memory_bytes_by_stage"][m["pp_stage"]]
+        p2p = _p2p_share(plan, m["pp_stage"])
         activation = m["peak_bytes"] - m["model_state_bytes"] if m["peak_bytes"] is not None else None
         seen = m["comm_by_kind"]  # None: no step was counted (a run of one step)
         absent = {"payload_bytes": 0, "count": 0} if seen is not None else {}
         by_kind = {}
         for k in sorted({*(seen or {}), *plan_payload}):
             got = (seen or {}).get(k, absent)
-            by_kind[k] = {"payload_bytes": [got.get("payload_bytes"), plan_payload.get(k, 0)],
-                          "count": [got.get("count"), plan_count.get(k, 0)]}
+            share = p2p if k in ("send", "recv") else 1.0
+            count = plan_count.get(k, 0)
+            by_kind[k] = {"payload_bytes": [got.get("payload_bytes"), plan_payload.get(k, 0) * share],
+                          "count": [got.get("count"), round(count * share) if count is not None else None]}
         rows.append({
             "rank": rank,
             "model_state_bytes": [m["model_state_bytes"], planned["model_states"]],
             "activation_peak_bytes": [activation, planned["activations"] + planned["buffers"]],
-            "comm_payload_bytes": [m["comm_payload_bytes"], plan.get("comm_payload_bytes_per_step")],
-            "comm_count": [m["comm_count"], plan.get("comm_count_per_step")],
+            "comm_payload_bytes": [m["comm_payload_bytes"], _less_p2p(plan.get("comm_payload_bytes_per_step"),
+                                                                     plan_payload, p2p)],
+            "comm_count": [m["comm_count"], _less_p2p(plan.get("comm_count_per_step"), plan_count, p2p)],
             "comm_by_kind": by_kind,
             "comm_modelled_wire_bytes": [m["comm_modelled_wire_bytes"], plan["comm_bytes_per_step"]],
             "nvme_bytes": [m.get("nvme_bytes"), planned.get("nvme", 0.0)],  # offloaded (deepspeed engine)

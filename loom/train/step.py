@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.config import Config, pipeline_microbatches, stages_per_rank
+from loom.config import Config, pipeline_microbatches, rank_stages, stages_per_rank
 from loom.models.gpt.lean_ops import plain_ops
 from loom.models.gpt.model import GPT
 from loom.parallel import precision
 from loom.parallel.apply import gradient_sync, uses_fsdp
 from loom.parallel.context_parallel import SequenceSplit
 from loom.parallel.mesh import Dist, local_view
-from loom.parallel.pipeline import build_schedule, pipeline_eval, pipeline_step, rank_stages
+from loom.parallel.pipeline import build_schedule, pipeline_eval, pipeline_step
 from loom.parallel.tensor_parallel import loss_context
 from loom.parallel.zero1 import local_optimizer
 from loom.train import faults, moe_step

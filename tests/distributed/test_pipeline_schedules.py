@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from test_pipeline import _batch
 
+from loom.config import rank_stages, stages_per_rank
 from loom.models.gpt.config import preset
 from loom.models.gpt.model import GPT, build_model
 from loom.models.gpt.pipeline import build_stage
-from loom.parallel.pipeline import rank_stages, stage_layers, stages_per_rank, validate_pipeline
+from loom.parallel.pipeline import stage_layers, validate_pipeline
 
 SEED = 7
 RTOL = 1e-5

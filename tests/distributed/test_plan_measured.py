@@ -44,6 +44,10 @@ UNITS = (*BLOCKS, "model.vocab_size=8192")
 # zero2's head reduce-scatter (the other units gathered, gloo's copies of the head's gradient):
 # measured 1.39 of the plan. (zero3 with the blocks outweighing the head peaks at the top block's
 # all-gather for its backward: the plan's "block backward" moment, 1.16 of it.)
+# 8 micro-batches of one sequence over 4 layers (a V needs 2 per rank, and m ≥ 2p)
+PIPELINE = ("model.n_layers=4", "parallel.microbatches=8")
+ZBV = ("parallel.pp=2", "parallel.pp_schedule=zbv", *PIPELINE)
+INTERLEAVED = ("parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2", *PIPELINE)
 PLAN_MISSES = pytest.mark.xfail(strict=True, raises=AssertionError, reason="activation peak above the plan")
 CASES = [
     ("ddp", 2, ()), ("zero1", 2, ()), ("zero2", 2, ()), ("zero3", 2, ("train.grad_accum=2",)),
@@ -51,15 +55,22 @@ CASES = [
     ("zero3", 2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
     ("ddp", 4, ("parallel.tp=2", "parallel.activation_checkpointing=full")),
     ("zero3", 2, ("parallel.pp=2",)),
+    # each rank's stages and what torch's pipeline keeps of its micro-batches (loom/plan/in_flight.py):
+    # a V (the embedding and the head on rank 0, the cool-down's deferred W's) and a multi-stage schedule
+    # (its sends held to the step's end)
+    ("zero3", 2, ZBV), ("zero3", 2, INTERLEAVED),
     pytest.param("zero2", 2, UNITS, marks=PLAN_MISSES), ("zero3", 2, UNITS),
     ("zero3", 2, BLOCKS),
 ]
-IDS = ["ddp", "zero1", "zero2", "zero3-accum2", "hsdp-2x2", "tp2-sp", "tp2xddp-ac", "pp2", "zero2-units",
+IDS = ["ddp", "zero1", "zero2", "zero3-accum2", "hsdp-2x2", "tp2-sp", "tp2xddp-ac", "pp2", "pp2-zbv",
+       "pp2-interleaved", "zero2-units",
        "zero3-units", "zero3-blocks"]
 # zero3-blocks peaks at 1.11 of the plan (the block-backward moment above); on a loaded 2-core machine
 # (CI), once in several runs, 0.79 MB more is live at that peak (1.22): a timing of gloo's collectives,
 # not of the model (the same with Python's GC off; never seen on idle cores). Its band is 25%.
 LOADED_BAND = {BLOCKS: 0.25}
+# the pipeline schedules' memory, within the 10% issue 41 asks of zbv
+BAND = {ZBV: 0.10, INTERLEAVED: 0.10}
 EXACT = ("all_gather", "reduce_scatter", "send", "recv")  # only the plan's collectives issue these
 EXTRA = 0.005  # the unplanned few-byte collectives, as a share of the rank's planned payload
 
@@ -80,7 +91,7 @@ def test_measured_matches_plan(corpus, tmp_path, strategy, world, extra):
     assert plan["strategy"] == strategy and plan["gpus"] == world
     rows = json.loads((tmp_path / "summary.json").read_text())["measured_vs_planned"]
     assert len(rows) == world
-    band = LOADED_BAND.get(extra, 0.20)
+    band = LOADED_BAND.get(extra, BAND.get(extra, 0.20))
     for row in rows:
         for key, tolerance in (("model_state_bytes", 0.01), ("activation_peak_bytes", band)):
             measured, planned = row[key]

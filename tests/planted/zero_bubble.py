@@ -14,7 +14,7 @@ BUGS = [
         "    if splits_backward(p):\n        return False\n", "",
         (f"{ZB}::test_schedules_match_single_process[zero3-units-2]",)),
     Bug("v-placed-round-robin", "V stages placed round-robin (r, r + pp), not (r, 2pp − 1 − r)",
-        "loom/parallel/pipeline.py",
+        "loom/config.py",
         "        return [rank, 2 * pp - 1 - rank]", "        return [rank, rank + pp]",
         ("tests/unit/test_pipeline.py::test_rank_stages_v_places_first_and_last_stage_on_rank_0",
          f"{SCHEDULES}::test_schedule_matches_single_process[zbv-1-4]")),

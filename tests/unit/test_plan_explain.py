@@ -173,12 +173,13 @@ def test_pipeline_interleaved_and_1f1b(plan_8b):
     assert "bubble time / (m·(F+B+W) + bubble time) = " in text and f" / ({m}·" in text
     assert abs(number(text.split("bubble fraction")[1].split("\n")[0].rsplit("=", 1)[1])
                - (p - 1) / (v * m + p - 1)) < 1e-6  # the interleaved bubble whatever F:B:W is
-    assert "min(m·v, p·(1 + (p−1)/(p·v)))" in text and "⌈L_s/2⌉" in text
+    assert "min(m·v, (v−1)·R + 2(p−1−r) + 1) warm-up forwards" in text and "⌈L_s/2⌉" in text
+    assert "stage 0: " in text and "receive buffers" in text
     assert "2v·m sends" in text and "stages 0 and p−1 priced" in text
     assert_adds_up(text, r)
     j = find(plan_8b, pp_schedule="1f1b", pp=lambda p: p > 1)
     text = explain(plan_8b, j)
-    assert "(p−1)(F+B+W) (1f1b)" in text and "(1F1B, stage" in text
+    assert "(p−1)(F+B+W) (1f1b)" in text and "min(m, p − r) (1F1B, rank r)" in text
     assert_adds_up(text, plan_8b.candidates[j])
 
 

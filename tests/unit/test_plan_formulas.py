@@ -11,7 +11,8 @@ import pytest
 
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.comm import comm_per_step
-from loom.plan.memory import _micro_batches_in_flight, gpu_memory, model_state_bytes, stage_memory
+from loom.plan.in_flight import rank_moments
+from loom.plan.memory import gpu_memory, model_state_bytes, stage_memory
 from loom.plan.shapes import ModelShape, activation_bytes_per_layer, checkpointed_layers, from_preset
 
 # d 64, 4 heads of 16, 2 kv heads, SwiGLU 192, 4 blocks, vocabulary 1000, untied.
@@ -175,13 +176,14 @@ def test_flops_per_token_by_hand():
 
 
 def test_pipeline_micro_batches_in_flight_by_hand():
-    def in_flight(schedule: str, stage: int, v: int = 1) -> float:
-        return _micro_batches_in_flight(Candidate("ddp", 1, pp=4, schedule=schedule, grad_accum=8,
-                                                  virtual_stages=v), stage)
+    def in_flight(schedule: str, stage: int, v: int = 1) -> list[int]:
+        return [chunk.live for chunk in rank_moments(schedule, 4, v, 8, stage)[0]]
 
-    assert [in_flight("1f1b", s) for s in range(4)] == [4, 3, 2, 1]  # p − stage
-    assert [in_flight("gpipe", s) for s in range(4)] == [8] * 4  # every micro-batch
-    assert in_flight("interleaved", 0, v=2) == 4 * (1 + 3 / 8)  # p·(1 + (p−1)/(p·v))
+    assert [in_flight("1f1b", s) for s in range(4)] == [[4], [3], [2], [1]]  # p − stage
+    assert [in_flight("gpipe", s) for s in range(4)] == [[8]] * 4  # every micro-batch
+    # interleaved: (v − 1)·p + 2(p − 1 − r) + 1 forwards, p of a stage in turn
+    assert [in_flight("interleaved", s, v=2) for s in range(4)] == [[7, 4], [5, 4], [4, 3], [4, 1]]
+    assert [in_flight("zbv", s) for s in range(4)] == [[7, 1], [6, 2], [5, 3], [4, 4]]  # 2p on each rank
 
 
 def test_checkpointed_layers_by_hand():
