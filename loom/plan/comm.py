@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from loom.config import V_SCHEDULES, rank_stages, stages_per_rank
 from loom.plan import context, experts, lora, muon
+from loom.plan.in_flight import cross_rank_sends
 from loom.plan.memory import GRAD_COMM_BYTES, RECIPES
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num
@@ -157,9 +158,8 @@ def rank_sends(pp: int, virtual: int, schedule: str, rank: int) -> int:
     """Sends per micro-batch on pipeline rank `rank` (as many receives): forward from each of its stages
     whose next stage is on another rank, backward from each whose previous one is; pp_sends prices the
     busiest rank, a middle one, where the two ends send one direction only (1F1B: half)."""
-    stages = rank_stages(rank, pp, stages_per_rank(schedule, virtual), schedule)
-    last = pp * stages_per_rank(schedule, virtual) - 1
-    return sum((s < last and s + 1 not in stages) + (s > 0 and s - 1 not in stages) for s in stages)
+    per = stages_per_rank(schedule, virtual)
+    return sum(cross_rank_sends(rank_stages(rank, pp, per, schedule), pp * per))
 
 
 def _link(inter: bool) -> str:

@@ -80,6 +80,15 @@ def rank_moments(schedule: str, pp: int, virtual: int, microbatches: int, rank: 
     return (tuple(Chunk(s, n, w) for s, n, w in zip(stages, live, deferred)),)
 
 
+def cross_rank_sends(stages: list[int], total: int) -> tuple[int, int]:
+    """(forward, backward) sends per micro-batch of a rank running `stages` of `total`: forward from each
+    stage whose next one is on another rank, backward from each whose previous one is (a V's turn
+    between stages p − 1 and p stays on its rank). As many receives."""
+    forward = sum(s < total - 1 and s + 1 not in stages for s in stages)
+    backward = sum(s > 0 and s - 1 not in stages for s in stages)
+    return forward, backward
+
+
 def rule(schedule: str) -> str:
     """The closed form of `rank_moments` for `schedule`, in words (for `loom plan --explain`)."""
     return {

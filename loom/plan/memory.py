@@ -1020,11 +1020,8 @@ def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float,
     # The multi-stage schedules (torch's _PipelineScheduleRuntime) wait on their sends only at the step's
     # end, each send holding its tensor: a stage's outputs to another rank, and its input gradients
     # (those of the split schedules are the ones above)
-    sent = 0.0
-    if len(stages) > 1:
-        sent = sum(m * boundary for s in stages if s < total - 1 and s + 1 not in stages)
-        if not c.split_backward:
-            sent += sum(m * boundary for s in stages if s > 0 and s - 1 not in stages)
+    forward, backward = in_flight.cross_rank_sends(stages, total)
+    sent = m * boundary * (forward + (0 if c.split_backward else backward)) if len(stages) > 1 else 0.0
     one_micro = micro[total - 1] if total - 1 in micro else max(micro.values())
     if terms:
         terms.item("micro-batches in flight", in_flight.rule(c.schedule),

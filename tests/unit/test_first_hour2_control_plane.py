@@ -101,6 +101,28 @@ def test_a_pipeline_adds_its_stages_norms():
     assert set(_planned_pp("ddp", 2, 20)["comm_loop_by_kind"]) == {"all_reduce"}
 
 
+def test_each_pipeline_rank_is_planned_its_own_sends():
+    """pp 4 under 1F1B, 16 micro-batches (measured by `loom train` on gloo: ranks 0 and 3 send and receive
+    16 each, ranks 1 and 2 32): the plan prices a middle rank, and each rank's row its own share."""
+    cfg = load_config(None, ["parallel.strategy=zero3", "parallel.pp=4", "parallel.microbatches=16",
+                             "train.batch_size=16"])
+    c = config_candidate(cfg, 1, 1, 1, 4)
+    shape = from_gpt_config(model_config(cfg, 256), "default")
+    plan = {**record.planned_collectives(cfg, config_workload(cfg, shape), c, 8, 20), "pp": 4,
+            "pp_virtual_stages": 1, "pp_schedule": "1f1b", "comm_bytes_per_step": 0,
+            "memory_bytes_by_stage": dict.fromkeys(range(4), {"model_states": 1e6, "activations": 1e6,
+                                                              "buffers": 0.0})}
+    assert plan["comm_count_by_kind"]["send"] == 32
+    ranks = [{"pp_stage": s, "peak_bytes": 2e6, "model_state_bytes": 1e6, "comm_by_kind": {},
+              "comm_payload_bytes": 0, "comm_count": 0, "comm_modelled_wire_bytes": 0} for s in range(4)]
+    rows = record.measured_vs_planned(ranks, plan)
+    sends = [row["comm_by_kind"]["send"]["count"][1] for row in rows]
+    assert sends == [16, 32, 32, 16] and [row["comm_by_kind"]["recv"]["count"][1] for row in rows] == sends
+    half = plan["comm_payload_bytes_by_kind"]["send"]  # the end ranks: half of both the sends and receives
+    assert rows[0]["comm_payload_bytes"][1] == plan["comm_payload_bytes_per_step"] - half
+    assert rows[1]["comm_payload_bytes"][1] == plan["comm_payload_bytes_per_step"]
+
+
 @pytest.mark.parametrize("sets", [("parallel.tp=2",), ('parallel.engine="deepspeed"',)],
                          ids=["tp", "deepspeed"])
 def test_layouts_whose_loop_collectives_are_not_planned_say_so(sets):
