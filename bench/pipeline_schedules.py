@@ -11,9 +11,11 @@ their records: tokens/s (summary.json), each rank's bubble share of its step fro
 planned (summary.json).
 
 Then 1f1b and zbv at pp 2, a core per rank (pp 4 puts 4 ranks on this machine's 2 cores, and a rank
-waiting for a descheduled neighbour reads as bubble). Then an MoE at pp 2 × ep 2 (4 ranks), 1f1b
-against dualpipev: the expert all-to-all exposed and hidden
-per step (the ledger's `ep_alltoall`).
+waiting for a descheduled neighbour reads as bubble). Then an MoE at pp 2 × ep 2 (4 ranks, 8 layers,
+16 micro-batches): 1f1b, dualpipev with its overlap off (parallel.dualpipev_overlap = false: torch runs
+each paired forward and backward one after the other) and dualpipev (loom/parallel/fb_overlap.py runs
+them at once): tokens/s and the expert all-to-all exposed and hidden per step (the ledger's
+`ep_alltoall`).
 
 Goals (issue 41): zbv's bubble share ≤ 0.5 × 1f1b's, its memory per rank within ±10% of the plan;
 dualpipev hides at least half of the all-to-all that 1f1b exposes.
@@ -37,9 +39,9 @@ PP, MICROBATCHES = 4, 16
 SCHEDULES = {"gpipe": (), "1f1b": (), "interleaved": ("parallel.pp_virtual_stages=2",),
              "zb": ("parallel.pp_virtual_stages=2",), "zbv": (), "dualpipev": ()}
 SHAPE = ("model.preset=small", "model.n_layers=8", "data.seq_len=128", "parallel.strategy=zero3")
-MOE = ("model.preset=tiny-moe", "model.n_layers=4", "model.moe_aux_loss_coef=0.01", "data.seq_len=128",
-       "parallel.strategy=zero3", "parallel.pp=2", "parallel.ep=2", "parallel.microbatches=8",
-       "train.batch_size=16")
+MOE = ("model.preset=tiny-moe", "model.n_layers=8", "model.moe_aux_loss_coef=0.01", "data.seq_len=128",
+       "parallel.strategy=zero3", "parallel.pp=2", "parallel.ep=2", f"parallel.microbatches={MICROBATCHES}",
+       f"train.batch_size={2 * MICROBATCHES}")
 BUBBLE_GOAL, MEMORY_GOAL, HIDDEN_GOAL = 0.5, 0.10, 0.5
 
 
@@ -65,12 +67,15 @@ def run_schedule(schedule: str, root: Path, pp: int = PP) -> dict:
             "activation_planned_mib": [p / MIB for _, p in peaks]}
 
 
-def run_moe(schedule: str, root: Path) -> dict:
-    out = root / f"moe_{schedule}"
-    profile_run(4, (*MOE, f"parallel.pp_schedule={schedule}"), out)
+def run_moe(schedule: str, root: Path, overlap: bool = True) -> dict:
+    name = schedule if overlap or schedule != "dualpipev" else "dualpipev, no overlap"
+    out = root / f"moe_{schedule}_{overlap}"
+    profile_run(4, (*MOE, f"parallel.pp_schedule={schedule}", f"parallel.dualpipev_overlap={str(overlap).lower()}"),
+                out)
+    summary = json.loads((out / "summary.json").read_text())
     steps = [s for r in json.loads((out / "ledger.json").read_text())["ranks"].values() for s in r["steps"]]
-    return {"schedule": schedule, "ep_exposed_ms": _per_step(steps, "ep_exposed_ms"),
-            "ep_hidden_ms": _per_step(steps, "ep_hidden_ms")}
+    return {"schedule": name, "tokens_per_s": summary["tokens_per_s"], "wall_ms": _per_step(steps, "wall_ms"),
+            "ep_exposed_ms": _per_step(steps, "ep_exposed_ms"), "ep_hidden_ms": _per_step(steps, "ep_hidden_ms")}
 
 
 def print_table(rows: list[dict], own_cores: list[dict], moe: list[dict]) -> None:
@@ -91,10 +96,10 @@ def print_table(rows: list[dict], own_cores: list[dict], moe: list[dict]) -> Non
         print(f"goals at pp {group[0]['pp']}: zbv's bubble ≤ {BUBBLE_GOAL} × 1f1b's: {ratio:.2f}, "
               f"{_verdict(ratio <= BUBBLE_GOAL)}; zbv's activation peak within ±{MEMORY_GOAL:.0%} of the "
               f"plan on every rank: worst {worst:+.0%}, {_verdict(abs(worst) <= MEMORY_GOAL)}")
-    print("MoE, pp 2 × ep 2 (tiny-moe at 4 layers, 8 micro-batches), the expert all-to-all per step:")
+    print(f"MoE, pp 2 × ep 2 (tiny-moe at 8 layers, {MICROBATCHES} micro-batches), the expert all-to-all per step:")
     for r in moe:
-        print(f"  {r['schedule']:10} exposed {r['ep_exposed_ms']:7.1f} ms, "
-              f"hidden {r['ep_hidden_ms']:7.1f} ms")
+        print(f"  {r['schedule']:22} {r['tokens_per_s']:7.0f} tokens/s, step {r['wall_ms']:7.1f} ms, "
+              f"all-to-all exposed {r['ep_exposed_ms']:7.1f} ms, hidden {r['ep_hidden_ms']:7.1f} ms")
     m = {r["schedule"]: r for r in moe}
     base = m["1f1b"]["ep_exposed_ms"]
     hidden = (base - m["dualpipev"]["ep_exposed_ms"]) / base if base else float("nan")
@@ -113,7 +118,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run_schedule(s, Path(tmp)) for s in SCHEDULES]
         own_cores = [run_schedule(s, Path(tmp), pp=2) for s in ("1f1b", "zbv")]  # a core per rank
-        moe = [run_moe(s, Path(tmp)) for s in ("1f1b", "dualpipev")]
+        moe = [run_moe("1f1b", Path(tmp)), run_moe("dualpipev", Path(tmp), overlap=False),
+               run_moe("dualpipev", Path(tmp))]
     print_table(rows, own_cores, moe)
     if args.json:  # the record the docs quote (tests/unit/test_readme_figures.py checks them against it)
         command = "python " + " ".join([f"bench/{Path(__file__).name}", *sys.argv[1:]])

@@ -138,6 +138,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages (outermost mesh dim)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb (zero bubble) | zbv | dualpipev
     pp_virtual_stages: int = 1  # interleaved, zb: stages per pipeline rank (zbv, dualpipev: always 2)
+    # dualpipev under ep: one micro-batch's forward beside another's backward, each one's expert
+    # all-to-alls under the other's compute (false: the two one after the other, as torch runs them)
+    dualpipev_overlap: bool = True
     microbatches: int = 0  # pipeline micro-batches per micro-step; 0 = pp
     tp: int = 1  # tensor-parallel degree (innermost mesh dim: the ranks of one node)
     sequence_parallel: bool = False  # tp: shard norms and residuals along the sequence

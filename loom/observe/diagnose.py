@@ -547,6 +547,17 @@ def _ep_knob(layout: dict) -> tuple[str | None, object, str]:
     if not ep or ep < 2:
         return None, None, ("expert parallelism's all-to-all with the layout unknown (no config.toml): fewer "
                             "ranks in parallel.ep, within one node")
+    pp, schedule = int(layout.get("pp") or 1), layout.get("pp_schedule", "1f1b")
+    if pp > 1 and schedule == "dualpipev" and layout.get("dualpipev_overlap") is False:
+        return "parallel.dualpipev_overlap", True, (
+            "now false: DualPipeV's paired forward and backward run one after the other; overlapped, each "
+            "one's all-to-alls run under the other's compute")
+    micro = int(layout.get("microbatches") or 0) or pp
+    layers = layout.get("n_layers")
+    if pp > 1 and schedule != "dualpipev" and micro >= 2 * pp and (layers is None or layers >= 2 * pp):
+        return "parallel.pp_schedule", "dualpipev", (
+            f"now {schedule}: DualPipeV pairs one micro-batch's forward with another's backward, each one's "
+            "all-to-alls under the other's compute (two stages per rank in a V)")
     fewer = max(d for d in range(1, ep) if ep % d == 0)
     experts = layout.get("experts")
     held = f"{experts // ep} → {experts // fewer} experts per rank" if experts else \

@@ -8,7 +8,10 @@ exposed communication, IO and idle, so the four add up to the step's wall time:
   communication is time in c10d ops (enqueue, wait) plus main-thread gaps while a collective is
   in flight (gloo runs it on its `pt_gloo_runloop` threads from the c10d enqueue to the end of
   its `gloo:*` span); compute is time under `cpu_op` events; idle is the rest (gaps with nothing
-  in flight). Hidden communication is in-flight time under main-thread compute.
+  in flight). Hidden communication is in-flight time under main-thread compute. A pipeline's
+  helper thread (one carrying `PP:` actions: DualPipeV's overlapped backward under expert
+  parallelism) computes beside the main thread: the step computes while either does, its
+  exchanges are communication, and either side's wait for its turn (`fb_overlap_wait`) is neither.
 - GPU traces: the GPU is the timeline. Compute is the union of non-NCCL kernels, exposed
   communication NCCL kernels outside it, hidden communication NCCL under it, IO memcpy/memset and
   main-thread DataLoader time while the GPU runs nothing else, idle the rest.
@@ -101,6 +104,8 @@ LOOM_STEP = "loom:step"
 # syncs inside it (split sizes) are the block's own.
 MOE_BLOCK = "moe"
 _MOE_CLASS = "loom:moe"
+# An overlapped forward or backward waiting for its turn (loom/parallel/fb_overlap.py's range)
+TURN_WAIT = "fb_overlap_wait"
 # Context parallelism's profiler ranges (loom/parallel/context_parallel.py); each name is also the
 # kind of the collectives issued inside it.
 CP_KINDS = ("cp_ring", "cp_alltoall")
@@ -218,6 +223,8 @@ def _classify(name: str, cat: str) -> tuple[str, ...]:
         out.append(LOOM_STEP)
     if name == MOE_BLOCK:
         out.append(_MOE_CLASS)
+    elif name == TURN_WAIT:
+        out.append(TURN_WAIT)
     if name in CP_KINDS:
         out.append(name)
     elif name in EP_KINDS:
@@ -683,6 +690,7 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
     ops = _union(_pairs([arrays[c] for c in (CPU, COMM) if c in arrays]))
 
     collectives = _collectives(col, gpu, world)
+    helpers: list = []  # CPU: threads that compute beside the main one
     if gpu:
         k = _pairs([_interleave(col.k_start, col.k_end)])
         nccl = np.frombuffer(col.k_nccl, dtype=np.int8).astype(bool)
@@ -701,6 +709,15 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
         ep_waits = [arrays[c] for c in EP_KINDS if c in arrays]
         sets = [io, _union(_pairs(ep_waits + [arrays[c] for c in (COMM, *CP_KINDS) if c in arrays])),
                 _union(_pairs([arrays[CPU]] if CPU in arrays else [])), _union(inflight)]
+        # A pipeline's helper thread (DualPipeV's overlapped backward, loom/parallel/fb_overlap.py)
+        # computes and exchanges beside the main thread: its compute is the rank's compute, its
+        # exchanges and their waits communication.
+        # A side waiting for its turn (inside an autograd node, which reads as compute) is neither.
+        helpers = [t for thread, t in col.threads.items() if thread != main and PIPE in t]
+        helper_comm = _union(_pairs([t[c] for t in helpers for c in (COMM, *EP_KINDS, *CP_KINDS) if c in t]))
+        sets += [_union(_pairs([t[CPU] for t in helpers if CPU in t])), helper_comm,
+                 _union(_pairs([t[TURN_WAIT] for t in helpers if TURN_WAIT in t])),
+                 _union(_pairs([arrays[TURN_WAIT]] if TURN_WAIT in arrays else []))]
     # The pipeline's p2p (send/recv of activations and gradients between stages) in flight: a rank
     # that waits on it waits for its neighbour stage, which is the bubble (see the row's bubble_ms).
     p2p = [c for c in collectives if c["kind"] in _P2P_KINDS and (c["_ran"] or not gpu)]
@@ -712,7 +729,8 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
     ep = [c for c in collectives if c["kind"] in EP_KINDS and (c["_ran"] or not gpu)]
     ep_at = len(sets)
     if ep:
-        sets.append(_in_flight(ep, gpu, [] if gpu else [arrays[k] for k in EP_KINDS if k in arrays]))
+        waits = [] if gpu else [t[k] for t in (arrays, *helpers) for k in EP_KINDS if k in t]
+        sets.append(_in_flight(ep, gpu, waits))
     # CP's exchanges in flight: on GPUs the kernels that ran them, on CPUs issue to end (as above)
     cp = [c for c in collectives if c["kind"] in CP_KINDS and (c["_ran"] or not gpu)]
     if cp:
@@ -734,8 +752,9 @@ def _ledger(col: _Collector, rank, base_ns: int, trace: str, header: dict, warni
             hidden_m = cov[0] & cov[1]
         else:
             io_m = cov[0]
-            compute_m = cov[2] & ~cov[0] & ~cov[1]
-            comm_m = (cov[1] & ~cov[0]) | (cov[3] & ~cov[0] & ~cov[1] & ~cov[2])
+            compute_m = ((cov[2] & ~cov[1] & ~cov[7]) | (cov[4] & ~cov[5] & ~cov[6])) & ~cov[0]
+            comm_m = ((cov[1] & ~cov[0]) | (cov[3] & ~cov[0] & ~cov[1] & ~cov[2]) | (cov[5] & ~cov[0])) \
+                & ~compute_m
             hidden_m = compute_m & cov[3]
         compute, exposed = int(lengths[compute_m].sum()), int(lengths[comm_m].sum())
         io_ns, hidden = int(lengths[io_m].sum()), int(lengths[hidden_m].sum())

@@ -52,10 +52,18 @@ def trace_path(run_dir: Path, rank: int) -> Path:
     return run_dir / "traces" / f"rank{rank}.json.gz"
 
 
+def _all_threads(on: bool) -> dict:
+    # The profiler records the thread that starts it (and autograd's own); a run that computes on a
+    # helper thread of its own (DualPipeV's overlapped backward, loom/parallel/fb_overlap.py) asks for
+    # every thread.
+    return {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)} if on else {}
+
+
 class StepProfiler:
     """Call `step()` after every optimizer step; traces are written when the active steps end."""
 
-    def __init__(self, cfg: ProfileConfig, run_dir: Path, rank: int, device: torch.device):
+    def __init__(self, cfg: ProfileConfig, run_dir: Path, rank: int, device: torch.device,
+                 all_threads: bool = False):
         self.cfg, self.rank, self.cuda = cfg, rank, device.type == "cuda"
         self.dir = run_dir / "traces"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -63,7 +71,7 @@ class StepProfiler:
         self.prof = profile(activities=activities,
                             schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
                             on_trace_ready=self._write, record_shapes=cfg.record_shapes,
-                            with_stack=cfg.with_stack)
+                            with_stack=cfg.with_stack, **_all_threads(all_threads))
         self.steps_done = 0
         self.snapshot = self.cuda and cfg.memory_snapshot
 

@@ -11,10 +11,15 @@ averaged over that rank's tokens, and the data-parallel engine then averages it 
 dp/ep ranks that hold the same experts. Over all dp ranks that is ep times the mean, so expert
 weights pass through `scale_grad(w, 1/ep)` (identity forward): dense and expert gradients are both
 the mean over the global batch, as the single process computes it.
+
+Under DualPipeV's overlap (loom/parallel/fb_overlap.py) a backward exchanges on a helper thread beside
+a forward: every exchange marks its segment (`exchange_segment`) and goes over the group its thread
+uses (`exchange_group`: the backward side's own), and the tally takes a lock.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -22,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from loom.parallel.context_parallel import EP_ALLTOALL, ExchangeTally, exchanging
+from loom.parallel.fb_overlap import exchange_group, exchange_segment
 
 
 @dataclass(frozen=True)
@@ -34,21 +40,28 @@ class ExpertGroup:
 
 
 _tally = ExchangeTally()
+_tally_lock = threading.Lock()
 
 
 def take_tally() -> dict:
     """{"ep_bytes", "ep_wait_s"} since the last call (per step: metrics.jsonl), and start again."""
-    return _tally.take("ep")
+    with _tally_lock:
+        return _tally.take("ep")
 
 
 def _exchange(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(out_rows), *x.shape[1:]))
     start = time.perf_counter()
-    with exchanging(EP_ALLTOALL):
-        dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=group)
-    _tally.wait_s += time.perf_counter() - start
-    _tally.bytes_sent += x.numel() * x.element_size()
+    with exchange_segment(), exchanging(EP_ALLTOALL):
+        dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=exchange_group(group))
+    _count(time.perf_counter() - start, x)
     return out
+
+
+def _count(wait_s: float, sent: torch.Tensor) -> None:
+    with _tally_lock:  # DualPipeV's overlapped forward and backward exchange from two threads
+        _tally.wait_s += wait_s
+        _tally.bytes_sent += sent.numel() * sent.element_size()
 
 
 class _AllToAll(torch.autograd.Function):
@@ -70,16 +83,20 @@ def exchange_counts(counts: torch.Tensor, ep: ExpertGroup) -> torch.Tensor:
     this rank's experts."""
     out = torch.empty_like(counts)
     start = time.perf_counter()
-    with exchanging(EP_ALLTOALL):
-        dist.all_to_all_single(out, counts, group=ep.group)
-    _tally.wait_s += time.perf_counter() - start
-    _tally.bytes_sent += counts.numel() * counts.element_size()
+    with exchange_segment(), exchanging(EP_ALLTOALL):
+        dist.all_to_all_single(out, counts, group=exchange_group(ep.group))
+    _count(time.perf_counter() - start, counts)
     return out.view(ep.size, -1)
 
 
 def send_to_experts(rows: torch.Tensor, counts: torch.Tensor, ep: ExpertGroup):
     """rows [M, d] sorted by expert with `counts` [E] per expert -> (this rank's experts' rows,
     sorted by local expert; rows per local expert, a list; how to send the results back)."""
+    with exchange_segment():  # the counts and the rows: one segment under DualPipeV's overlap
+        return _send_to_experts(rows, counts, ep)
+
+
+def _send_to_experts(rows: torch.Tensor, counts: torch.Tensor, ep: ExpertGroup):
     received = exchange_counts(counts, ep)  # [ep, E_local]
     local_experts = received.shape[1]
     # One host sync for every size (all_to_all_single takes lists): rows sent to each rank, rows got

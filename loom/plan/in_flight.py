@@ -89,6 +89,12 @@ def cross_rank_sends(stages: list[int], total: int) -> tuple[int, int]:
     return forward, backward
 
 
+def overlapped_pairs(pp: int, microbatches: int, rank: int) -> int:
+    """How many of DualPipeV rank `rank`'s 2m forwards run paired with a backward (torch's OVERLAP_F_B
+    actions; as many of its backwards): 2m − 3p + 1 + min(r, p − 2), the fewest on rank 0."""
+    return max(0, 2 * microbatches - 3 * pp + 1 + min(rank, pp - 2))
+
+
 def rule(schedule: str) -> str:
     """The closed form of `rank_moments` for `schedule`, in words (for `loom plan --explain`)."""
     return {

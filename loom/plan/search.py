@@ -744,4 +744,5 @@ def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,
                      stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if pipelined else 1,
                      p.activation_checkpointing, p.ac_every, per_micro, micro,
                      sequence_parallel=p.sequence_parallel and tp > 1, framework=p.engine,
-                     fsdp_unit_mb=p.fsdp_unit_mb, cp=cp, cp_mode=p.cp_mode if cp > 1 else "ring", ep=ep)
+                     fsdp_unit_mb=p.fsdp_unit_mb, cp=cp, cp_mode=p.cp_mode if cp > 1 else "ring", ep=ep,
+                     dualpipev_overlap=p.dualpipev_overlap)

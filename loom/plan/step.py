@@ -47,6 +47,7 @@ from loom.plan import context, experts, lora, muon
 from loom.plan.comm import DDP_BUCKET, CommAccount, cp_exchange, ep_payload_per_step
 from loom.plan.comm import ring as comm_ring
 from loom.plan.efficiency import D0_SCALE, DEFAULT, FAMILY, compute_fraction, link_efficiency
+from loom.plan.in_flight import overlapped_pairs
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num, sec
 
@@ -410,9 +411,9 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
                        "4·(a/tp)·Q·(s/cp)·b·(s/cp) / (peak × fraction) (one hop's forward)",
                        f"{num(block)} / ({num(gpu.bf16_tflops)}e12 × {num(fraction)})", sec(block_s))
         parts.append(("cp", _cp_seconds(w, c, link, alpha, block_s, True, terms, wire=True)))
-    if c.ep > 1 and w.shape.moe:  # the experts wait for their rows: exposed
+    if c.ep > 1 and w.shape.moe:  # the experts wait for their rows: exposed (but under DualPipeV's overlap)
         inter = experts.inter_node(c, cluster.gpus_per_node)
-        parts.append(("ep", seconds("expert parallel", groups["ep"], inter, "ep")))
+        parts.append(("ep", _ep_exposed(c, seconds("expert parallel", groups["ep"], inter, "ep"), busy, terms)))
     exposed = sum(v for _, v in parts)
     if terms:
         terms.item("comm exposed", " + ".join(n for n, _ in parts), " + ".join(sec(v) for _, v in parts),
@@ -617,17 +618,17 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
             block_s = context.block_attention_flops(shape, c.local_seq(w.seq_len), c.micro_batch, c.tp) / rate
             exposed += _cp_seconds(w, c, fit["bytes_per_s"], fit["alpha_s"], block_s, profile.device != "cpu",
                                    terms, wire=False)
-    if c.ep > 1 and shape.moe:  # the experts wait for their rows: every all_to_all exposed
+    if c.ep > 1 and shape.moe:  # the experts wait for their rows: exposed (but under DualPipeV's overlap)
         fits = profile.ranks_entry(ranks)["collectives"]
         fit = fits.get(experts.OBSERVED) or fits.get("all_reduce")
         if fit is not None:
             payload, ops = ep_payload_per_step(w, c)
             t = ops * fit["alpha_s"] + payload / fit["bytes_per_s"]
             if terms:
-                terms.item("expert parallel", "α·all_to_alls + payload/β (exposed)",
+                terms.item("expert parallel", "α·all_to_alls + payload/β",
                            f"{num(fit['alpha_s'])} s × {ops} + {gb(payload)} / "
                            f"{num(fit['bytes_per_s'] / 1e9)} GB/s", sec(t))
-            exposed += t
+            exposed += _ep_exposed(c, t, busy, terms)
     if c.world > 1:  # the loop's few-byte all-reduces: mean loss and gradient norm
         t = profile.collective_seconds(ranks, "all_reduce", 8, 2)
         if terms:
@@ -878,6 +879,22 @@ def _recompute(w, c, compute: float, gpu=None, terms: Terms = NO_TERMS) -> float
     return recompute
 
 
+def _ep_exposed(c, ep_s: float, busy: float, terms: Terms = NO_TERMS) -> float:
+    """EP's all-to-alls, exposed; under DualPipeV's overlap (parallel.dualpipev_overlap) a forward and a
+    backward paired in torch's OVERLAP_F_B run at once, each one's all-to-alls under the other's compute
+    (loom/parallel/fb_overlap.py): the paired share of rank 0's passes (the fewest pairs) hides up to its
+    share of the compute."""
+    if not (c.schedule == "dualpipev" and c.pp > 1 and c.dualpipev_overlap):
+        return ep_s
+    m = c.grad_accum
+    pairs = overlapped_pairs(c.pp, m, 0)
+    hidden = pairs / (2 * m) * min(ep_s, busy)
+    if terms:
+        terms.item("ep hidden (DualPipeV)", "pairs/(2m) × min(ep, compute + recompute), pairs = 2m − 3p + 1",
+                   f"{pairs}/{2 * m} × min({sec(ep_s)}, {sec(busy)})", sec(hidden))
+    return ep_s - hidden
+
+
 def _bubble(w, c, busy: float, terms: Terms = NO_TERMS) -> float:
     """The schedule's idle time (bubble_time) as a share b of the step, then busy · b/(1−b)."""
     if c.pp <= 1:
@@ -896,8 +913,8 @@ def _bubble(w, c, busy: float, terms: Terms = NO_TERMS) -> float:
         terms.item("bubble time", f"{BUBBLE_FORMULAS[schedule]} ({schedule})",
                    _bubble_numbers(schedule, p, v, f, bw, wg), sec(t))
         if schedule == "dualpipev":
-            terms.note("  F&B' priced F'+B'+W': no overlap of compute (loom runs torch's OVERLAP_F_B one "
-                       "after the other); the expert all-to-all it could hide is not credited")
+            terms.note("  F&B' priced F'+B'+W': a forward beside a backward shares the device, their compute "
+                       "does not shrink; what the pair hides is the expert all-to-all (ep hidden)")
         terms.item("bubble fraction", "bubble time / (m·(F+B+W) + bubble time)",
                    f"{sec(t)} / ({m}·{sec(f + bw + wg)} + {sec(t)})", num(b))
     bubble = busy * b / (1 - b)

@@ -44,7 +44,7 @@ from loom.observe.rank_memory import (
     resident_bytes,
 )
 from loom.observe.run_report import write_run_report
-from loom.parallel import deepspeed_engine, precision
+from loom.parallel import deepspeed_engine, fb_overlap, precision
 from loom.parallel.apply import parallelize, sequence_split, uses_fsdp
 from loom.parallel.context_parallel import sequence_share, take_tally
 from loom.parallel.expert_parallel import take_tally as take_ep_tally
@@ -411,7 +411,7 @@ def _print_layout(cfg: Config, d: Dist, task: Task, b: Built, micro_batch: int) 
 def _start_profiler(cfg: Config, run_dir: Path | None, d: Dist):
     if not (cfg.profile.enabled and run_dir is not None):
         return None
-    profiler = StepProfiler(cfg.profile, run_dir, d.rank, d.device)
+    profiler = StepProfiler(cfg.profile, run_dir, d.rank, d.device, all_threads=fb_overlap.overlaps(cfg.parallel))
     profiler.__enter__()
     return profiler
 

@@ -20,7 +20,7 @@ from torch import nn
 from loom.config import Config, pipeline_microbatches, rank_stages, stages_per_rank
 from loom.models.gpt.lean_ops import plain_ops
 from loom.models.gpt.model import GPT
-from loom.parallel import precision
+from loom.parallel import fb_overlap, precision
 from loom.parallel.apply import gradient_sync, uses_fsdp
 from loom.parallel.context_parallel import SequenceSplit
 from loom.parallel.mesh import Dist, local_view
@@ -67,6 +67,9 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist,
 
     schedule = build_schedule(parts, stage_ids, num_stages, d.mesh["pp"].get_group(), d.device,
                               p.pp_schedule, pipeline_microbatches(p), loss_fn)
+    if fb_overlap.overlaps(p):  # one micro-batch's all-to-alls under another's compute
+        fb_overlap.register(schedule, serial_compute=p.tp > 1 or p.cp > 1,
+                            backward_groups={d.ep.group: fb_overlap.twin_group(d.mesh, "ep")})
     return Pipeline(schedule, 0 in stage_ids, num_stages - 1 in stage_ids, d.mesh["pp"].get_group(), scale)
 
 

@@ -35,3 +35,27 @@ BUGS = [
         "return self.engine == \"fsdp2\" or tp > 1 or ep > 1",
         (f"{ZB}::test_schedules_match_single_process[ddp-2]",)),
 ]
+
+OVERLAP = "tests/distributed/test_fb_overlap_ranks.py"
+OVERLAP_UNIT = "tests/unit/test_fb_overlap.py"
+
+BUGS += [
+    Bug("overlap-backward-first", "DualPipeV's overlapped sides take compute turns backward first",
+        "loom/parallel/fb_overlap.py",
+        "(mine == theirs if side == FORWARD else mine < theirs)",
+        "(mine < theirs if side == FORWARD else mine == theirs)",
+        (f"{OVERLAP_UNIT}::test_compute_turns_alternate_and_never_wait_forever[3-3]",)),
+    Bug("overlap-nested-exchanges-split", "a nested exchange (the dispatch's rows) ends a compute segment too",
+        "loom/parallel/fb_overlap.py",
+        "    outer = turns is not None and not _local.depth\n",
+        "    outer = turns is not None\n",
+        (f"{OVERLAP_UNIT}::test_nested_exchanges_are_one_segment",)),
+    Bug("overlap-never-registered", "dualpipev under ep runs its F+B actions one after the other",
+        "loom/train/step.py",
+        "    if fb_overlap.overlaps(p):", "    if False:",
+        (f"{OVERLAP}::test_overlap_changes_no_bit[ep2-free-and-ac]",)),
+    Bug("overlap-backward-sends-nothing-back", "an overlapped backward keeps its input gradient from the V's "
+        "stage before it on the rank", "loom/parallel/fb_overlap.py",
+        "            if bwd.stage_index - 1 in stages:\n", "            if False:\n",
+        (f"{OVERLAP}::test_overlap_changes_no_bit[ep2-free-and-ac]",)),
+]

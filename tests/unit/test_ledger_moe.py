@@ -190,6 +190,17 @@ def test_exposed_ep_alltoall_names_fewer_ep_ranks(ep, model, value, says):
     assert try_text(f).startswith(f"parallel.ep = {value}  (")
 
 
+@pytest.mark.parametrize("parallel, knob, value, says", [
+    ({"pp_schedule": "dualpipev", "dualpipev_overlap": False}, "parallel.dualpipev_overlap", True, "now false"),
+    ({"pp_schedule": "1f1b", "microbatches": 4}, "parallel.pp_schedule", "dualpipev", "now 1f1b"),
+    ({"pp_schedule": "1f1b", "microbatches": 2}, "parallel.ep", 1, "no all-to-all"),  # a V needs 2·pp
+    ({"pp_schedule": "dualpipev", "microbatches": 4}, "parallel.ep", 1, "no all-to-all"),  # overlapped already
+])
+def test_exposed_ep_alltoall_under_a_pipeline_names_dualpipev(parallel, knob, value, says):
+    f = ep_finding({"strategy": "zero3", "ep": 2, "pp": 2, **parallel}, {"preset": "tiny-moe", "n_layers": 4})
+    assert (f["knob"], f["value"]) == (knob, value) and says in f["note"]
+
+
 def test_ep_finding_threshold_and_unknown_layout():
     assert ep_finding({"ep": 4}, ep_exposed=5.0) == {}  # 7% of the step exposed: no finding
     f = ep_finding({})  # no config.toml: the kind is known, the layout is not
@@ -459,3 +470,39 @@ def test_compare_names_the_ep_and_moe_keys_that_differ(tmp_path):
     assert compare(dense, ep2)["layout"] == [{"key": "parallel.ep", "a": 1, "b": 2},
                                              {"key": "model.moe_experts", "a": 0, "b": 8}]
     assert compare(ep2, run("same"))["layout"] == []
+
+
+def overlapped_cpu_events() -> list[dict]:
+    """One 100 ms gloo step of DualPipeV's overlapped forward (main thread) and backward (a helper
+    thread carrying its `PP:` action, loom/parallel/fb_overlap.py), ms:
+    main    mm 0-20 · ep_alltoall 20-40 (issued 20-21, gloo 21-40) · mm 40-70 · its turn's wait 70-80 ·
+            mm 80-100
+    helper  mm backward 0-30 · _AllToAllBackward 30-60 holding ep_alltoall 30-60 (issued 30-31, gloo
+            31-60) · mm backward 60-75 · a node 75-90 holding its turn's wait 75-90 · nothing 90-100"""
+    helper, gloo2 = 13, 14
+    two, f32 = ["float", "float"], {"Input_type": ["float"]}
+    node = "autograd::engine::evaluate_function: "
+    return [
+        X("ProfilerStep#1", 0, 100, "user_annotation"), X("PP:(0F1;3B0)OVERLAP_F_B", 0, 100, "user_annotation"),
+        X("PP:0F1", 0, 100, "user_annotation"), X("aten::mm", 0, 20), X(EP_ALLTOALL, 20, 20, "user_annotation"),
+        X("c10d::alltoall_base_", 20, 1, Input_Dims=[[512, 64], [512, 64]], Input_type=two),
+        X("gloo:all_to_all", 21, 19, "user_annotation", tid=GLOO, Input_Dims=[[512, 64]], **f32),
+        X("aten::mm", 40, 30), X("fb_overlap_wait", 70, 10, "user_annotation"), X("aten::mm", 80, 20),
+        X("PP:3B0", 0, 100, "user_annotation", tid=helper), X(node + "MmBackward0", 0, 30, tid=helper),
+        X(node + "_AllToAllBackward", 30, 30, tid=helper), X(EP_ALLTOALL, 30, 30, "user_annotation", tid=helper),
+        X("c10d::alltoall_base_", 30, 1, tid=helper, Input_Dims=[[512, 64], [512, 64]], Input_type=two),
+        X("gloo:all_to_all", 31, 29, "user_annotation", tid=gloo2, Input_Dims=[[512, 64]], **f32),
+        X(node + "MmBackward0", 60, 15, tid=helper), X(node + "_AllToAllBackward", 75, 15, tid=helper),
+        X("fb_overlap_wait", 75, 15, "user_annotation", tid=helper),
+    ]
+
+
+def test_an_overlapped_backward_computes_beside_the_main_thread(tmp_path):
+    """compute 0-30 (both or the helper), 40-75 (the main thread, and the helper until 75), 80-100;
+    exposed 30-40 (both sides in their all-to-alls); idle 75-80 (both waiting for a turn); hidden: the
+    main thread's all-to-all 20-30 under the helper's compute, the helper's 40-60 under the main's."""
+    led = analyze_dir(write_trace(tmp_path / "rank0.json", overlapped_cpu_events()))["ranks"]["0"]
+    (s,) = led["steps"]
+    assert _parts(s) == (100.0, 85.0, 10.0, 30.0, 5.0)
+    assert (s["ep_exposed_ms"], s["ep_hidden_ms"]) == (10.0, 30.0)
+    assert (s["forward_ms"], s["backward_ms"]) == (100.0, 100.0)  # the two at once

@@ -12,7 +12,7 @@ from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
 from loom.config import rank_stages, stages_per_rank
 from loom.parallel.pipeline import _CLASSES
-from loom.plan.in_flight import Chunk, rank_moments
+from loom.plan.in_flight import Chunk, overlapped_pairs, rank_moments
 
 
 class _StageShape:
@@ -90,3 +90,16 @@ def test_a_v_holds_the_head_once_on_rank_0() -> None:
     assert warm == (Chunk(0, 7), Chunk(7, 1, 1))
     assert rank_moments("zbv", 4, 1, 16, 3)[1] == (Chunk(3, 4, 4), Chunk(4, 3, 3))  # the cool-down's W's
     assert rank_moments("dualpipev", 4, 1, 16, 0)[0] == (Chunk(0, 8), Chunk(7, 1))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("extra", [0, 1, 5, 16])
+def test_dualpipev_overlapped_pairs_match_torch_orders(p: int, extra: int) -> None:
+    """DualPipeV's OVERLAP_F_B actions per rank, as torch builds them (the planner's share of each
+    rank's passes that can hide the expert all-to-alls, loom/plan/step.py's _ep_exposed)."""
+    m = 2 * p + extra
+    for rank in range(p):
+        actions = _torch_order("dualpipev", p, 2, m, rank)[1]
+        pairs = sum(a.computation_type == Kind.OVERLAP_F_B for a in actions)
+        assert overlapped_pairs(p, m, rank) == pairs, (p, m, rank)
+    assert min(overlapped_pairs(p, m, r) for r in range(p)) == overlapped_pairs(p, m, 0)

@@ -350,6 +350,29 @@ def test_ep_alltoall_is_exposed_at_the_links_rate():
     assert record["expert_state_bytes"]["total"] == expert_state_bytes(w, c).total
 
 
+def test_dualpipev_overlap_hides_the_paired_share_of_the_alltoall():
+    """Under dualpipev with ep the paired forwards and backwards (rank 0's 2m − 3p + 1 pairs of its 2m
+    passes) hide their share of the all-to-alls, up to that share of the compute; without the overlap,
+    or under 1f1b, every all-to-all stays exposed."""
+    shape = from_preset("mixtral-8x7b")
+    w = Workload(shape, 4096, 64)
+
+    def exposed(schedule: str, overlap: bool = True):
+        c = Candidate("zero3", 4, pp=2, schedule=schedule, virtual_stages=2 if schedule == "dualpipev" else 1,
+                      grad_accum=16, ep=4, dualpipev_overlap=overlap)
+        acc, groups = comm_per_step(w, c, 8)
+        t = step_time(w, c, H100, acc, groups)
+        ep = groups["ep"] / (H100.gpu.intra_node_gbps * 1e9 * link_efficiency(H100.gpu)) \
+            + H100.gpu.intra_node_latency_s * acc.count_by_group["ep"]
+        return t.comm_exposed, ep, t.compute
+
+    without, ep, compute = exposed("dualpipev", overlap=False)
+    with_overlap, ep2, _ = exposed("dualpipev")
+    assert ep == ep2 and without >= ep
+    assert without - with_overlap == pytest.approx((2 * 16 - 3 * 2 + 1) / 32 * min(ep, compute))
+    assert exposed("1f1b")[0] >= exposed("1f1b")[1]  # the all-to-alls whole, as without the overlap
+
+
 # ---------------------------------------------------------------------------------------------
 # candidates
 
