@@ -189,10 +189,17 @@ class _Stage(PipelineStage):
         # cannot send to itself; those stages hand tensors over in memory, so nothing connects them.
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
-    def _forward_metadata_inference(self, *args, **kwargs):
+    def _forward_metadata_inference(self, *args, **kwargs):  # torch 2.13's metadata pass
         _inferring.on = True
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            _inferring.on = False
+
+    def _shape_inference(self, *args, **kwargs):  # torch 2.11's: a training-mode forward on zeros
+        _inferring.on = True
+        try:
+            return super()._shape_inference(*args, **kwargs)
         finally:
             _inferring.on = False
 
