@@ -20,6 +20,11 @@ NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
 
 
 def apply_ddp(model: nn.Module, p: ParallelConfig, d: Dist) -> nn.Module:
+    """The model under DDP over the dp × cp ranks; with one such rank, the model itself: there is
+    nothing to all-reduce, and DDP's buckets would keep the gradients' 4Ψ allocated through the next
+    forward (the step's activation peak), where a plain loop has freed them (set_to_none)."""
+    if d.grad_mesh.size() == 1:
+        return model
     ddp = DDP(
         model,
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
