@@ -620,8 +620,14 @@ def ddp_accumulates_apart(w, c) -> bool:
     accumulate into gradients of their own, beside its buckets (the states' gradients), until the
     last micro-step's backward copies them in (measured: +4Ψ)."""
     return (w.recipe == "torch" and c.engine != "deepspeed"
-            and not c.uses_fsdp
+            and not c.uses_fsdp and not no_ddp(w, c)
             and c.grad_accum > 1)
+
+
+def no_ddp(w, c) -> bool:
+    """ddp and zero1 with one replica (dp × cp = 1) run without DDP (loom/parallel/ddp.py): no
+    buckets; the gradients exist from backward to the optimizer's zero_grad only."""
+    return w.recipe == "torch" and c.engine != "deepspeed" and not c.uses_fsdp and c.dp * c.cp == 1
 
 
 def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int, grads: float,
@@ -833,6 +839,8 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         kept = e * (units[-1] if reshards else sum(units))
         if c.grad_accum == 1 or pipelined or not w.reduce_every_micro_step:
             held -= grads  # the sharded gradients, not yet rebuilt (a later micro-step holds them)
+    elif no_ddp(w, c) and c.grad_accum == 1 and not pipelined:
+        held -= grads  # one replica runs no DDP: its gradients are None until backward makes them
 
     if deepspeed:  # DeepSpeed's engine: its buckets, activations and the larger transient
         rebuilt = (max(per_layer, per_moe) if moe else per_layer) if ckpt else 0.0

@@ -202,4 +202,8 @@ BUGS = [
         "loom/parallel/ddp.py",
         "    if d.grad_mesh.size() == 1:\n        return model\n", "",
         ("tests/unit/test_memory_vs_plain_loop.py::test_one_rank_ddp_peaks_as_a_plain_loop",)),
+    Bug("plan-one-replica-holds-grads", "the planner keeps a one-replica ddp step's gradients through forward",
+        "loom/plan/memory.py",
+        "    elif no_ddp(w, c) and c.grad_accum == 1 and not pipelined:\n", "    elif False:\n",
+        ("tests/unit/test_memory_vs_plain_loop.py::test_the_plan_frees_one_replicas_gradients_until_backward",)),
 ]

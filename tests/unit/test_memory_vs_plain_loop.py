@@ -52,3 +52,22 @@ def test_one_rank_ddp_peaks_as_a_plain_loop(corpus):
     num_params = sum(q.numel() for q in build_model(preset(MODEL["preset"], n_layers=MODEL["n_layers"])).parameters())
     assert 4 * num_params > 0.1 * plain  # the bucket this guards against would show
     assert abs(loom_peak / plain - 1) < 0.02, f"loom {loom_peak / 2**20:.2f} MiB, plain loop {plain / 2**20:.2f} MiB"
+
+
+def test_the_plan_frees_one_replicas_gradients_until_backward():
+    """The planner's side: a one-replica ddp (or zero1) step holds its gradients only from backward on,
+    so its buffers at the peak are 4Ψ below two replicas' (whose DDP buckets stay allocated); under
+    gradient accumulation the later micro-steps hold them, as DDP's do."""
+    from loom.plan.candidate import Candidate, Workload
+    from loom.plan.memory import stage_memory
+    from loom.plan.shapes import from_preset
+
+    w = Workload(from_preset("small"), SEQ, BATCH)
+    for strategy in ("ddp", "zero1"):
+        one, two = (stage_memory(w, Candidate(strategy, dp, micro_batch=BATCH // dp), 0, device="cpu")
+                    for dp in (1, 2))
+        assert one.grads == two.grads > 0
+        assert two.buffers - one.buffers == one.grads, strategy
+    accumulating = stage_memory(w, Candidate("ddp", 1, micro_batch=BATCH // 2, grad_accum=2), 0, device="cpu")
+    halves = stage_memory(w, Candidate("ddp", 2, micro_batch=BATCH // 2), 0, device="cpu")
+    assert accumulating.buffers >= halves.buffers
