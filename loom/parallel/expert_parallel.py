@@ -93,21 +93,17 @@ def send_to_experts(rows: torch.Tensor, counts: torch.Tensor, ep: ExpertGroup):
     """rows [M, d] sorted by expert with `counts` [E] per expert -> (this rank's experts' rows,
     sorted by local expert; rows per local expert, a list; how to send the results back)."""
     with exchange_segment():  # the counts and the rows: one segment under DualPipeV's overlap
-        return _send_to_experts(rows, counts, ep)
-
-
-def _send_to_experts(rows: torch.Tensor, counts: torch.Tensor, ep: ExpertGroup):
-    received = exchange_counts(counts, ep)  # [ep, E_local]
-    local_experts = received.shape[1]
-    # One host sync for every size (all_to_all_single takes lists): rows sent to each rank, rows got
-    # from each, rows per local expert.
-    sizes = torch.cat([counts.view(ep.size, -1).sum(1), received.sum(1), received.sum(0)]).tolist()
-    sent_rows, got_rows, per_expert = sizes[:ep.size], sizes[ep.size:2 * ep.size], sizes[2 * ep.size:]
-    arrived = _AllToAll.apply(rows, got_rows, sent_rows, ep.group)  # by source rank, then expert
-    expert_of_row = torch.arange(local_experts, device=rows.device).repeat(ep.size) \
-        .repeat_interleave(received.flatten())
-    order = torch.argsort(expert_of_row, stable=True)
-    return arrived[order], per_expert, (order, got_rows, sent_rows)
+        received = exchange_counts(counts, ep)  # [ep, E_local]
+        local_experts = received.shape[1]
+        # One host sync for every size (all_to_all_single takes lists): rows sent to each rank, rows got
+        # from each, rows per local expert.
+        sizes = torch.cat([counts.view(ep.size, -1).sum(1), received.sum(1), received.sum(0)]).tolist()
+        sent_rows, got_rows, per_expert = sizes[:ep.size], sizes[ep.size:2 * ep.size], sizes[2 * ep.size:]
+        arrived = _AllToAll.apply(rows, got_rows, sent_rows, ep.group)  # by source rank, then expert
+        expert_of_row = torch.arange(local_experts, device=rows.device).repeat(ep.size) \
+            .repeat_interleave(received.flatten())
+        order = torch.argsort(expert_of_row, stable=True)
+        return arrived[order], per_expert, (order, got_rows, sent_rows)
 
 
 def return_from_experts(out: torch.Tensor, route, ep: ExpertGroup) -> torch.Tensor:

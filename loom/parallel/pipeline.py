@@ -18,6 +18,7 @@ loom.plan.step.bubble_fraction.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -190,18 +191,21 @@ class _Stage(PipelineStage):
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
     def _forward_metadata_inference(self, *args, **kwargs):  # torch 2.13's metadata pass
-        _inferring.on = True
-        try:
+        with _marked_inferring():
             return super()._forward_metadata_inference(*args, **kwargs)
-        finally:
-            _inferring.on = False
 
     def _shape_inference(self, *args, **kwargs):  # torch 2.11's: a training-mode forward on zeros
-        _inferring.on = True
-        try:
+        with _marked_inferring():
             return super()._shape_inference(*args, **kwargs)
-        finally:
-            _inferring.on = False
+
+
+@contextlib.contextmanager
+def _marked_inferring():
+    _inferring.on = True
+    try:
+        yield
+    finally:
+        _inferring.on = False
 
 
 def _scaled(loss_fn: LossFn, microbatches: int) -> LossFn:
