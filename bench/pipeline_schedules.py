@@ -70,12 +70,13 @@ def run_schedule(schedule: str, root: Path, pp: int = PP) -> dict:
 def run_moe(schedule: str, root: Path, overlap: bool = True) -> dict:
     name = schedule if overlap or schedule != "dualpipev" else "dualpipev, no overlap"
     out = root / f"moe_{schedule}_{overlap}"
-    profile_run(4, (*MOE, f"parallel.pp_schedule={schedule}", f"parallel.dualpipev_overlap={str(overlap).lower()}"),
-                out)
+    keys = (f"parallel.pp_schedule={schedule}", f"parallel.dualpipev_overlap={str(overlap).lower()}")
+    profile_run(4, (*MOE, *keys), out)
     summary = json.loads((out / "summary.json").read_text())
     steps = [s for r in json.loads((out / "ledger.json").read_text())["ranks"].values() for s in r["steps"]]
     return {"schedule": name, "tokens_per_s": summary["tokens_per_s"], "wall_ms": _per_step(steps, "wall_ms"),
-            "ep_exposed_ms": _per_step(steps, "ep_exposed_ms"), "ep_hidden_ms": _per_step(steps, "ep_hidden_ms")}
+            "ep_exposed_ms": _per_step(steps, "ep_exposed_ms"),
+            "ep_hidden_ms": _per_step(steps, "ep_hidden_ms")}
 
 
 def print_table(rows: list[dict], own_cores: list[dict], moe: list[dict]) -> None:
@@ -96,7 +97,8 @@ def print_table(rows: list[dict], own_cores: list[dict], moe: list[dict]) -> Non
         print(f"goals at pp {group[0]['pp']}: zbv's bubble ≤ {BUBBLE_GOAL} × 1f1b's: {ratio:.2f}, "
               f"{_verdict(ratio <= BUBBLE_GOAL)}; zbv's activation peak within ±{MEMORY_GOAL:.0%} of the "
               f"plan on every rank: worst {worst:+.0%}, {_verdict(abs(worst) <= MEMORY_GOAL)}")
-    print(f"MoE, pp 2 × ep 2 (tiny-moe at 8 layers, {MICROBATCHES} micro-batches), the expert all-to-all per step:")
+    print(f"MoE, pp 2 × ep 2 (tiny-moe at 8 layers, {MICROBATCHES} micro-batches), "
+          "the expert all-to-all per step:")
     for r in moe:
         print(f"  {r['schedule']:22} {r['tokens_per_s']:7.0f} tokens/s, step {r['wall_ms']:7.1f} ms, "
               f"all-to-all exposed {r['ep_exposed_ms']:7.1f} ms, hidden {r['ep_hidden_ms']:7.1f} ms")

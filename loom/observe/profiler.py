@@ -56,7 +56,9 @@ def _all_threads(on: bool) -> dict:
     # The profiler records the thread that starts it (and autograd's own); a run that computes on a
     # helper thread of its own (DualPipeV's overlapped backward, loom/parallel/fb_overlap.py) asks for
     # every thread.
-    return {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)} if on else {}
+    if not on:
+        return {}
+    return {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
 
 
 class StepProfiler:

@@ -71,7 +71,8 @@ class Candidate:
     # parallel.ep: each MoE block's routed experts split over ep of the dp ranks (the innermost; E/ep
     # each), tokens sent to them and back by all-to-all (plan/experts.py); everything else as at ep = 1
     ep: int = 1
-    dualpipev_overlap: bool = True  # parallel.dualpipev_overlap: the ep all-to-alls beside the other side's compute
+    # parallel.dualpipev_overlap: the ep all-to-alls beside the other side's compute
+    dualpipev_overlap: bool = True
 
     @property
     def world(self) -> int:

@@ -413,7 +413,8 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
         parts.append(("cp", _cp_seconds(w, c, link, alpha, block_s, True, terms, wire=True)))
     if c.ep > 1 and w.shape.moe:  # the experts wait for their rows: exposed (but under DualPipeV's overlap)
         inter = experts.inter_node(c, cluster.gpus_per_node)
-        parts.append(("ep", _ep_exposed(c, seconds("expert parallel", groups["ep"], inter, "ep"), busy, terms)))
+        alone = seconds("expert parallel", groups["ep"], inter, "ep")
+        parts.append(("ep", _ep_exposed(c, alone, busy, terms)))
     exposed = sum(v for _, v in parts)
     if terms:
         terms.item("comm exposed", " + ".join(n for n, _ in parts), " + ".join(sec(v) for _, v in parts),

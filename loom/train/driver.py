@@ -411,7 +411,8 @@ def _print_layout(cfg: Config, d: Dist, task: Task, b: Built, micro_batch: int) 
 def _start_profiler(cfg: Config, run_dir: Path | None, d: Dist):
     if not (cfg.profile.enabled and run_dir is not None):
         return None
-    profiler = StepProfiler(cfg.profile, run_dir, d.rank, d.device, all_threads=fb_overlap.overlaps(cfg.parallel))
+    all_threads = fb_overlap.overlaps(cfg.parallel)
+    profiler = StepProfiler(cfg.profile, run_dir, d.rank, d.device, all_threads=all_threads)
     profiler.__enter__()
     return profiler
 

@@ -38,7 +38,8 @@ def _rank_runs(cfgs: list) -> list:
     for cfg in cfgs:
         before, own_group[:] = fb_overlap.overlapped_actions(), []
         r = train(cfg, None, return_state=True, quiet=True)
-        out.append((r.losses, r.grad_norms, r.state_dict, fb_overlap.overlapped_actions() - before, sum(own_group)))
+        overlapped = fb_overlap.overlapped_actions() - before
+        out.append((r.losses, r.grad_norms, r.state_dict, overlapped, sum(own_group)))
     return out
 
 

@@ -178,7 +178,8 @@ BUGS = [
         ("tests/unit/test_ledger_moe.py::test_exposed_ep_alltoall_under_a_pipeline_names_dualpipev",)),
     Bug("ep-knob-no-dualpipev", "exposed all-to-all under 1f1b with a V possible: dualpipev not named",
         "loom/observe/diagnose.py",
-        '    if pp > 1 and schedule != "dualpipev" and micro >= 2 * pp and (layers is None or layers >= 2 * pp):\n',
+        '    if pp > 1 and schedule != "dualpipev" and micro >= 2 * pp'
+        ' and (layers is None or layers >= 2 * pp):\n',
         '    if False:\n',
         ("tests/unit/test_ledger_moe.py::test_exposed_ep_alltoall_under_a_pipeline_names_dualpipev",)),
 ]

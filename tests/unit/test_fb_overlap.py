@@ -95,6 +95,7 @@ def test_overlap_is_for_dualpipev_under_ep():
     from loom.config import ParallelConfig
 
     assert fb_overlap.overlaps(ParallelConfig(pp=2, pp_schedule="dualpipev", ep=2))
-    assert not fb_overlap.overlaps(ParallelConfig(pp=2, pp_schedule="dualpipev", ep=2, dualpipev_overlap=False))
+    off = ParallelConfig(pp=2, pp_schedule="dualpipev", ep=2, dualpipev_overlap=False)
+    assert not fb_overlap.overlaps(off)
     assert not fb_overlap.overlaps(ParallelConfig(pp=2, pp_schedule="dualpipev", ep=1))
     assert not fb_overlap.overlaps(ParallelConfig(pp=2, pp_schedule="zbv", ep=2))

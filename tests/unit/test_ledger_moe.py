@@ -191,10 +191,12 @@ def test_exposed_ep_alltoall_names_fewer_ep_ranks(ep, model, value, says):
 
 
 @pytest.mark.parametrize("parallel, knob, value, says", [
-    ({"pp_schedule": "dualpipev", "dualpipev_overlap": False}, "parallel.dualpipev_overlap", True, "now false"),
+    ({"pp_schedule": "dualpipev", "dualpipev_overlap": False}, "parallel.dualpipev_overlap", True,
+     "now false"),
     ({"pp_schedule": "1f1b", "microbatches": 4}, "parallel.pp_schedule", "dualpipev", "now 1f1b"),
     ({"pp_schedule": "1f1b", "microbatches": 2}, "parallel.ep", 1, "no all-to-all"),  # a V needs 2·pp
-    ({"pp_schedule": "dualpipev", "microbatches": 4}, "parallel.ep", 1, "no all-to-all"),  # overlapped already
+    # overlapped already
+    ({"pp_schedule": "dualpipev", "microbatches": 4}, "parallel.ep", 1, "no all-to-all"),
 ])
 def test_exposed_ep_alltoall_under_a_pipeline_names_dualpipev(parallel, knob, value, says):
     f = ep_finding({"strategy": "zero3", "ep": 2, "pp": 2, **parallel}, {"preset": "tiny-moe", "n_layers": 4})
@@ -483,13 +485,16 @@ def overlapped_cpu_events() -> list[dict]:
     two, f32 = ["float", "float"], {"Input_type": ["float"]}
     node = "autograd::engine::evaluate_function: "
     return [
-        X("ProfilerStep#1", 0, 100, "user_annotation"), X("PP:(0F1;3B0)OVERLAP_F_B", 0, 100, "user_annotation"),
-        X("PP:0F1", 0, 100, "user_annotation"), X("aten::mm", 0, 20), X(EP_ALLTOALL, 20, 20, "user_annotation"),
+        X("ProfilerStep#1", 0, 100, "user_annotation"),
+        X("PP:(0F1;3B0)OVERLAP_F_B", 0, 100, "user_annotation"),
+        X("PP:0F1", 0, 100, "user_annotation"), X("aten::mm", 0, 20),
+        X(EP_ALLTOALL, 20, 20, "user_annotation"),
         X("c10d::alltoall_base_", 20, 1, Input_Dims=[[512, 64], [512, 64]], Input_type=two),
         X("gloo:all_to_all", 21, 19, "user_annotation", tid=GLOO, Input_Dims=[[512, 64]], **f32),
         X("aten::mm", 40, 30), X("fb_overlap_wait", 70, 10, "user_annotation"), X("aten::mm", 80, 20),
         X("PP:3B0", 0, 100, "user_annotation", tid=helper), X(node + "MmBackward0", 0, 30, tid=helper),
-        X(node + "_AllToAllBackward", 30, 30, tid=helper), X(EP_ALLTOALL, 30, 30, "user_annotation", tid=helper),
+        X(node + "_AllToAllBackward", 30, 30, tid=helper),
+        X(EP_ALLTOALL, 30, 30, "user_annotation", tid=helper),
         X("c10d::alltoall_base_", 30, 1, tid=helper, Input_Dims=[[512, 64], [512, 64]], Input_type=two),
         X("gloo:all_to_all", 31, 29, "user_annotation", tid=gloo2, Input_Dims=[[512, 64]], **f32),
         X(node + "MmBackward0", 60, 15, tid=helper), X(node + "_AllToAllBackward", 75, 15, tid=helper),
