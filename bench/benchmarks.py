@@ -652,6 +652,19 @@ def compile_(ctx: Context) -> None:
     ctx.note(
         "Correctness: tests/distributed/test_compile.py (compiled training equals eager within tolerance)."
     )
+    # issue 39: each block one graph (a break leaves its pieces unfused), counted by dynamo on a CPU
+    out = ctx.folder("compile-breaks").with_suffix(".json")
+    argv = [str(HERE / "compile_breaks.py"), "--json", str(out)]
+    ctx.command([sys.executable, *argv], "graph breaks", timeout=600)
+    for row in json.loads(out.read_text()):
+        ctx.row(comparison=f"graph breaks: {row['case']}", ratio=None, spread=None,
+                final_loss_compile=None, final_loss_eager=None, goal_met=row["graph_breaks"] == 0,
+                command="python " + " ".join(argv[:1]),
+                detail=f"{row['graph_breaks']} breaks, {row['graphs']} graphs, gradients within "
+                       f"{row['gradient_gap']:.0e} of eager")
+        if row["graph_breaks"]:
+            ctx.missed(f"compiled {row['case']}: {row['graph_breaks']} graph breaks",
+                       ", ".join(row["reasons"]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from loom.errors import ConfigError
 from loom.parallel.weights import WeightSource, block, plain_name
@@ -69,8 +70,18 @@ class LoRALinear(nn.Linear):
     lora_dropout: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + lora_delta(
-            x, self.lora_A, self.lora_B, self.lora_scale, self.lora_dropout, self.training)
+        base = F.linear(x, self.weight, self.bias)
+        if isinstance(base, DTensor):  # tensor parallel's split adapters: as the plan lays them out
+            return base + lora_delta(x, self.lora_A, self.lora_B, self.lora_scale, self.lora_dropout,
+                                     self.training)
+        # The update summed into the base output by the second matmul itself (addmm: no separate
+        # add over [tokens, out]), the scale as its alpha on the r-wide product.
+        if self.lora_dropout and self.training:
+            x = F.dropout(x, self.lora_dropout, training=True)
+        low = F.linear(x, self.lora_A)
+        out = torch.addmm(base.reshape(-1, base.shape[-1]), low.reshape(-1, low.shape[-1]),
+                          self.lora_B.t(), alpha=self.lora_scale)
+        return out.view(base.shape)
 
 
 def _adapt_linear(module: nn.Linear, spec: LoRASpec) -> None:

@@ -51,7 +51,8 @@ in a loom run, inside loom's forward / backward / pipeline / data ranges only: t
 them are loom's own loop (`host_syncs_loop`: the stop agreement's reads of a gloo-reduced CPU
 tensor, the step before's loss read back a step late), needed and not the user's to fix. So are
 the syncs inside loom's GPT MoE blocks (their `moe` profiler range: the routing's tokens per expert
-read on the host as split sizes, for the experts' matmuls and expert parallelism's all-to-alls),
+read on the host as split sizes, for CPU's per-expert matmuls and expert parallelism's all-to-alls;
+CUDA's grouped experts read none at ep 1),
 counted apart as `host_syncs_moe` in the steps of a trace that has such blocks.
 
 Events of a kind the ledger does not use (metadata, instants, flows) are skipped. A complete

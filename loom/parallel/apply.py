@@ -83,8 +83,7 @@ def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdap
     apply_activation_checkpointing(layers, p.activation_checkpointing, p.ac_every)
     blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
     if cfg.train.compile:
-        for block in blocks:
-            block.compile()  # in place: parameter names stay the same
+        compile_blocks(blocks)
     if uses_fsdp(p):
         apply_fsdp(model, blocks, p, cfg.train.precision, d, experts if d.ep is not None else [])
         if adapter.meta_init:
@@ -95,6 +94,17 @@ def _parallelize_part(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdap
         materialize(model, d.device)
         adapter.init_weights(model, cfg.train.seed, weights)
     return apply_ddp(model, p, d)  # zero1 shards the optimizer, not the model
+
+
+def compile_blocks(blocks: list[nn.Module], backend: str = "inductor") -> None:
+    """torch.compile each block in place (parameter names stay the same), as one graph each: an MoE
+    block's routing tally is a forward side effect that checkpointing must not replay in backward
+    (eager skips it there itself: loom/models/gpt/moe.py), so dynamo is told to skip it too rather
+    than break the checkpointed block's graph. `backend`: the tests count graph breaks without
+    inductor ("aot_eager")."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    for block in blocks:
+        block.compile(backend=backend)
 
 
 def materialize(model: nn.Module, device: torch.device, offload: bool = False) -> None:

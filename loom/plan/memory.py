@@ -765,7 +765,10 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                    f"({layers} − {ckpt})·{gb(per_layer)} + {ckpt}·{gb(per_ckpt)}", gb(blocks))
     elif terms and not moe:
         terms.item("blocks", "L_s·block", f"{layers}·{gb(per_layer)}", gb(blocks))
-    head = head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast, chunk, terms) if last else 0.0
+    # the chunked loss's gradients made in its forward (not under GPipe or a split backward: step.py)
+    in_forward = bool(chunk) and not (pipelined and (c.schedule == "gpipe" or c.split_backward))
+    head = head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast, chunk, terms,
+                            grad_in_forward=in_forward) if last else 0.0
     if pipelined and terms:
         terms.item("stage output", f"s·b·h·{'4' if autocast else 'e'} (kept for its backward; each stage "
                    "but the last)", f"{sb}·{h}·{ne}", gb(residual))
@@ -776,8 +779,8 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                                terms)
     saved, one_micro = peak.saved, peak.one_micro
     transient = head_transient_bytes(shape, seq, mb, tp, chunk, e, terms) if last else 0.0
-    # the fp32 log-softmax, or chunked each token's fp32 logsumexp
-    loss_saved = 4 * seq * mb * (1 if chunk else shape.vocab_size / tp) if last else 0.0
+    # the fp32 log-softmax, or chunked each token's fp32 logsumexp (none: the gradients from forward)
+    loss_saved = 4 * seq * mb * (1 if chunk else shape.vocab_size / tp) if last and not in_forward else 0.0
 
     # Buffers held through backward.
     held = 0.0

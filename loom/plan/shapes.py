@@ -351,7 +351,8 @@ def residual_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, aut
 
 def head_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1,
                      pipelined: bool = False, sequence_parallel: bool = False,
-                     autocast: bool = False, chunk: int = 0, terms: Terms = NO_TERMS) -> float:
+                     autocast: bool = False, chunk: int = 0, terms: Terms = NO_TERMS,
+                     grad_in_forward: bool = False) -> float:
     """What the final norm and the loss keep per micro-batch until its backward: the norm's fp32
     input, its normalized tensor and the head's input (as in a block, one linear reading it); the
     loss's fp32 log-softmax (loss_parallel under TP keeps its fp32 shifted logits instead, split
@@ -359,18 +360,27 @@ def head_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, t
     cross entropy casts them to fp32). A pipeline schedule also keeps the stage's output, the
     logits, in the compute dtype. Chunked (train.loss_chunk, loom/models/chunked_loss.py, every
     layout; a last pipeline stage outputs the norm's output, the head's input): no logits kept,
-    only each token's fp32 logsumexp."""
+    only each token's fp32 logsumexp; `grad_in_forward` (but GPipe and split backwards) keeps the
+    head input's fp32 gradient, computed in forward, in place of the input and the logsumexp (the
+    weight's gradient made there too is the one head_backward_bytes prices)."""
     sb, h = seq * micro_batch, shape.d_model
     sbv = sb * shape.vocab_size / tp
     normalized = sb * h * (4 + (4 if autocast and elem < 4 else elem))
     sp, autocast = sequence_parallel and tp > 1, autocast and elem < 4
     norm = (normalized / tp if sp else normalized) + sb * h * elem
-    saved = norm + 4 * sb if chunk else norm + sbv * (4 + (elem if pipelined else 0))
+    if chunk and grad_in_forward:
+        saved = norm + sb * h * (4 - elem)
+    else:
+        saved = norm + 4 * sb if chunk else norm + sbv * (4 + (elem if pipelined else 0))
     if terms:
         e, ne, v = elem, 4 if autocast else elem, shape.vocab_size
         over, by = ("/tp", f"/{tp}") if sp else ("", "")
         formula = f"s·b·h·(4 + {'4' if autocast else 'e'}){over} + s·b·h·e"
-        if chunk:  # no logits kept, each token's logsumexp
+        if chunk and grad_in_forward:  # h's fp32 gradient in place of h
+            norm_only = formula.removesuffix(" + s·b·h·e")
+            terms.item("final norm + loss", f"{norm_only} + 4·s·b·h (chunked loss: h's fp32 gradient from "
+                       "forward, kept in place of h)", f"{sb}·{h}·(4 + {ne}){by} + 4·{sb}·{h}", gb(saved))
+        elif chunk:  # no logits kept, each token's logsumexp
             terms.item("final norm + loss", f"{formula} + 4·s·b (chunked loss: fp32 logsumexp)",
                        f"{sb}·{h}·(4 + {ne}){by} + {sb}·{h}·{e} + 4·{sb}", gb(saved))
         else:

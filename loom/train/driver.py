@@ -55,7 +55,7 @@ from loom.plan.memory import deepspeed_states, lora_state_bytes, model_state_byt
 from loom.plan.step import pipeline_text
 from loom.train import checkpoint, faults, moe_step, muon, record, run_figures
 from loom.train.export_lora import peft_holds
-from loom.train.meters import MetricsFile, PhaseTimer, Progress, phase_share
+from loom.train.meters import LateRead, MetricsFile, PhaseTimer, Progress, phase_share
 from loom.train.optim import build_optimizer, build_scheduler
 from loom.train.step import Pipeline, build_pipeline, deepspeed_train_step, evaluate, train_step
 from loom.train.stop import Stopped, StopRequest, preempt_signal, slurm_requeue
@@ -467,11 +467,13 @@ class StepLog:
 
     def queued(self, step: int, out, phases: dict, step_start: float, exchange: dict | None = None) -> None:
         """Step `step` is queued: read back the step before it, keep this one's values pending.
-        The step's time includes that read-back (on a GPU, the wait for the step before).
+        The step's time includes that read-back (on a GPU, the wait for the step before, not for
+        this one: LateRead).
         `exchange`: context parallelism's bytes sent and host wait this step (context_parallel.take_tally)."""
         values = torch.stack([out.loss, out.grad_norm.float().reshape(()), out.skipped])
         if out.moe is not None:  # read back with them: [loss, grad norm, skipped, the routing's tally...]
             values = torch.cat([values, out.moe.float()])
+        values = LateRead(values)
         self.flush()
         step_time = time.perf_counter() - step_start
         self.step_times.append(step_time)
@@ -493,9 +495,9 @@ class StepLog:
         if self.pending is None:
             return
         entry, self.pending = self.pending, None
-        values = entry.pop("values")
-        loss, gnorm, skipped = values[:3].tolist()
-        entry.update(moe_step.metrics(values[3:] if values.numel() > 3 else None))
+        values = entry.pop("values").tolist()
+        loss, gnorm, skipped = values[:3]
+        entry.update(moe_step.metrics(values[3:] or None))
         if "moe_load_imbalance" in entry:
             self.moe_rows.append({k: entry[k] for k in ("moe_load_imbalance", "moe_dropped")})
         self.losses.append(loss)

@@ -97,6 +97,27 @@ def _step_of(line: str) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+class LateRead:
+    """A step's device values (loss, grad norm, ...), read on the host a step later without waiting
+    for the step queued since: on CUDA they are copied to pinned memory behind the step's own work,
+    and the read waits for that copy only (a plain read would wait for everything queued, the next
+    step included, and leave the GPU idle while the host prepares the one after)."""
+
+    def __init__(self, values: torch.Tensor):
+        self.ready = None
+        if values.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            values = host.copy_(values, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        self.values = values
+
+    def tolist(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()  # this step's work and copy; CUDA events recorded before it too
+        return self.values.tolist()
+
+
 # A pipeline's schedule runs forward and backward interleaved: one "pipeline" phase.
 PHASES = ("data", "forward", "backward", "pipeline", "optimizer")
 

@@ -64,7 +64,7 @@ def after_step(model: nn.Module, d: Dist | None, experts: int,
         block.stats = None
     imbalance = (load.max(1).values / load.mean(1).clamp(min=1e-9)).amax().reshape(1) if blocks \
         else torch.zeros(1, device=tally.device)
-    sums = torch.cat([aux.sum().reshape(1), torch.tensor([float(len(blocks))], device=aux.device),
+    sums = torch.cat([aux.sum().reshape(1), aux.new_full((1,), float(len(blocks))),  # no host copy
                       dropped.sum().reshape(1), load.sum(0)])
     if pp_group is not None:  # each pipeline stage holds other blocks: all of them
         dist.all_reduce(sums, group=pp_group)
@@ -72,10 +72,9 @@ def after_step(model: nn.Module, d: Dist | None, experts: int,
     return torch.cat([sums[:1] / sums[1], sums[2:3], imbalance, sums[3:]])
 
 
-def metrics(values: torch.Tensor | None) -> dict:
-    """metrics.jsonl's MoE fields from after_step's vector (read back on the host)."""
-    if values is None:
+def metrics(v: list[float] | None) -> dict:
+    """metrics.jsonl's MoE fields from after_step's vector, read back on the host."""
+    if not v:
         return {}
-    v = values.tolist()
     return {"moe_aux_loss": v[0], "moe_dropped": int(round(v[1])), "moe_load_imbalance": v[2],
             "moe_expert_tokens": [int(round(x)) for x in v[3:]]}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.config import Config, pipeline_microbatches, rank_stages, stages_per_rank
+from loom.config import Config, pipeline_microbatches, rank_stages, splits_backward, stages_per_rank
 from loom.models.gpt.lean_ops import plain_ops
 from loom.models.gpt.model import GPT
 from loom.parallel import fb_overlap, precision
@@ -52,6 +52,12 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist,
     scale: dict = {}
     head = chunked_head(parts, stage_ids.index(num_stages - 1), cfg) if num_stages - 1 in stage_ids else None
 
+    # The chunked loss's gradients computed in its forward, except under GPipe (every micro-batch's
+    # forward first: each would hold a weight-sized gradient until the backwards) and a split
+    # backward (torch's weight pass may run a node's backward again, which these gradients allow
+    # once: loom/models/chunked_loss.py)
+    grad_in_forward = p.pp_schedule != "gpipe" and not splits_backward(p)
+
     def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         sft = cfg.data.format == "sft"  # the sum over its loss tokens, in units of the global mean
         if split is not None:  # the last stage's output holds this cp rank's tokens only
@@ -59,7 +65,7 @@ def build_pipeline(parts: list[nn.Module], cfg: Config, d: Dist,
         reduction = "sum" if sft else "mean"
         if head is not None:  # the last stage's norm output, through the head chunk by chunk
             loss = head(output, targets=targets, loss_chunk=cfg.train.loss_chunk, masked=sft,
-                        reduction=reduction)
+                        reduction=reduction, grad_in_forward=grad_in_forward)
         else:  # the last stage's logits
             loss = cross_entropy(output, targets, masked=sft, reduction=reduction)
         # The schedule sums micro-batch gradients; over grad_accum steps they must average too.

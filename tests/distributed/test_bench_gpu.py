@@ -27,7 +27,7 @@ def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypa
     monkeypatch.setattr(gpu, "BUDGET_S", 3600.0)
     bench = {"rows": [], "notes": [], "missed": [], "plots": []}
     saved = []
-    ctx = harness.Context(True, tmp_path, {"benches": {"gpu": bench}}, harness.Progress(15), tmp_path,
+    ctx = harness.Context(True, tmp_path, {"benches": {"gpu": bench}}, harness.Progress(16), tmp_path,
                           save=lambda: saved.append(len(bench["rows"])))
     ctx.bench = "gpu"
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
@@ -36,13 +36,14 @@ def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypa
     rows = {r["case"]: r for r in bench["rows"]}
     assert list(rows) == ["bf16 matmul 256³", "eager", "CP attention pieces vs one SDPA",
                           "zero3 + CPU offload", "hand-written loop (loom's GPT)",
-                          "Hugging Face LlamaForCausalLM", "compile", "AC op", "AC full", "fp16",
-                          "LoRA rank 16", "Muon",
+                          "Hugging Face LlamaForCausalLM", "compile", "full logits", "AC op", "AC full",
+                          "fp16", "LoRA rank 16", "Muon",
                           "MoE 8×64 top 2", "loom profile + loom analyze",
                           "async checkpoint from CUDA memory, resumed"]
-    assert saved == list(range(1, 16))  # the results written after every case
+    assert saved == list(range(1, 17))  # the results written after every case
     assert "accelerator" in rows["zero3 + CPU offload"]["error"]  # refused on a CPU, in one line
-    for name in ("eager", "compile", "AC op", "AC full", "fp16", "LoRA rank 16", "MoE 8×64 top 2"):
+    for name in ("eager", "compile", "full logits", "AC op", "AC full", "fp16", "LoRA rank 16",
+                 "MoE 8×64 top 2"):
         row = rows[name]
         assert "error" not in row, row
         assert row["measured"] > 0 and row["peak_gib"] > 0 and row["unit"] == "tokens/s", row
@@ -54,7 +55,12 @@ def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypa
     assert "train.precision=bf16" in rows["eager"]["command"]
     assert "train.precision=fp16" in rows["fp16"]["command"]
     assert rows["AC full"]["peak_gib"] < rows["eager"]["peak_gib"]  # full AC frees activations
-    assert "dense twin (eager)" in rows["MoE 8×64 top 2"]["detail"]
+    assert "dense twin (eager; goal ≥ 0.85)" in rows["MoE 8×64 top 2"]["detail"]
+    # issue 39's goals, each as a ratio beside its row
+    assert "× eager (goal ≥ 1.15)" in rows["compile"]["detail"]
+    assert "× full fine-tuning (goal ≥ 1.3)" in rows["LoRA rank 16"]["detail"]
+    assert "× the chunked loss (eager)" in rows["full logits"]["detail"]
+    assert "(goal ≥ 1.00×)" in rows["Hugging Face LlamaForCausalLM"]["detail"]
     assert rows["bf16 matmul 256³"]["measured"] > 0
     cp = rows["CP attention pieces vs one SDPA"]
     assert cp["detail"].startswith("12/12 cases within tolerance") and cp["measured"] <= cp["planned"]

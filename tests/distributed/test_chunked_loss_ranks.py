@@ -161,8 +161,12 @@ def test_chunked_loss_is_exact_under_every_layout(layout_runs, layout):
         assert len(grads) == len(f_grads) and (grads or layout == "deepspeed")  # DeepSpeed steps itself
         for i, (a, b) in enumerate(zip(grads, f_grads, strict=True)):
             assert _close(a, b), (rank, i, tuple(b.shape), (a - b).abs().max().item(), b.abs().max().item())
-        for key, b in f_state.items():  # a few Adam steps on (which amplify rounding): the weights too
-            assert ((state[key] - b).norm() / b.norm()).item() < S.RTOL, (rank, key)
+        # A few Adam steps on (which amplify rounding): the weights too. SFT's masked targets leave
+        # gradients near zero whose Adam steps amplify it most; the chunked path's gradients are
+        # scaled after their matmuls (computed in forward): 1.8e-5 on sft-pp2's w2.
+        rtol = 3 * S.RTOL if layout.startswith("sft") else S.RTOL
+        for key, b in f_state.items():
+            assert ((state[key] - b).norm() / b.norm()).item() < rtol, (rank, key)
         assert not logits, (rank, logits)  # the lean path keeps no logits for backward
         saw_logits |= bool(f_logits)
     assert saw_logits  # the full path does, where the head is: the check sees them

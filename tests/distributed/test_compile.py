@@ -77,3 +77,30 @@ def test_compiled_blocks_give_every_parameter_eager_gradient(name):
     result gave wq and wk zero gradients when compiled (the losses above moved by only 5e-5)."""
     (gaps,) = run_ranks(_gradient_gaps, 1, name, timeout=400)
     assert {k: v for k, v in gaps.items() if not v <= 1e-5} == {}
+
+
+def _graph_breaks(name: str, ac: str, lora: bool):
+    """bench/compile_breaks.py's count, in this rank's fresh process."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from compile_breaks import graph_breaks
+
+    return graph_breaks(name, ac, lora)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("ac", ["none", "full", "op"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_blocks_compile_whole(name, ac, lora):
+    """Each block one graph (no break: a break splits it and leaves the pieces unfused), dense and
+    MoE, with and without LoRA and activation checkpointing; a checkpointed MoE block's routing
+    tallied once per forward, not again when backward recomputes it; every trained parameter's
+    gradient eager's (the aux loss's on the router included)."""
+    (result,) = run_ranks(_graph_breaks, 1, name, ac, lora, timeout=300)
+    breaks, graphs, tally, gap, trained = result
+    assert breaks == {} and graphs >= 1, result
+    assert trained > 0 and gap < 1e-5, result
+    # 2 passes of 2 × 32 tokens, top 2 of 8 experts, in each of tiny-moe's 2 MoE blocks
+    assert tally == ([(2, 2 * 2 * 32 * 2)] * 2 if name == "tiny-moe" else []), tally

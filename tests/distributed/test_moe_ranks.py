@@ -22,6 +22,7 @@ from test_strategies import (
     SEQ,
     STEPS,
     UNITS,
+    _rank_train,
     _run,
     make_config,
     reference_run,
@@ -162,6 +163,23 @@ def test_moe_matches_single_process(corpus, strategy, world, extra):
     planned = model_state_bytes(strategy, dense, c.shard_size).total
     for rank, m in enumerate(results[0][2]):
         assert m["model_state_bytes"] == pytest.approx(planned + routed, rel=0.01), (rank, m)
+
+
+def _rank_train_grouped(cfg):
+    """Train with the experts as grouped GEMMs (CUDA's path; torch's CPU form of the product, fp32)."""
+    from loom.models.gpt import moe
+
+    moe.grouped_dtype = lambda device, dtype, *widths: torch.float32
+    return _rank_train(cfg)
+
+
+@pytest.mark.parametrize("extra", [("parallel.ep=1", UNITS), ("parallel.ep=2", UNITS)], ids=["ep1", "ep2"])
+def test_grouped_experts_match_single_process(corpus, extra):
+    """CUDA's grouped experts (sizes on the device at ep 1; the all-to-all's host sizes at ep 2) train
+    as the single-process reference's per-expert loop does."""
+    ref_losses, ref_norms, ref_state = moe_reference(corpus)
+    results = run_ranks(_rank_train_grouped, 2, make_config(corpus, "zero3", *MOE, *extra))
+    assert_matches(results, ref_losses, ref_norms, ref_state)
 
 
 def test_bf16_moe_tracks_the_fp32_reference(corpus):

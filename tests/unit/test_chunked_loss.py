@@ -38,31 +38,36 @@ def _close(got, want, rel):
 
 @pytest.mark.parametrize("chunk", [1, 7, 128, 150, 299, 5000])  # 7, 128: do not divide 300; 5000 > tokens
 @pytest.mark.parametrize("masked,reduction", [(False, "mean"), (True, "mean"), (True, "sum"), (False, "sum")])
-def test_fp32_matches_the_full_logits(chunk, masked, reduction):
+@pytest.mark.parametrize("in_forward", [True, False], ids=["grad-in-forward", "recompute"])
+def test_fp32_matches_the_full_logits(chunk, masked, reduction, in_forward):
     h, w, t = _data()
     if masked:
         t[0, :40] = IGNORE  # a prompt
         t[1, 100:] = IGNORE
     want = _grads(lambda h, w: cross_entropy(h @ w.t(), t, masked, reduction), h, w)
-    got = _grads(lambda h, w: chunked_cross_entropy(h, w, t, chunk, masked, reduction), h, w)
+    got = _grads(lambda h, w: chunked_cross_entropy(h, w, t, chunk, masked, reduction,
+                                                    grad_in_forward=in_forward), h, w)
     _close(got, want, 5e-6)  # of the largest entry: fp32 rounding of sums over the vocabulary
 
 
-def test_all_masked_gives_zero_not_nan():
+@pytest.mark.parametrize("in_forward", [True, False], ids=["grad-in-forward", "recompute"])
+def test_all_masked_gives_zero_not_nan(in_forward):
     h, w, t = _data()
     t[:] = IGNORE
-    loss, gh, gw = _grads(lambda h, w: chunked_cross_entropy(h, w, t, 64, masked=True), h, w)
+    loss, gh, gw = _grads(
+        lambda h, w: chunked_cross_entropy(h, w, t, 64, masked=True, grad_in_forward=in_forward), h, w)
     assert loss.item() == 0 and gh.abs().max() == 0 and gw.abs().max() == 0
 
 
-def test_bf16_autocast_within_the_references_noise():
+@pytest.mark.parametrize("in_forward", [True, False], ids=["grad-in-forward", "recompute"])
+def test_bf16_autocast_within_the_references_noise(in_forward):
     """Under autocast the logits are bf16 on both paths; both are compared with an fp64 reference
     and the chunked error must stay within twice the full path's (plus a bf16 ulp)."""
     h, w, t = _data(512)
     exact = _grads(lambda h, w: cross_entropy(h.double() @ w.double().t(), t), h, w)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         full = _grads(lambda h, w: cross_entropy(torch.nn.functional.linear(h, w), t), h, w)
-        chunked = _grads(lambda h, w: chunked_cross_entropy(h, w, t, 100), h, w)
+        chunked = _grads(lambda h, w: chunked_cross_entropy(h, w, t, 100, grad_in_forward=in_forward), h, w)
     for f, c, e in zip(full, chunked, exact, strict=True):
         assert c.dtype == f.dtype == torch.float32
         full_err = (f.double() - e.double()).abs().max().item()
@@ -71,13 +76,35 @@ def test_bf16_autocast_within_the_references_noise():
         assert full_err > 0  # the reference is really noisy: the comparison means something
 
 
-def test_bf16_parameters_match():
+@pytest.mark.parametrize("in_forward", [True, False], ids=["grad-in-forward", "recompute"])
+def test_bf16_parameters_match(in_forward):
     """FSDP2's mixed precision: bf16 weight and hidden states, no autocast."""
     h, w, t = _data(256, torch.bfloat16)
     full = _grads(lambda h, w: cross_entropy(h @ w.t(), t), h, w)
-    chunked = _grads(lambda h, w: chunked_cross_entropy(h, w, t, 64), h, w)
+    chunked = _grads(lambda h, w: chunked_cross_entropy(h, w, t, 64, grad_in_forward=in_forward), h, w)
     assert chunked[1].dtype == chunked[2].dtype == torch.bfloat16
     _close(chunked, full, 2e-2)
+
+
+@pytest.mark.parametrize("in_forward, matmuls", [(True, 1), (False, 2)], ids=["grad-in-forward", "recompute"])
+def test_the_head_matmul_runs_once_per_chunk(in_forward, matmuls):
+    """Forward and backward of 300 tokens at 64 a chunk: 5 chunks' logits, each computed once when
+    the gradients are computed in forward (twice, forward and again in backward, otherwise)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Logits(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.split(".")[0] in ("mm", "addmm", "matmul") and out.shape[-1] == V:
+                Logits.count += 1
+            return out
+
+    h, w, t = _data()
+    with Logits():
+        chunked_cross_entropy(h, w, t, 64, grad_in_forward=in_forward).backward()
+    assert Logits.count == 5 * matmuls
 
 
 def test_no_full_logits_are_saved_for_backward():
@@ -90,7 +117,12 @@ def test_no_full_logits_are_saved_for_backward():
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        loss = chunked_cross_entropy(h, w, t, 64)
+        loss = chunked_cross_entropy(h, w, t, 64, grad_in_forward=False)
+    # gradients from forward are kept on the node, beside what it saves: h's fp32 gradient and the
+    # weight's, nothing of [tokens, vocab]
+    held = chunked_cross_entropy(h, w, t, 64, reduction="sum").grad_fn.grads
+    fp32 = torch.float32
+    assert [(tuple(g.shape), g.dtype) for g in held] == [((tokens, D), fp32), ((V, D), fp32)]
     loss.backward()
     assert saved, "the hook saw nothing: the test would pass vacuously"
     assert not [s for s in saved if s[0][0] * (s[0][1] if len(s[0]) > 1 else 1) >= tokens * V // 8], saved
@@ -279,3 +311,16 @@ def test_the_plan_prices_one_chunk_of_logits():
         stage_memory(w, Candidate("zero3", dp=4, pp=2, micro_batch=2), 1, moments=moments)
         pp[chunk] = max(a + b for _, a, b in moments)
     assert pp[0] - pp[512] > 20e9
+
+
+def test_a_second_backward_through_gradients_from_forward_is_one_line():
+    """Forward's gradients are handed to the first backward; a second (a split backward's weight
+    pass would run one) must not scale them again silently."""
+    h, w, t = _data()
+    loss = chunked_cross_entropy(h, w, t, 64)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="grad_in_forward=False"):
+        loss.backward()
+    again = chunked_cross_entropy(h, w, t, 64, grad_in_forward=False)
+    again.backward(retain_graph=True)
+    again.backward()  # recomputing in backward: any number of times

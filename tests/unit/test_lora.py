@@ -76,6 +76,40 @@ def test_adapted_linear_is_the_base_plus_the_scaled_low_rank_update():
     torch.testing.assert_close(linear.eval()(x), want, rtol=1e-6, atol=1e-6)
 
 
+def test_the_update_joins_the_base_output_inside_its_matmul():
+    """The adapter's second matmul adds into the base output (addmm, the scale as its alpha): no
+    separate add or scale over a [tokens, out] tensor, and the same gradients as the closed form."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    holder = nn.Sequential()
+    holder.add_module("wq", nn.Linear(8, 6, bias=False))
+    add_lora(holder, [holder], LoRASpec(2, 6.0), ["q"])
+    linear = holder.wq
+    with torch.no_grad():
+        linear.lora_B.normal_()
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
+            ops.append((func.__name__.split(".")[0], shape))
+            return out
+
+    with Ops():
+        out = linear(x)
+    wide = [o for o in ops if o[0] in ("add", "mul") and o[1][-1:] == (6,)]  # over [tokens, out]
+    assert ("addmm", (6, 6)) in ops and not wide, ops
+    out.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    a, b = (q.detach().clone().requires_grad_() for q in (linear.lora_A, linear.lora_B))
+    (F.linear(xr, linear.weight) + 3.0 * xr @ a.T @ b.T).sum().backward()
+    for got, want in ((x.grad, xr.grad), (linear.lora_A.grad, a.grad), (linear.lora_B.grad, b.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("targets, leaves", [
     (["q", "v"], {"wq", "wv"}),
     (["all-linear"], {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}),

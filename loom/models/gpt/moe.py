@@ -3,10 +3,12 @@
 Routing: scores = softmax or sigmoid of the router's logits (fp32); each token takes the top_k
 experts of scores + expert_bias (the bias only chooses: DeepSeek-V3's aux-loss-free balancing);
 its weights are the chosen experts' scores, renormalized to sum 1 when moe_norm_topk, times
-moe_route_scale. Dropless by default: every token reaches its experts (rows sorted by expert, one
-matmul per expert on CPU). With moe_capacity_factor > 0, an expert takes at most
-ceil(factor·k·T/E) of a sequence's T tokens, the first in sequence order; the rest are dropped
-(counted) and pass on the residual alone.
+moe_route_scale. Dropless by default: every token reaches its experts (rows sorted by expert; on
+CUDA one grouped GEMM per expert weight, `torch._grouped_mm`, its row offsets on the device: no
+host sync at ep 1; on CPU one matmul per expert, the split sizes read on the host). With
+moe_capacity_factor > 0, an expert takes at most ceil(factor·k·T/E) of a sequence's T tokens, the
+first in sequence order; the rest are dropped (counted) and pass on the residual alone (the kept
+choices are found on the host: one sync).
 
 Balancing, both per sequence so that every layout (any dp, ep, accumulation) trains exactly as one
 process does:
@@ -38,6 +40,36 @@ from loom.parallel.mesh import local_view
 from loom.parallel.pipeline import inferring_shapes
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # Experts' parameters: [E, hidden, d], [E, hidden, d], [E, d, hidden]
+# CUDA's grouped GEMM: each expert's rows start at a multiple of 8 (the weight gradient's product
+# over the rows needs 16-byte aligned bf16 group starts), so the rows are laid out padded (on a
+# CPU too, where only the tests run the grouped path: it is the same path).
+GROUP_ROWS = 8
+
+
+def grouped_dtype(device: torch.device, dtype: torch.dtype, *widths: int) -> torch.dtype | None:
+    """The dtype CUDA's grouped GEMM runs the experts in here (autocast's, or the rows'), or None
+    where the per-expert loop runs: on CPU, and where the kernel does not apply (not bf16, before
+    sm80, a width whose bf16 rows are not 16-byte aligned)."""
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return None
+    run = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else dtype
+    ok = run == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 8
+    return run if ok and all(w % 8 == 0 for w in widths) else None
+
+
+def grouped_layout(counts: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rows sorted by expert, `counts` [E] per expert (a device tensor) -> (where each row goes in the
+    padded layout [rows], the experts' end offsets there [E] int32, the layout's length). Each
+    expert's rows start at a multiple of `align`; the length is static (rows + E·(align − 1)), so
+    nothing is read on the host."""
+    counts = counts.long()
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0)
+    expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
+                                     output_size=rows)
+    first = (counts.cumsum(0) - counts)[expert]  # the expert's first row among the sorted rows
+    dest = (ends - padded)[expert] + torch.arange(rows, device=counts.device) - first
+    return dest, ends.int(), rows + counts.numel() * (align - 1)
 
 
 class Experts(nn.Module):
@@ -52,6 +84,9 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, d_model, hidden))  # down
         self.ep: ExpertGroup | None = None  # set by expert parallelism: this rank holds E/ep of them
         self.lora = None  # LoRA (loom/models/lora.py): its spec, and which weights are adapted
+        # The grouped GEMM's dtype, or None for the per-expert loop; by device when not set (the
+        # tests set it on CPU, whose _grouped_mm is the same product in fp32).
+        self.grouped: torch.dtype | None = None
 
     def add_lora(self, spec, weights: list[str]) -> None:
         """LoRA on each expert's `weights`: {w}_lora_A [E, r, in] and {w}_lora_B [E, out, r]."""
@@ -62,12 +97,23 @@ class Experts(nn.Module):
                 self.register_parameter(f"{w}_lora_A", nn.Parameter(torch.empty(experts, spec.rank, inp)))
                 self.register_parameter(f"{w}_lora_B", nn.Parameter(torch.empty(experts, out, spec.rank)))
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows [M, d] sorted by (local) expert, counts[e] of them for expert e -> [M, d]."""
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """rows [M, d] sorted by (local) expert, counts[e] of them for expert e (a device tensor,
+        or a list where the sizes are on the host already) -> [M, d]."""
         grad_scale = 1.0 / self.ep.size if self.ep is not None else 1.0
 
+        def stacked(name: str) -> torch.Tensor:
+            return scale_grad(local_view(getattr(self, name)), grad_scale)
+
+        dtype = self.grouped or grouped_dtype(rows.device, rows.dtype, self.w1.shape[-1], self.w1.shape[-2],
+                                              *([self.lora.rank] if self.lora is not None else []))
+        if dtype is not None:
+            return self._forward_grouped(rows, counts, stacked, dtype)
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()  # host: the split sizes
+
         def local(name: str) -> tuple[torch.Tensor, ...]:
-            return scale_grad(local_view(getattr(self, name)), grad_scale).unbind(0)
+            return stacked(name).unbind(0)
 
         weights = {w: local(w) for w in EXPERT_WEIGHTS}
         if self.lora is not None:
@@ -92,6 +138,30 @@ class Experts(nn.Module):
 
         return torch.cat([linear(swiglu(linear(part, "w1", e), linear(part, "w3", e)), "w2", e)
                           for e, part in enumerate(rows.split(counts))])
+
+
+    def _forward_grouped(self, rows: torch.Tensor, counts, stacked, dtype: torch.dtype) -> torch.Tensor:
+        """The same experts as grouped GEMMs over the rows, in `dtype`, each expert's rows padded to a
+        multiple of GROUP_ROWS (the padding rows are zeros; their results are never read)."""
+        if not isinstance(counts, torch.Tensor):
+            counts = torch.tensor(counts, device=rows.device)
+        dest, ends, length = grouped_layout(counts, rows.shape[0], GROUP_ROWS)
+        x = rows.to(dtype)
+        x = x.new_zeros(length, x.shape[1]).index_copy(0, dest, x)
+        spec = self.lora
+
+        def linear(h: torch.Tensor, w: str) -> torch.Tensor:
+            with torch.autocast(rows.device.type, enabled=False):
+                out = torch._grouped_mm(h, stacked(w).to(dtype).transpose(-2, -1), offs=ends)
+                if spec is not None and w in self.lora_weights:
+                    a, b = (stacked(f"{w}_lora_{n}").to(dtype).transpose(-2, -1) for n in "AB")
+                    if spec.dropout and self.training:
+                        h = F.dropout(h, spec.dropout, training=True)
+                    low = torch._grouped_mm(h, a, offs=ends) * spec.scale
+                    out = out + torch._grouped_mm(low, b, offs=ends)
+            return out
+
+        return linear(swiglu(linear(x, "w1"), linear(x, "w3")), "w2")[dest]
 
 
 class SharedExpert(nn.Module):
@@ -162,9 +232,13 @@ class MoE(nn.Module):
         scores, chosen, weights = self.route(flat)
         keep = self.capacity_keep(chosen.view(bsz, tokens, -1)).flatten() if self.cfg.moe_capacity_factor \
             else None
-        load = torch.bincount(chosen.flatten(), minlength=self.experts_n)  # choices per expert
+        load = _count(chosen.flatten(), self.experts_n)  # choices per expert
         aux = self.aux_loss(scores, chosen, bsz) if self.training else None  # for the gradient and the tally
         self._record(load, keep, aux)
+        if aux is not None and self.cfg.moe_aux_loss_coef and torch.is_grad_enabled():
+            # on the routing weights, beside the aux loss: one compiled graph holds both even where
+            # the experts' split sizes break it (CPU's loop; torch 2.11 lost the aux gradient there)
+            weights = _AuxLoss.apply(weights, aux, self.aux_weight)
         routed = self.run_experts(flat, chosen.flatten(), weights.flatten(), keep, load)
         out = routed.view_as(x)
         if self.shared is not None:
@@ -172,8 +246,6 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             out = out + shared
-        if aux is not None and self.cfg.moe_aux_loss_coef and torch.is_grad_enabled():
-            out = _AuxLoss.apply(out, aux, self.aux_weight)
         return out
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -191,7 +263,10 @@ class MoE(nn.Module):
         e = self.experts_n
         probs = scores / scores.sum(-1, keepdim=True) if self.cfg.moe_score == "sigmoid" else scores
         p = probs.view(sequences, -1, e).mean(1)  # [B, E]
-        counts = F.one_hot(chosen.view(sequences, -1), e).sum(1).float()  # [B, E]
+        # [B, E] choices per expert (one_hot would check its classes on the host)
+        chosen = chosen.view(sequences, -1)
+        counts = torch.zeros(sequences, e, device=chosen.device).scatter_add_(
+            1, chosen, torch.ones(chosen.shape, device=chosen.device))
         f = counts / counts.sum(-1, keepdim=True)
         return (e * (f * p).sum(-1)).mean()
 
@@ -203,7 +278,7 @@ class MoE(nn.Module):
         capacity = math.ceil(self.cfg.moe_capacity_factor * k * tokens / e)
         group = (torch.arange(bsz, device=chosen.device)[:, None] * e + chosen.view(bsz, -1)).flatten()
         order = torch.argsort(group, stable=True)
-        sizes = torch.bincount(group, minlength=bsz * e)
+        sizes = _count(group, bsz * e)
         starts = sizes.cumsum(0) - sizes
         place = torch.empty_like(group)
         place[order] = torch.arange(group.numel(), device=group.device) - starts[group[order]]
@@ -219,11 +294,11 @@ class MoE(nn.Module):
             token, expert, weight = token[kept], expert[kept], weight[kept]
         order = torch.argsort(expert, stable=True)
         token, weight = token[order], weight[order]
-        counts = load if keep is None else torch.bincount(expert, minlength=self.experts_n)
+        counts = load if keep is None else _count(expert, self.experts_n)
         rows = flat[token]
         ep = self.experts.ep
         if ep is None:
-            out = self.experts(rows, counts.tolist())  # host: the split sizes
+            out = self.experts(rows, counts)
         else:
             local_rows, local_counts, back = send_to_experts(rows, counts, ep)
             out = return_from_experts(self.experts(local_rows, local_counts), back, ep)
@@ -233,7 +308,9 @@ class MoE(nn.Module):
     def _record(self, load: torch.Tensor, keep: torch.Tensor | None, aux: torch.Tensor) -> None:
         # Training forward calls only, once each: not again when activation checkpointing recomputes
         # it in backward, nor the pipeline's metadata pass before its first step.
-        if not self.training or torch._C._current_graph_task_id() != -1 or inferring_shapes():
+        # (Compiled, a checkpointed block recomputes inside the compiled backward, never here.)
+        recomputing = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+        if not self.training or recomputing or inferring_shapes():
             return
         if self.stats is None:
             self.stats = MoEStats(self.experts_n, load.device)
@@ -244,6 +321,12 @@ class MoE(nn.Module):
                 s.dropped += (~keep).sum()
             s.aux += aux.detach()
         s.calls += 1
+
+
+def _count(index: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] occurrences of each of 0..n-1 in `index` (int64): bincount's, at a static size (bincount's
+    own depends on the values, which a compiled block cannot trace)."""
+    return torch.zeros(n, dtype=torch.long, device=index.device).index_add_(0, index, torch.ones_like(index))
 
 
 def moe_modules(model: nn.Module) -> list[MoE]:
