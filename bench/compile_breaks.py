@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's loom
+
 CASES = [(name, ac, lora) for name in ("tiny", "tiny-moe") for ac in ("none", "full", "op")
          for lora in (False, True)]
 
