@@ -595,6 +595,18 @@ def observability(ctx: Context) -> None:
         goal_met=wall < 60 if mb == 100 else None,
         command=f"python bench/analyze_speed.py --ranks 8 --mb {mb}",
     )
+    # issue 39: host reads in a steady step (each a device sync on a GPU); by design only the
+    # per-expert loop's split sizes, CPU's MoE path
+    out = ctx.folder("host-reads").with_suffix(".json")
+    ctx.command([sys.executable, str(HERE / "host_reads.py"), "--json", str(out)], "host reads", timeout=600)
+    for row in json.loads(out.read_text()):
+        design = "per-expert loop" in row["case"]
+        ctx.row(comparison=f"host reads per steady step: {row['case']}", ratio=row["host_reads_per_step"],
+                goal_met=design or row["host_reads_per_step"] == 0, command="python bench/host_reads.py",
+                detail=", ".join(f"{s} {n:g}" for s, n in row["sites"].items()) or "none")
+        if not design and row["host_reads_per_step"]:
+            ctx.missed(f"{row['case']}: {row['host_reads_per_step']:g} host reads per step",
+                       ", ".join(row["sites"]))
 
 
 # ---------------------------------------------------------------------------------------------

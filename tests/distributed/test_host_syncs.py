@@ -1,30 +1,23 @@
 """No host synchronization in a steady step's data, forward and backward, on every layout: on a GPU
 each one stalls the host until the device drains, and the device idles while the host catches up.
 
-Counted on spawned gloo ranks with a dispatch mode (the ops that read a tensor's values on the
-host: item, _local_scalar_dense, nonzero, is_nonzero) and `Tensor.tolist`, which reads without
-the dispatcher, from the third step on. The optimizer's phase is apart: on CPU the foreach AdamW's
-step counters are read by the library, on CUDA loom runs the fused one, which reads nothing. The
-reads that remain are by design and named per layout: the per-expert loop's split sizes (CPU's
-path; CUDA's grouped GEMM, run here in its CPU form, reads none) and expert parallelism's
-all-to-all sizes, which torch takes as host lists.
+Counted on spawned gloo ranks by bench/host_reads.py (a dispatch mode over the ops that read a
+tensor's values on the host: item, _local_scalar_dense, nonzero, is_nonzero; and `Tensor.tolist`,
+which reads without the dispatcher), from the third step on. The optimizer's phase is apart: on
+CPU the foreach AdamW's step counters are read by the library, on CUDA loom runs the fused one,
+which reads nothing. The reads that remain are by design and named per layout: the per-expert
+loop's split sizes (CPU's path; CUDA's grouped GEMM, run here in its CPU form, reads none) and
+expert parallelism's all-to-all sizes, which torch takes as host lists.
 """
 
 from __future__ import annotations
 
-import contextlib
-import traceback
-from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from distributed import run_ranks
 from test_strategies import make_config
 
-from loom.train.driver import train
-
-READS = ("_local_scalar_dense", "nonzero", "is_nonzero", "item")
 TINY_MOE = ("model.preset=tiny-moe",)
 LORA = ("lora.rank=4",)
 # (strategy, world, keys, whether the experts run grouped (CUDA's path), the reads by design)
@@ -43,65 +36,14 @@ CASES = {
 }
 
 
-def _site() -> str:
-    """The innermost loom frame that asked for the read (file:function)."""
-    for frame in reversed(traceback.extract_stack()):
-        if "/loom/" in frame.filename and "/tests/" not in frame.filename:
-            return f"{Path(frame.filename).name}:{frame.name}"
-    return "?"
+def _rank_reads(cfg, grouped: bool) -> dict[str, float]:
+    """bench/host_reads.py's count on this rank."""
+    import sys
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from host_reads import steady_reads
 
-def _rank_reads(cfg, grouped: bool) -> dict[str, int]:
-    """Train; the host reads per step of steps 3.. in the data, forward, backward and pipeline
-    phases, by site. `grouped`: the experts as grouped GEMMs (CUDA's path, in its CPU form)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from loom.models.gpt import moe
-    from loom.train import meters
-
-    if grouped:
-        moe.grouped_dtype = lambda device, dtype, *widths: torch.float32
-    state = {"phase": None, "steps": 0}
-    reads: Counter = Counter()
-
-    def note() -> None:
-        if state["steps"] >= 2 and state["phase"] not in (None, "optimizer"):
-            reads[_site()] += 1
-
-    phase = meters.PhaseTimer.phase
-
-    @contextlib.contextmanager
-    def tracked(self, name):
-        state["phase"] = name
-        try:
-            with phase(self, name):
-                yield
-        finally:
-            state["phase"] = None
-            state["steps"] += name == "optimizer"
-
-    tolist = torch.Tensor.tolist
-
-    def counted_tolist(tensor):
-        note()
-        return tolist(tensor)
-
-    class Reads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.split(".")[0] in READS:
-                note()
-            return func(*args, **(kwargs or {}))
-
-    meters.PhaseTimer.phase = tracked
-    torch.Tensor.tolist = counted_tolist
-    try:
-        with Reads():
-            r = train(cfg, None, quiet=True)
-    finally:
-        torch.Tensor.tolist = tolist
-        meters.PhaseTimer.phase = phase
-    steps = len(r.losses) - 2
-    return {site: n / steps for site, n in reads.items()}
+    return steady_reads(cfg, grouped)
 
 
 @pytest.mark.parametrize("case", list(CASES))
