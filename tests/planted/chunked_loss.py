@@ -13,20 +13,20 @@ CL = "loom/models/chunked_loss.py"
 
 BUGS = [
     Bug("chunk-backward-ignores-mask", "backward gives IGNORE targets a gradient", CL,
-        "g = g.mul_(torch.where(t != IGNORE, grad, 0.0)[:, None]).to(dtype)",
-        "g = g.mul_(grad).to(dtype)",
+        "g = g.mul_(torch.where(t != IGNORE, scale, 0.0)[:, None]).to(dtype)",
+        "g = g.mul_(scale).to(dtype)",
         (FP32, GPT)),
     Bug("chunk-weight-grad-last-chunk", "the weight's gradient keeps only the last chunk's", CL,
-        "                    elif dw.dtype == g.dtype:\n                        dw.addmm_(g.t(), hc)\n"
-        "                    else:\n                        dw += g.t() @ hc\n",
-        "                    else:\n                        dw = (g.t() @ hc).to(dw.dtype)\n",
+        "        elif dw.dtype == g.dtype:\n            dw.addmm_(g.t(), hc)\n"
+        "        else:\n            dw += g.t() @ hc\n",
+        "        else:\n            dw = (g.t() @ hc).to(dw.dtype)\n",
         (FP32,)),
     Bug("chunk-mean-over-all-tokens", "the masked mean divides by every token, IGNORE ones too", CL,
         "count = (targets != IGNORE).sum().clamp(min=1) if masked else targets.numel()",
         "count = targets.numel()",
         (FP32, GPT)),
     Bug("chunk-forward-full-logits", "each chunk slices the full logits (same values, full memory)", CL,
-        "logits = F.linear(h[start:start + chunk], weight)",
+        "logits = F.linear(hc, weight)",
         "logits = F.linear(h, weight)[start:start + chunk]",
         (f"{UNIT}::test_no_tensor_of_the_full_logits_ever_exists",)),
     Bug("chunk-backward-first-lse", "backward's softmax takes the first chunk's logsumexp for all", CL,
@@ -61,8 +61,8 @@ BUGS = [
         "return seq * micro_batch * shape.vocab_size",
         (f"{UNIT}::test_the_plan_prices_one_chunk_of_logits",)),
     Bug("chunk-weight-grad-last-chunk-ranks", "the same, on spawned zero3 ranks alone", CL,
-        "                    elif dw.dtype == g.dtype:\n                        dw.addmm_(g.t(), hc)\n"
-        "                    else:\n                        dw += g.t() @ hc\n",
-        "                    else:\n                        dw = (g.t() @ hc).to(dw.dtype)\n",
+        "        elif dw.dtype == g.dtype:\n            dw.addmm_(g.t(), hc)\n"
+        "        else:\n            dw += g.t() @ hc\n",
+        "        else:\n            dw = (g.t() @ hc).to(dw.dtype)\n",
         (f"{DIST}::test_chunked_loss_trains_as_the_full_logits[zero3-units]",)),
 ]

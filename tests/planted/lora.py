@@ -23,8 +23,12 @@ CASES = "tests/unit/test_bad_input.py::test_bad_input"
 
 BUGS = [
     Bug("lora-scale-ignored", "the adapters' update is not scaled by alpha / r", LORA,
-        "    return F.linear(F.linear(x, a) * scale, b)\n", "    return F.linear(F.linear(x, a), b)\n",
+        "                          self.lora_B.t(), alpha=self.lora_scale)\n",
+        "                          self.lora_B.t())\n",
         (f"{UNIT}::test_adapted_linear_is_the_base_plus_the_scaled_low_rank_update",)),
+    Bug("lora-scale-ignored-experts", "the experts' (and TP's) update is not scaled by alpha / r", LORA,
+        "    return F.linear(F.linear(x, a) * scale, b)\n", "    return F.linear(F.linear(x, a), b)\n",
+        (f"{UNIT}::test_adapted_experts_equal_each_expert_as_an_adapted_swiglu",)),
     Bug("lora-b-random", "B starts random like A, so step 0 is not the base model", LORA,
         '    if name.endswith("lora_B"):\n        return torch.zeros(shape)\n',
         '    if name.endswith("lora_X"):\n        return torch.zeros(shape)\n',
