@@ -9,7 +9,8 @@ fused one, which reads nothing.
 
     python bench/host_reads.py [--json FILE]   # one rank: dense, LoRA, MoE (CPU's loop, CUDA's grouped)
 
-`steady_reads` is what tests/distributed/test_host_syncs.py runs on every layout.
+`steady_reads` is what tests/distributed/test_host_syncs.py runs on every layout; `host_reads`
+counts a block's reads in tests/unit/test_grouped_experts.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import sys
 import traceback
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's loom
@@ -34,11 +36,37 @@ def _site(package: str) -> str:
     return "?"
 
 
+@contextlib.contextmanager
+def host_reads(note: Callable[[], None]) -> Iterator[None]:
+    """Calls `note()` at every read of a tensor's values on the host within the block: the ops that
+    read (a dispatch mode) and `Tensor.tolist`, which reads without the dispatcher."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(tensor):
+        note()
+        return tolist(tensor)
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in READS:
+                note()
+            return func(*args, **(kwargs or {}))
+
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with Reads():
+            yield
+    finally:
+        torch.Tensor.tolist = tolist
+
+
 def steady_reads(cfg, grouped: bool) -> dict[str, float]:
     """Train `cfg`; the host reads per step of steps 3.. in the data, forward, backward and pipeline
     phases, by site. `grouped`: the experts as grouped GEMMs (CUDA's path, in its CPU form)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     import loom
     from loom.models.gpt import moe
@@ -68,25 +96,11 @@ def steady_reads(cfg, grouped: bool) -> dict[str, float]:
             state["phase"] = None
             state["steps"] += name == "optimizer"
 
-    tolist = torch.Tensor.tolist
-
-    def counted_tolist(tensor):
-        note()
-        return tolist(tensor)
-
-    class Reads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.split(".")[0] in READS:
-                note()
-            return func(*args, **(kwargs or {}))
-
     meters.PhaseTimer.phase = tracked
-    torch.Tensor.tolist = counted_tolist
     try:
-        with Reads():
+        with host_reads(note):
             r = train(cfg, None, quiet=True)
     finally:
-        torch.Tensor.tolist = tolist
         meters.PhaseTimer.phase = phase
         moe.grouped_dtype = choose
     steps = len(r.losses) - 2

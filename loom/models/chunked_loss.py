@@ -115,9 +115,8 @@ class _ChunkedCE(torch.autograd.Function):
             del logits
             lse_c, picked = _loss_and_softmax(g, t, shard)
             total += torch.where(t != IGNORE, lse_c - picked, 0.0).sum()
-            if in_forward:
-                w = weight if autocast else weight.to(dtype)
-                dw = _backprop_chunk(g, t, vocab_start, 1.0, dtype, hc, w,
+            if in_forward:  # (the weight as the logits took it: autocast's cached cast, or itself)
+                dw = _backprop_chunk(g, t, vocab_start, 1.0, dtype, hc, weight,
                                      dh[start:start + chunk] if dh is not None else None, dw, need_w,
                                      weight.dtype, tokens)
             elif lse is not None:
