@@ -52,7 +52,7 @@ def planned_runs(name: str, quick: bool) -> int:
         "engines": 2 * pairs * (1 if quick else 3) + (0 if quick else 9),
         "theory": 4 if quick else 10,
         "scaling": 6,
-        "memory": 2 * pairs + (2 if quick else 4) + 1,
+        "memory": 2 * pairs + (2 if quick else 4) + 2,
         "planner": 4 if quick else 9,
         "observability": 4 * pairs + 1,
         "checkpoint": 1,
@@ -413,6 +413,24 @@ def memory(ctx: Context) -> None:
             f"none: {ledger_text(runs['AC none'].ledger())}; full: {ledger_text(runs['AC full'].ledger())}",
         )
     lean_block_rows(ctx)
+    loop_memory_row(ctx)
+
+
+LOOP_GOAL = 1.05  # issue 39: one rank's step peak within 5% of a hand-written loop's
+
+
+def loop_memory_row(ctx: Context) -> None:
+    """One rank's step peak against a hand-written loop over the same model (bench/loop_memory.py)."""
+    out = ctx.work / "loop_memory.json"
+    ctx.command([sys.executable, str(HERE / "loop_memory.py"), "--json", str(out)], "loop memory")
+    r = json.loads(out.read_text())
+    ctx.row(setting=f"step peak MiB, one rank: loom (ddp) vs a hand-written loop ({r['shape']})",
+            lean=r["loom_mib"], reference=r["loop_mib"], lean_vs_reference=r["ratio"],
+            command="python bench/loop_memory.py")
+    if r["ratio"] > LOOP_GOAL:
+        ctx.missed(f"one rank's step peaks {r['ratio']:.2f}× a hand-written loop's, not <= {LOOP_GOAL}×",
+                   f"loom {r['loom_mib']:.1f} MiB, loop {r['loop_mib']:.1f} MiB; the gradients are "
+                   f"{r['gradients_mib']:.1f} MiB (`python bench/loop_memory.py`)")
 
 
 LEAN_GOAL = 0.65  # issue 26: saved bytes <= 0.65× the reference block's and Hugging Face's
@@ -456,6 +474,20 @@ def lean_block_rows(ctx: Context) -> None:
         lean_vs_reference=loss["chunked"] / loss["full"],
         command=command,
     )
+    redo = loss["recompute"]
+    ctx.row(
+        setting="loss recompute: head matmuls per chunk, gradients in forward (lean) vs recomputed in "
+                "backward (reference: GPipe, split-backward schedules); loss fwd+bwd seconds",
+        lean=redo["in_forward_s"],
+        reference=redo["recompute_s"],
+        lean_vs_reference=redo["in_forward_s"] / redo["recompute_s"],
+        command=command,
+        detail=f"{redo['in_forward_matmuls_per_chunk']:g} vs {redo['recompute_matmuls_per_chunk']:g} matmuls "
+               f"per chunk; the recompute is {redo['recompute_share']:.0%} of the recompute path's loss time",
+    )
+    if redo["in_forward_matmuls_per_chunk"] != 1:
+        ctx.missed(f"the chunked loss runs {redo['in_forward_matmuls_per_chunk']:g} head matmuls per chunk, "
+                   "not 1", f"`{command}`")
     for dtype, speed in r["tokens_per_s"].items():
         ctx.row(
             setting=f"tokens/s, 2 blocks fwd+bwd, 512 tokens, {dtype}",

@@ -3,8 +3,9 @@
 On one GPU, in this order (the most telling first, in case time runs out):
   - the bf16 matmul ceiling (8192³) beside the catalog's peak;
   - the 1B preset in bf16 with fused AdamW: eager; CP's attention pieces against one SDPA (CUDA's
-    kernels, fp32/bf16/fp16, causal and documents); zero3 + CPU offload beside zero3 alone (losses
-    compared, host memory beside the plan's); the hand-written loop and Hugging Face's
+    kernels, fp32/bf16/fp16, causal and documents); the kernel loom's grouped-head attention runs in
+    each of those cases and the bytes it keeps, beside the plan; zero3 + CPU offload beside zero3
+    alone (losses compared, host memory beside the plan's); the hand-written loop and Hugging Face's
     LlamaForCausalLM over the same shape; compile; activation checkpointing op and full; fp16; LoRA;
     an MoE of equal active size (8 experts of half the FFN, top 2) beside its dense twin (eager);
   - `loom profile` + `loom analyze` on the CUDA trace; an async checkpoint saved and resumed.
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import gpu_fit
 from harness import HERE, Context, bench, ledger_text
 
 NAMES = ["gpu"]
@@ -82,10 +84,14 @@ def _value(sets: list[str], key: str) -> str:
     return next(s.split("=", 1)[1] for s in reversed(sets) if s.startswith(key + "="))
 
 
-def _planned_gib(plan: dict) -> float | None:
-    """The plan's peak memory of a rank, GiB."""
-    total = (plan.get("memory_bytes") or {}).get("total")
-    return total / GIB if total else None
+def _planned_gib(plan: dict, reserved: bool = False) -> float | None:
+    """The plan's peak memory of a rank, GiB: what is allocated (torch.cuda.max_memory_allocated, the
+    run's peak_bytes), or with `reserved` its total, the allocator's fragmentation margin included
+    (max_memory_reserved)."""
+    memory = plan.get("memory_bytes") or {}
+    if not memory.get("total"):
+        return None
+    return (memory["total"] - (0 if reserved else memory.get("fragmentation", 0.0))) / GIB
 
 
 def _train_row(
@@ -107,7 +113,13 @@ def _train_row(
             "unit": "tokens/s",
             "peak_gib": run.memory["ranks"]["0"]["peak_bytes"] / GIB,
             "planned_peak_gib": _planned_gib(run.plan),
+            "reserved_gib": (run.memory["ranks"]["0"].get("reserved_peak_bytes") or 0) / GIB or None,
+            "planned_reserved_gib": _planned_gib(run.plan, reserved=True),
             "losses": [m["loss"] for m in run.metrics],
+            # what bench/gpu_fit.py fits the plan's step-time terms to
+            "measured_step_s": step,
+            "planned_breakdown": run.plan.get("step_time_breakdown_s"),
+            "planned_fraction": run.plan.get("compute_fraction"),
             "detail": "; ".join(detail),
             "command": run.command,
         }
@@ -238,6 +250,25 @@ def cases(gpus: int) -> list[Case]:
             "command": "python " + " ".join(argv),
         }
 
+    def attention_kernels(ctx: Context, timeout: float) -> dict:
+        out = ctx.folder("attention-kernels").with_suffix(".json")
+        argv = [str(HERE / "attention_kernels.py"), "--device", SCRIPTS["device"],
+                "--seq", str(SCRIPTS["seq"])]
+        ctx.command([sys.executable, *argv, "--json", str(out)], "attention kernels", timeout=timeout,
+                    check=False)
+        rows = json.loads(out.read_text())
+        measured = [r for r in rows if "bytes_per_token" in r]
+        worst = max(measured, key=lambda r: abs(r["bytes_per_token"] / r["planned_bytes_per_token"] - 1))
+        return {
+            "case": "attention kernels (GQA, 1B heads)",
+            "measured": worst["bytes_per_token"],
+            "planned": worst["planned_bytes_per_token"],
+            "unit": f"saved bytes per token (worst: {worst['case']})",
+            "detail": f"{sum(r['ok'] for r in rows)}/{len(rows)} as planned, none on the math kernel; "
+            + ", ".join(f"{r['case']}: {r['kernel']}" for r in rows),
+            "command": "python " + " ".join(argv),
+        }
+
     def offload(ctx: Context, timeout: float) -> dict:
         plain = _train_row(ctx, "zero3", _sets("parallel.strategy=zero3"), timeout / 2, seen=seen)
         run = ctx.train(
@@ -348,6 +379,7 @@ def cases(gpus: int) -> list[Case]:
         Case(f"bf16 matmul {SCRIPTS['matmul']}³", matmul, 60),
         Case("eager", train("eager"), 120),
         Case("CP attention pieces vs one SDPA", cp_pieces, 90),
+        Case("attention kernels (GQA, 1B heads)", attention_kernels, 60),
         Case("zero3 + CPU offload", offload, 200),
         Case("hand-written loop (loom's GPT)", lambda ctx, t: _baseline(ctx, t, "loom", seen), 90),
         Case("Hugging Face LlamaForCausalLM", lambda ctx, t: _baseline(ctx, t, "hf", seen), 90),
@@ -397,6 +429,8 @@ COLUMNS = (
     "unit",
     "peak_gib",
     "planned_peak_gib",
+    "reserved_gib",  # the caching allocator's: segments, rounding, fragmentation
+    "planned_reserved_gib",
     "detail",
 )
 
@@ -430,3 +464,7 @@ def gpu(ctx: Context) -> None:
         except (RuntimeError, OSError, ValueError, KeyError) as e:
             ctx.row(case=case.name, error=str(e).splitlines()[-1] if str(e) else type(e).__name__)
             print(f"   {case.name} failed: {e}", flush=True)
+    fitted = gpu_fit.gpu_rows_of(ctx.results["benches"]["gpu"]["rows"])
+    if len(fitted) >= 2:  # issue 39: the plan's step-time terms fitted to these rows, held-out error apart
+        ctx.note("The plan's step-time terms fitted to this run's rows (`python bench/gpu_fit.py`):\n\n```\n"
+                 + gpu_fit.render(gpu_fit.report(fitted), "this run") + "\n```")

@@ -10,7 +10,10 @@
           (the RoPE table, Hugging Face's cos/sin and causal mask); autocast's 16-bit weight copies
           that autograd keeps count, as they are memory held until backward;
   loss    the peak of the loss's forward + backward beyond its inputs (torch's MemTracker) at
-          V = 50257, 2048 tokens, bf16: train.loss_chunk 512 against 0 (the full logits);
+          V = 50257, 2048 tokens, bf16: train.loss_chunk 512 against 0 (the full logits); and
+          its recompute: head matmuls per chunk and the loss's time, gradients computed in forward
+          (loom's default) against the recompute in backward (GPipe and the split-backward
+          schedules), whose second matmul's share of the loss's time the default saves;
   speed   tokens/s of a forward + backward through a few blocks, lean against reference,
           alternated (fp32, bf16 and autocast; the median of the pairs' ratios).
 
@@ -127,6 +130,50 @@ def loss_peak_bytes(chunk: int, d_model: int = 768) -> int:
     return peak - inputs
 
 
+def loss_recompute(pairs: int, chunk: int = LOSS_CHUNK, d_model: int = 768) -> dict:
+    """The chunked loss's forward + backward, bf16, both ways (Head's grad_in_forward): head matmuls
+    per chunk, counted at dispatch, and seconds (alternated; each side the fastest of 2)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    head = Head(d_model, VOCAB, bias=False).to(torch.bfloat16)
+    h = torch.randn(1, LOSS_TOKENS, d_model, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (1, LOSS_TOKENS))
+    matmuls = [0]
+
+    class HeadMatmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            matmuls[0] += func.__name__.split(".")[0] in ("mm", "addmm") and out.shape[-1] == VOCAB
+            return out
+
+    def run(in_forward: bool) -> float:
+        head.zero_grad(set_to_none=True)
+        h.grad = None
+        start = time.perf_counter()
+        head(h, targets, loss_chunk=chunk, grad_in_forward=in_forward).backward()
+        return time.perf_counter() - start
+
+    chunks = -(-LOSS_TOKENS // chunk)
+    out: dict = {}
+    for in_forward, name in ((True, "in_forward"), (False, "recompute")):
+        matmuls[0] = 0
+        with HeadMatmuls():
+            run(in_forward)
+        out[f"{name}_matmuls_per_chunk"] = matmuls[0] / chunks
+    times: dict[str, list[float]] = {"in_forward": [], "recompute": []}
+    for i in range(pairs + 1):
+        for name in times:
+            seconds = min(run(name == "in_forward") for _ in range(2))
+            if i:  # the first pair warms up
+                times[name].append(seconds)
+    out.update({f"{name}_s": statistics.median(t) for name, t in times.items()})
+    # the share of the recompute path's loss time that its second head matmul costs
+    ratios = [a / b for a, b in zip(times["in_forward"], times["recompute"])]
+    out["recompute_share"] = 1 - statistics.median(ratios)
+    return out
+
+
 def _step_s(blocks: nn.ModuleList, x: torch.Tensor, rope: torch.Tensor, mode: str) -> float:
     blocks.zero_grad(set_to_none=True)
     start = time.perf_counter()
@@ -166,6 +213,7 @@ def measure(quick: bool = False) -> dict:
     saved = {mode: saved_per_token_per_d(mode) for mode in MODES}
     loss = {"chunked": loss_peak_bytes(LOSS_CHUNK), "full": loss_peak_bytes(0)}
     pairs = 3 if quick else 5
+    loss["recompute"] = loss_recompute(pairs - 1)
     speed = {mode: tokens_per_s(mode, pairs) for mode in ("fp32", *MODES)}
     return {"saved_per_token_per_d": saved, "loss_peak_bytes": loss, "tokens_per_s": speed,
             "shape": "125m (d 768, 12 heads, 12 kv heads, f 2048)", "tokens": TOKENS, "threads": threads}
@@ -185,6 +233,11 @@ def main() -> None:
     loss = result["loss_peak_bytes"]
     print(f"loss peak: chunk {LOSS_CHUNK} {loss['chunked'] / 2**20:.1f} MiB, full logits "
           f"{loss['full'] / 2**20:.1f} MiB ({loss['chunked'] / loss['full']:.3f}×)")
+    r = loss["recompute"]
+    print(f"loss recompute: head matmuls per chunk {r['in_forward_matmuls_per_chunk']:g} (gradients in "
+          f"forward) vs {r['recompute_matmuls_per_chunk']:g} (recomputed in backward); loss fwd+bwd "
+          f"{r['in_forward_s'] * 1e3:.0f} ms vs {r['recompute_s'] * 1e3:.0f} ms: the recompute is "
+          f"{r['recompute_share']:.0%} of the recompute path's loss time")
     for dtype, s in result["tokens_per_s"].items():
         print(f"tokens/s, {dtype}: lean {s['lean']:,.0f}, reference {s['reference']:,.0f} "
               f"({s['ratio']:.2f}× the pairs' median)")

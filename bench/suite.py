@@ -118,9 +118,10 @@ def _reruns(results: dict) -> str:
 def _table(rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    keys = [k for k in rows[0] if not k.endswith("command")]
+    shown = lambda row, k: not k.endswith("command") and not isinstance(row[k], (dict, list))  # noqa: E731
+    keys = [k for k in rows[0] if shown(rows[0], k)]
     for row in rows[1:]:
-        keys += [k for k in row if k not in keys and not k.endswith("command")]
+        keys += [k for k in row if k not in keys and shown(row, k)]
     out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
         out.append("| " + " | ".join(_cell(row.get(k)) for k in keys) + " |")

@@ -30,6 +30,9 @@ class RankMemory:
     peak_bytes: int | None = None  # live tensor bytes at the peak of one training step
     resident_bytes: int | None = None  # the process's resident memory (RSS) after that step
     nvme_bytes: int | None = None  # this rank's offload files on NVMe then (deepspeed engine)
+    # CUDA: the caching allocator's reserved peak over the step (segments, rounded and fragmented),
+    # which the plan's total (allocated + its fragmentation margin) prices; peak_bytes is allocated
+    reserved_peak_bytes: int | None = None
 
     @property
     def model_state_bytes(self) -> int:
@@ -108,6 +111,7 @@ class PeakMemory:
         self.device, self.model, self.optimizer = device, model, optimizer
         self.held = held  # tensors made before the region and kept through it (a pipeline's receive buffers)
         self.peak_bytes: int | None = None
+        self.reserved_bytes: int | None = None  # CUDA: the allocator's reserved peak
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
@@ -117,6 +121,7 @@ class PeakMemory:
             yield
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            self.reserved_bytes = torch.cuda.max_memory_reserved(self.device)
             return
         tracker = global_peak_tracker()
         # states and buffers that already exist (on a GPU the allocator counts them anyway)

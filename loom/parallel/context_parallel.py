@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.profiler import record_function
+
+from loom.parallel.sdpa import attend, expand_heads
 
 CP_MODES = ("ring", "alltoall")
 RING, ALLTOALL = "cp_ring", "cp_alltoall"  # the exchanges' kinds: profiler ranges, observed collectives
@@ -194,7 +195,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: Sequence) 
     [B, H_kv, T_local, D] (grouped heads allowed), within documents when `seq.docs` is set."""
     if seq.cp is None:  # documents on one rank: the whole mask, one kernel
         mask = _document_mask(seq.docs, seq.positions, seq.positions)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        return attend(q, k, v, attn_mask=mask)
     if seq.cp.mode == "alltoall":
         return _ulysses(q, k, v, seq)
     return _RingAttention.apply(q, k, v, seq)
@@ -245,7 +246,7 @@ class _Efficient:
         return torch.zeros(b, t, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
 
     def forward(self, q, k, v, causal: bool, mask: torch.Tensor | None):
-        k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+        k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
         out, lse, seed, offset = self.forward_op(q, k, v, self._bias(mask, q), True, 0.0, causal)
         aux = (seed, offset, lse.shape[-1])  # its RNG state, and its logsumexp's padded length
         if mask is not None:  # rows that see no key: whatever the kernel wrote there, 0
@@ -255,7 +256,7 @@ class _Efficient:
     def backward(self, grad, q, k, v, out, lse, causal: bool, mask: torch.Tensor | None, aux):
         seed, offset, lse_len = aux
         groups = q.shape[1] // k.shape[1]
-        kx, vx = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+        kx, vx = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
         padded = torch.zeros((*lse.shape[:-1], lse_len), dtype=torch.float32, device=lse.device)
         padded[..., : lse.shape[-1]] = lse
         dq, dk, dv, _ = self.backward_op(grad, q, kx, vx, self._bias(mask, q), _rows_packed(out), padded,
@@ -309,10 +310,6 @@ def _bias(mask: torch.Tensor | None, q: torch.Tensor, row_multiple: int = 1) -> 
     padded = -(-keys // row_multiple) * row_multiple
     bias = torch.zeros((*mask.shape[:-1], padded), dtype=q.dtype, device=q.device)[..., :keys]
     return bias.masked_fill_(~mask, float("-inf"))
-
-
-def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 def _pieces(cp: ContextGroup, source: int):
@@ -468,14 +465,12 @@ def _sequence_to_heads(x: torch.Tensor, cp: ContextGroup) -> torch.Tensor:
 def _ulysses(q, k, v, seq: Sequence) -> torch.Tensor:
     cp = seq.cp
     if k.shape[1] % cp.size:  # grouped k/v heads cp cannot split: repeated to the query heads
-        k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+        k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
     rank_order, natural = seq.gathered_order  # position of each gathered token, and their sort
     q_all, k_all, v_all = (_heads_to_sequence(t, cp)[:, :, natural] for t in (q, k, v))
-    gqa = k_all.shape[1] != q_all.shape[1]
     if seq.docs is None:
-        out = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True, enable_gqa=gqa)
+        out = attend(q_all, k_all, v_all, is_causal=True)
     else:
         every = torch.arange(q_all.shape[2], device=q.device)
-        mask = _document_mask(seq.docs, every, every)
-        out = F.scaled_dot_product_attention(q_all, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
+        out = attend(q_all, k_all, v_all, attn_mask=_document_mask(seq.docs, every, every))
     return _sequence_to_heads(out[:, :, rank_order], cp)

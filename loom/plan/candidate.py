@@ -37,6 +37,8 @@ class Workload:
     lora: LoRA | None = None
     # train.optimizer = "muon" (plan/muon.py): Muon for the blocks' matrices; None: AdamW for all
     muon: Muon | None = None
+    # data.packing = "documents": attention under a document mask (on CUDA no flash kernel; sdpa.py)
+    documents: bool = False
 
     @property
     def act_bytes(self) -> int:

@@ -67,7 +67,7 @@ def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
     own_batch = args.config is not None and not str(args.config).endswith(".json")
     if own_batch or args.gpu == "local":
         w = Workload(shape, cfg.data.seq_len, cfg.train.batch_size, precision, args.recipe, chunk, every,
-                     lora=adapters, muon=muon.from_config(cfg))
+                     lora=adapters, muon=muon.from_config(cfg), documents=cfg.data.packing == "documents")
         return w, f"the config's batch: {w.global_batch} × {w.seq_len} tokens"
     if "data.seq_len" in chosen:
         seq, why = cfg.data.seq_len, "data.seq_len"
@@ -82,7 +82,7 @@ def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
         batch = max(1, math.ceil(TARGET_TOKENS / seq / world)) * world
         size = f"{batch} sequences ≈ {batch * seq / 1e6:.2f}M tokens, a multiple of {world} GPUs"
     w = Workload(shape, seq, batch, precision, args.recipe, chunk, every, lora=adapters,
-                 muon=muon.from_config(cfg))
+                 muon=muon.from_config(cfg), documents=cfg.data.packing == "documents")
     return w, (f"assumed workload: {size} × {seq} tokens ({why} sequence length); "
                f"change with --set train.batch_size=… --set data.seq_len=…")
 

@@ -15,9 +15,11 @@ from loom.config import rank_stages, stages_per_rank
 from loom.plan import context, experts, in_flight, lora, muon
 from loom.plan.shapes import (
     activation_bytes_per_layer,
+    attention_kv_width,
     checkpointed_layers,
     chunk_logits_bytes,
     dense_mlp_saved_bytes,
+    experts_grouped,
     head_backward_bytes,
     head_saved_bytes,
     head_transient_bytes,
@@ -704,14 +706,20 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                    f"RMSNorm, RoPE, SwiGLU, GQA and flash attention), {how}: s·b = {sb}"
                    + (f" (s = {w.seq_len}/{c.cp}: a rank's share of each sequence under cp = {c.cp})"
                       if c.cp > 1 else ""))
-    per_layer = activation_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast, terms)
+    ring = c.cp > 1 and c.cp_mode == "ring"  # its pieces keep k and v grouped on every device
+    kv_width = shape.kv_dim if ring else attention_kv_width(shape, e, device, w.documents)
+    # a document mask's bias: the whole sequence's, T² a sequence (all-to-all gathers it: cp·T per local
+    # token); not the ring's pieces (context_parallel.py builds theirs as they run)
+    keys = 0 if ring or not w.documents else w.seq_len * c.cp
+    per_layer = activation_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast, terms, kv_width, keys)
     residual = residual_bytes(shape, seq, mb, e, autocast)
     ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
     start = shape.stage_layers(stage, c.pp)[0] if shape.moe else 0
     moe = shape.moe_layers_in(start, layers)  # MoE blocks of the stage
     imbalance = experts.imbalance(w, c)
     if moe:
-        moe_ffn = moe_ffn_saved_bytes(shape, seq, mb, e, imbalance, terms)
+        grouped = shape.moe_experts // c.ep if experts_grouped(shape, device, w.precision) else 0
+        moe_ffn = moe_ffn_saved_bytes(shape, seq, mb, e, imbalance, terms, grouped)
         dense_ffn = dense_mlp_saved_bytes(shape, seq, mb, e, tp)
         per_moe = per_layer - dense_ffn + moe_ffn
         if terms:

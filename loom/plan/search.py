@@ -713,7 +713,7 @@ def config_workload(cfg, shape, recipe: str = "torch", moe_imbalance: float = 1.
     the mean, e.g. measured by a run; 1 is ideal routing), its LoRA (lora.*) included."""
     return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe,
                     loss_chunk_of(cfg), cfg.parallel.reduce_every_micro_step, moe_imbalance,
-                    lora.from_config(cfg), muon.from_config(cfg))
+                    lora.from_config(cfg), muon.from_config(cfg), cfg.data.packing == "documents")
 
 
 def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,

@@ -16,7 +16,7 @@ from loom.checked import finite
 from loom.errors import ConfigError
 from loom.hf_config import HFConfig, read_hf_config
 from loom.models.gpt.config import GPTConfig, preset
-from loom.plan.terms import NO_TERMS, Terms, gb
+from loom.plan.terms import NO_TERMS, Terms, gb, num
 
 
 @dataclass(frozen=True)
@@ -236,9 +236,21 @@ def layers_of_stage(n_layers: int, stage: int, stages: int) -> int:
     return n_layers // stages + (1 if stage < n_layers % stages else 0)
 
 
+def attention_kv_width(shape: ModelShape, elem: int, device: str = "cpu", masked: bool = False) -> int:
+    """The width of k and of v as attention keeps them for backward, per token
+    (loom/parallel/sdpa.py): grouped, n_kv_heads·head_dim, where the device's fused kernel takes
+    grouped heads (CPU's; CUDA's flash: 16-bit, head_dim ≤ 256, no mask); otherwise, on CUDA (fp32 or
+    `masked`, document masks: the memory-efficient kernel), repeated to every query head. (The cp ring
+    keeps them grouped on every device: its pieces repeat them only while they run.)"""
+    if device != "cuda" or (elem < 4 and shape.head_dim <= 256 and not masked):
+        return shape.kv_dim
+    return shape.n_heads * shape.head_dim
+
+
 def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, elem: int,
                                tp: int = 1, sequence_parallel: bool = False, autocast: bool = False,
-                               terms: Terms = NO_TERMS) -> float:
+                               terms: Terms = NO_TERMS, kv_width: int | None = None,
+                               mask_keys: int = 0) -> float:
     """Bytes one decoder block keeps for backward, for one micro-batch.
 
     Korthikanti et al. 2022 (arXiv 2205.05198) Table 2 counts sbh(34 + 5as/h) for a GPT block in
@@ -253,6 +265,11 @@ def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, el
                      sequence parallel); under autocast already 16-bit, one copy        e·h
       attention      q after RoPE, k after RoPE and v (grouped: kv wide, not
                      repeated to every head), and its output, which is also wo's input  e·(2·h + 2·kv)
+                     (`kv_width`: k's and v's as kept, where the kernel repeats them:
+                     attention_kv_width)
+                     under a document mask (`mask_keys` keys a query sees, 0: none),
+                     the mask as the kernel's bias, B×1×T×T in e (SDPA converts
+                     the boolean mask, and its backward keeps it); not split by TP   e·keys
                      the softmax statistics (log-sum-exp, fp32, per head)               4·a
       MLP (SwiGLU)   gate and up: SwiGLU fused with w2 (swiglu_down) recomputes silu(gate)
                      and their product, w2's input, in backward                          2·e·f
@@ -271,19 +288,22 @@ def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, el
     then the all-gathered inputs of the column-split linears stay whole.
     """
     s, b, h, f = seq, micro_batch, shape.d_model, shape.ffn_hidden
-    kv = shape.kv_dim
-    sb = s * b
     autocast = autocast and elem < 4
+    kv = shape.kv_dim if kv_width is None else kv_width
+    sb = s * b
     split = sb * ((2 * h + 2 * kv + mlp_saved_widths(tp) * f) * elem + 4 * shape.n_heads)
     norms = 2 * sb * (h * (4 if autocast else elem) + 4)
     linear_inputs = 2 * sb * h * elem
     rope = elem * s * shape.head_dim if elem < 4 and not autocast else 0
     sp = sequence_parallel and tp > 1
-    per_layer = split / tp + (norms / tp if sp else norms) + linear_inputs + rope
+    mask = sb * mask_keys * elem
+    per_layer = split / tp + (norms / tp if sp else norms) + linear_inputs + rope + mask
     if terms:
         e, ne, m, a = elem, 4 if autocast else elem, mlp_saved_widths(tp), shape.n_heads
+        repeated = "; k, v repeated to every head: kv = H·Q" if kv != shape.kv_dim else ""
         terms.item("split by TP", f"s·b·((2h + 2kv + {m}f)·e + 4a) (q, k, v, out; gate, up"
-                   f"{', product' if m == 3 else ''}; lse)", f"{sb}·((2·{h} + 2·{kv} + {m}·{f})·{e} + 4·{a})",
+                   f"{', product' if m == 3 else ''}; lse{repeated})",
+                   f"{sb}·((2·{h} + 2·{kv} + {m}·{f})·{e} + 4·{a})",
                    gb(split))
         terms.item("norms", f"2·s·b·(h·{'4' if autocast else 'e'} + 4) (input + fp32 rstd)",
                    f"2·{sb}·({h}·{ne} + 4)", gb(norms))
@@ -291,16 +311,30 @@ def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, el
         if rope:
             terms.item("RoPE table", "e·s·Q (FSDP2's 16-bit cast, kept)", f"{e}·{s}·{shape.head_dim}",
                        gb(rope))
+        if mask:
+            terms.item("document mask", "s·b·keys·e (the mask as attention's bias)",
+                       f"{sb}·{mask_keys}·{e}", gb(mask))
         over, by = ("/tp", f"/{tp}") if sp else ("", "")
         rope_sym, rope_num = (" + RoPE", f" + {gb(rope)}") if rope else ("", "")
+        if mask:
+            rope_sym, rope_num = rope_sym + " + mask", rope_num + f" + {gb(mask)}"
         terms.item("per block", f"split/tp + norms{over} + linear inputs{rope_sym}"
                    + (" (sequence parallel)" if sp else ""),
                    f"{gb(split)}/{tp} + {gb(norms)}{by} + {gb(linear_inputs)}{rope_num}", gb(per_layer))
     return per_layer
 
 
+GROUP_ROWS = 8  # the grouped GEMM's row alignment per expert (loom/models/gpt/moe.py GROUP_ROWS)
+
+
+def experts_grouped(shape: ModelShape, device: str, precision: str) -> bool:
+    """Whether the experts run as grouped GEMMs (loom/models/gpt/moe.py grouped_dtype): on CUDA, in
+    bf16, with widths whose bf16 rows are 16-byte aligned; else the per-expert loop."""
+    return device == "cuda" and precision == "bf16" and shape.d_model % 8 == 0 and shape.moe_hidden % 8 == 0
+
+
 def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, imbalance: float = 1.0,
-                        terms: Terms = NO_TERMS) -> float:
+                        terms: Terms = NO_TERMS, grouped_experts: int = 0) -> float:
     """Bytes an MoE block's feed-forward keeps for backward, for one micro-batch of T = s·b tokens
     on a rank (loom/models/gpt/moe.py; not split by TP: each TP rank runs it on the whole gathered
     sequence), e = the compute dtype's bytes, k = top_k, h_e = the experts' width:
@@ -312,6 +346,10 @@ def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int
       combined      the rows back from the experts, kept by the routing weights'
                     product                                                      T·k·h·e
       shared        the shared experts: a dense SwiGLU of width S·h_e (gate, up)  2·T·S·h_e·e
+    `grouped_experts` (CUDA's grouped GEMMs, experts_grouped; the rank's experts E_r): the rows are laid
+    out padded, GROUP_ROWS-aligned per expert, at the static length L = imb·T·k + E_r·(GROUP_ROWS − 1),
+    and w2's grouped GEMM keeps its input, the SwiGLU product, which swiglu_down recomputes:
+    dispatched and experts become                                                L·(h + 3h_e)·e
     The router's input is the block's ffn_norm output, already among the linear inputs
     (activation_bytes_per_layer). `imbalance` (the busiest expert's tokens over the mean) scales
     what the experts hold: the busiest rank's. Not counted: the routing's small int64 indices and
@@ -319,10 +357,20 @@ def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int
     t, k, d, he = seq * micro_batch, shape.moe_top_k, shape.d_model, shape.moe_hidden
     router = 4 * t * shape.moe_experts
     routed = imbalance * t * k * (d + 2 * he) * elem
+    rows = imbalance * t * k + grouped_experts * (GROUP_ROWS - 1)
+    if grouped_experts:
+        routed = rows * (d + 3 * he) * elem
     combined = t * k * d * elem
     shared = 2 * t * shape.moe_shared_hidden * elem
     total = router + routed + combined + shared
-    if terms:
+    if terms and grouped_experts:
+        terms.item("grouped rows L", f"imb·T·k + E_r·{GROUP_ROWS - 1} (padded per expert)",
+                   f"{imbalance:g}·{t}·{k} + {grouped_experts}·{GROUP_ROWS - 1}", num(rows))
+        terms.item("MoE feed-forward", "T·4E + L·(h + 3h_e)·e + T·k·h·e + 2·T·S·h_e·e (scores; padded rows, "
+                   "expert gate, up and product; combined rows; shared gate and up)",
+                   f"{t}·4·{shape.moe_experts} + {num(rows)}·({d} + 3·{he})·{elem} + {t}·{k}·{d}·{elem} + "
+                   f"2·{t}·{shape.moe_shared_hidden}·{elem}", gb(total))
+    elif terms:
         imb = f"{imbalance:g}·" if imbalance != 1 else ""
         terms.item("MoE feed-forward", f"T·(4E + {imb}k·(h + 2h_e)·e + k·h·e + 2·S·h_e·e) (scores; "
                    "dispatched rows, expert gate and up; combined rows; shared gate and up)",

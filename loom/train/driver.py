@@ -313,7 +313,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     # Finish: the final eval, every rank's measurements, the records.
     eval_loss = (evaluate(b.model, loaders.eval, d, cfg, task.loss_fn, b.pipe) if final_eval is not_yet
                  else final_eval)  # not_yet: a resumed run with no step left to train
-    memory.peak_bytes = peak.peak_bytes
+    memory.peak_bytes, memory.reserved_peak_bytes = peak.peak_bytes, peak.reserved_bytes
     rank_memory: list[dict] = [None] * d.world_size  # type: ignore[list-item]
     # Observed: count and payload of the collectives of step 2; wire bytes only as the ring model.
     measured = {**memory.to_dict(), "pp_stage": d.mesh["pp"].get_local_rank(),

@@ -112,7 +112,12 @@ def update_scale(rule: str, shape: torch.Size) -> float:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon over the groups marked algorithm = "muon", torch's AdamW over the others."""
+    """Muon over the groups marked algorithm = "muon", torch's AdamW over the others.
+
+    Like torch's fused AdamW it takes `found_inf` (a device flag, 1: skip this step), set by the
+    training step for a step whose loss or gradient norm is not finite: the skip decided on the
+    device, not read on the host. Only with a fused AdamW inside (`takes_found_inf`), which takes
+    the flag too."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, foreach: bool | None = None, fused: bool | None = None):
@@ -133,18 +138,34 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
         adamw = [g for g in self.param_groups if g["algorithm"] == "adamw"]
         if any(p.grad is not None for g in adamw for p in g["params"]):
             # a load_state_dict replaces the groups and states: hand AdamW the current ones
             self._adamw.param_groups, self._adamw.state = adamw, self.state
-            self._adamw.step()
+            if found_inf is not None:
+                self._adamw.found_inf = found_inf
+            try:
+                self._adamw.step()
+            finally:
+                self._adamw.__dict__.pop("found_inf", None)
         for group in self.param_groups:
             if group["algorithm"] == "muon":
-                self._muon_step(group)
+                self._muon_step(group, found_inf)
         return loss
 
-    def _muon_step(self, group: dict) -> None:
+    def takes_found_inf(self) -> bool:
+        return bool(self._adamw.defaults.get("fused"))
+
+    def _muon_step(self, group: dict, found_inf: torch.Tensor | None = None) -> None:
         params, updates = [], []
+        # under found_inf each factor of the step is chosen on the device (a skipped step's: the
+        # identity), the very values of a plain step otherwise; and a skipped step's gradients (NaN or
+        # Inf, which a zero factor would keep) are replaced by zeros
+        skip = keep = None
+        if found_inf is not None:
+            skip = found_inf.bool()
+            keep = torch.where(skip, 0.0, 1.0)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -152,14 +173,21 @@ class MuonAdamW(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - group["momentum"])
+            grad = p.grad if skip is None else torch.where(skip, 0.0, p.grad)
+            weight = 1 - group["momentum"]
+            buf.lerp_(grad, weight if skip is None else torch.where(skip, 0.0, weight))
             params.append(p)
-            updates.append(p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
+            updates.append(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
         dtype = DTYPES[group["ns_dtype"]]
         for p, o in zip(params, orthogonalize(updates, group["ns_steps"], dtype)):
             local = p.to_local() if isinstance(p, DTensor) else p
-            local.mul_(1 - group["lr"] * group["weight_decay"])
-            local.add_(o, alpha=-group["lr"] * update_scale(group["update_scale"], p.shape))
+            step = group["lr"] * update_scale(group["update_scale"], p.shape)
+            if keep is None:
+                local.mul_(1 - group["lr"] * group["weight_decay"])
+                local.add_(o, alpha=-step)
+            else:
+                local.mul_(torch.where(skip, 1.0, 1 - group["lr"] * group["weight_decay"]))
+                local.add_(o.mul_(keep), alpha=-step)  # o: this step's own result
 
 
 # ---------------------------------------------------------------------------------------------

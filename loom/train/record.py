@@ -26,6 +26,7 @@ from loom.parallel.mesh import Dist
 from loom.plan import device
 from loom.plan.comm import comm_per_step, loop_collectives, rank_sends, with_loop
 from loom.plan.command import local_cluster
+from loom.plan.efficiency import compute_fraction
 from loom.plan.hardware import Cluster, detect
 from loom.plan.memory import stage_memory
 from loom.plan.search import config_candidate, config_workload, estimate
@@ -88,6 +89,10 @@ def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained_tensors: int = 0,
     record["peak_tflops"] = cluster.gpu.bf16_tflops if cluster.gpu else None
     record["flops_per_token"] = flops_per_token(w)
     record["device_profile"] = str(device.default_path()) if cluster.profile is not None else None
+    # the catalog's fraction of the peak that compute was priced at (bench/gpu_fit.py fits it to GPU rows)
+    catalog = cluster.gpu is not None and cluster.profile is None
+    record["compute_fraction"] = (cluster.achievable_fraction or compute_fraction(cluster.gpu, shape)) \
+        if catalog else None
     return record
 
 

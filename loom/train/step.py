@@ -29,6 +29,7 @@ from loom.parallel.tensor_parallel import loss_context
 from loom.parallel.zero1 import local_optimizer
 from loom.train import faults, moe_step
 from loom.train.meters import PhaseTimer
+from loom.train.muon import MuonAdamW
 from loom.train.optim import clip_grad_norm
 from loom.train.task import IGNORE, cross_entropy, split_batch
 
@@ -230,10 +231,11 @@ def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t,
                     loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Unscale, clip, step (unless the loss or grad norm is NaN/Inf) and advance the schedule.
 
-    Returns (grad norm, skipped flag, lr used). A fused AdamW skips on the device (its
-    `found_inf` input, as under a GradScaler): no host sync. Other optimizers read the flag on
-    the host before stepping (free on CPU). Under fp16 the scaler already skips overflowed
-    gradients (that is its normal operation), so only the loss decides there.
+    Returns (grad norm, skipped flag, lr used). A fused AdamW, and Muon beside one, skip on the
+    device (their `found_inf` input, as under a GradScaler): no host sync. Other optimizers read the
+    flag on the host before stepping (free on CPU). Under fp16 the scaler already skips overflowed
+    gradients (that is its normal operation), so only the loss decides there: for a fused AdamW by
+    joining the scaler's flags on the device (an overflow also halves the scale), else on the host.
     """
     if scaler:
         scaler.unscale_(optimizer)
@@ -244,10 +246,15 @@ def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t,
     finite = torch.isfinite(loss) if scaler else torch.isfinite(loss) & torch.isfinite(grad_norm)
     skipped = (~finite).float()
     if scaler:
-        if finite.item():
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # a fused AdamW takes the scaler's overflow flags on the device: the loss's flag joins them
+            for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                torch.maximum(found, skipped.to(found.device), out=found)
+            scaler.step(optimizer)
+        elif finite.item():
             scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
         scaler.update()
-    elif (fused := _fused_adamw(optimizer)) is not None:
+    elif (fused := _takes_found_inf(optimizer)) is not None:
         fused.found_inf = skipped.to(params[0].device)
         try:
             optimizer.step()
@@ -259,10 +266,13 @@ def _optimizer_step(optimizer, scheduler, scaler, params: list[torch.Tensor], t,
     return grad_norm, skipped, lr
 
 
-def _fused_adamw(optimizer) -> torch.optim.AdamW | None:
-    """The fused AdamW that takes the step (ZeRO-1 steps its local one), if the step is one."""
+def _takes_found_inf(optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer that takes the step (ZeRO-1 steps its local one) if it skips on a device flag:
+    a fused AdamW, or Muon with one inside (loom/train/muon.py)."""
     inner = local_optimizer(optimizer)
-    return inner if isinstance(inner, torch.optim.AdamW) and inner.defaults.get("fused") else None
+    if isinstance(inner, torch.optim.AdamW) and inner.defaults.get("fused"):
+        return inner
+    return inner if isinstance(inner, MuonAdamW) and inner.takes_found_inf() else None
 
 
 def evaluate(model: nn.Module, loader, d: Dist, cfg: Config, loss_fn,

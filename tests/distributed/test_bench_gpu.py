@@ -27,7 +27,7 @@ def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypa
     monkeypatch.setattr(gpu, "BUDGET_S", 3600.0)
     bench = {"rows": [], "notes": [], "missed": [], "plots": []}
     saved = []
-    ctx = harness.Context(True, tmp_path, {"benches": {"gpu": bench}}, harness.Progress(16), tmp_path,
+    ctx = harness.Context(True, tmp_path, {"benches": {"gpu": bench}}, harness.Progress(17), tmp_path,
                           save=lambda: saved.append(len(bench["rows"])))
     ctx.bench = "gpu"
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
@@ -35,12 +35,13 @@ def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypa
 
     rows = {r["case"]: r for r in bench["rows"]}
     assert list(rows) == ["bf16 matmul 256³", "eager", "CP attention pieces vs one SDPA",
-                          "zero3 + CPU offload", "hand-written loop (loom's GPT)",
+                          "attention kernels (GQA, 1B heads)", "zero3 + CPU offload",
+                          "hand-written loop (loom's GPT)",
                           "Hugging Face LlamaForCausalLM", "compile", "full logits", "AC op", "AC full",
                           "fp16", "LoRA rank 16", "Muon",
                           "MoE 8×64 top 2", "loom profile + loom analyze",
                           "async checkpoint from CUDA memory, resumed"]
-    assert saved == list(range(1, 17))  # the results written after every case
+    assert saved == list(range(1, 18))  # the results written after every case
     assert "accelerator" in rows["zero3 + CPU offload"]["error"]  # refused on a CPU, in one line
     for name in ("eager", "compile", "full logits", "AC op", "AC full", "fp16", "LoRA rank 16",
                  "MoE 8×64 top 2"):
@@ -48,6 +49,8 @@ def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypa
         assert "error" not in row, row
         assert row["measured"] > 0 and row["peak_gib"] > 0 and row["unit"] == "tokens/s", row
         assert row["planned_peak_gib"] > 0 and row["measured_vs_planned"] > 0, row  # measured beside planned
+        # allocated beside the plan's allocated; the allocator's reserved (CUDA only) beside its total
+        assert row["planned_reserved_gib"] > row["planned_peak_gib"] and row["reserved_gib"] is None, row
         assert list(row)[:4] == ["case", "measured", "planned", "measured_vs_planned"]  # the table's columns
         assert "train.optimizer_impl=fused" in row["command"]
     assert "error" not in rows["Muon"] and rows["Muon"]["measured"] > 0, rows["Muon"]
@@ -62,6 +65,9 @@ def test_the_gpu_benchmark_runs_its_cases_and_writes_its_rows(tmp_path, monkeypa
     assert "× the chunked loss (eager)" in rows["full logits"]["detail"]
     assert "(goal ≥ 1.00×)" in rows["Hugging Face LlamaForCausalLM"]["detail"]
     assert rows["bf16 matmul 256³"]["measured"] > 0
+    kernels = rows["attention kernels (GQA, 1B heads)"]
+    assert kernels["detail"].startswith("6/6 as planned"), kernels
+    assert kernels["measured"] == kernels["planned"], kernels
     cp = rows["CP attention pieces vs one SDPA"]
     assert cp["detail"].startswith("12/12 cases within tolerance") and cp["measured"] <= cp["planned"]
     for name in ("hand-written loop (loom's GPT)", "Hugging Face LlamaForCausalLM"):

@@ -88,3 +88,77 @@ BUGS = [
         (f"{SYNCS}::test_a_steady_step_reads_nothing_on_the_host[ddp]",
          f"{SYNCS}::test_a_steady_step_reads_nothing_on_the_host[tp2-sp]")),
 ]
+
+SDPA = "tests/unit/test_sdpa_kernels.py"
+BUGS += [
+    Bug("sdpa-grouped-to-math", "grouped k/v handed to CUDA's SDPA where flash cannot run (the math kernel)",
+        "loom/parallel/sdpa.py",
+        "            k, v, grouped = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1]), False\n",
+        "            pass\n",
+        (f"{SDPA}::test_a_cuda_fp32_block_keeps_what_the_plan_says[4-2]",)),
+    Bug("plan-kv-grouped-on-cuda", "the plan keeps grouped k/v on CUDA in fp32",
+        "loom/plan/shapes.py",
+        "    if device != \"cuda\" or (elem < 4 and shape.head_dim <= 256 and not masked):\n",
+        "    if True:\n",
+        (f"{SDPA}::test_the_plan_prices_repeated_heads_on_cuda_in_fp32_or_masked",
+         f"{SDPA}::test_a_cuda_fp32_block_keeps_what_the_plan_says[4-2]")),
+]
+BUGS += [
+    Bug("plan-document-mask-free", "the plan leaves out the document mask that attention keeps as its bias",
+        "loom/plan/shapes.py",
+        "    per_layer = split / tp + (norms / tp if sp else norms) + linear_inputs + rope + mask\n",
+        "    per_layer = split / tp + (norms / tp if sp else norms) + linear_inputs + rope\n",
+        (f"{SDPA}::test_a_block_under_documents_keeps_what_the_plan_says[fp32-cpu]",)),
+]
+
+FIT = "tests/unit/test_gpu_fit.py"
+BUGS += [
+    Bug("gpu-fit-held-out-sees-the-row", "the held-out fit is fitted with the row it predicts",
+        "bench/gpu_fit.py", "        others = rows[:i] + rows[i + 1:]\n", "        others = rows\n",
+        (f"{FIT}::test_held_out_error_is_apart_from_in_sample",)),
+    Bug("gpu-fit-all-unknowns", "every unknown fitted however few the rows",
+        "bench/gpu_fit.py", "    names = present[: max(len(rows) // 2, 1)]\n", "    names = present\n",
+        (f"{FIT}::test_few_rows_fit_few_unknowns",)),
+]
+
+MUON = "tests/unit/test_muon.py"
+BUGS += [
+    Bug("muon-skip-read-on-host", "Muon's non-finite skip read on the host beside a fused AdamW",
+        "loom/train/step.py",
+        "    return inner if isinstance(inner, MuonAdamW) and inner.takes_found_inf() else None\n",
+        "    return None\n", (f"{MUON}::test_the_training_step_skips_on_the_device[True]",)),
+    Bug("muon-skip-nan-momentum", "a flagged Muon step lerps its NaN gradients into the momentum",
+        "loom/train/muon.py",
+        "            grad = p.grad if skip is None else torch.where(skip, 0.0, p.grad)\n",
+        "            grad = p.grad\n",
+        (f"{MUON}::test_a_flagged_step_changes_nothing_even_with_nan_gradients",)),
+    Bug("muon-skip-adamw-steps", "Muon's AdamW side steps a flagged step",
+        "loom/train/muon.py", "                self._adamw.found_inf = found_inf\n", "                pass\n",
+        (f"{MUON}::test_a_flagged_step_changes_nothing_even_with_nan_gradients",)),
+]
+
+FFN = f"{GROUPED}::test_the_feed_forward_keeps_what_the_plan_says"
+BUGS += [
+    Bug("moe-combine-index-add", "the experts' rows combined by index_add, whose backward keeps them",
+        "loom/models/gpt/moe.py",
+        ".scatter_add(0, token[:, None].expand_as(out), out)\n",
+        ".index_add(0, token, out)\n", (f"{FFN}[loop]",)),
+    Bug("moe-grouped-index-copy", "the grouped layout filled by index_copy, whose backward keeps the rows",
+        "loom/models/gpt/moe.py",
+        "        x = x.new_zeros(length, x.shape[1]).scatter(0, dest[:, None].expand_as(x), x)\n",
+        "        x = x.new_zeros(length, x.shape[1]).index_copy(0, dest, x)\n", (f"{FFN}[grouped]",)),
+    Bug("plan-grouped-experts-as-loop", "the plan prices CUDA's grouped experts as the loop",
+        "loom/plan/shapes.py", "    if grouped_experts:\n        routed = rows",
+        "    if False:\n        routed = rows", (f"{FFN}[grouped]",)),
+]
+
+FP16 = "tests/unit/test_fp16_skip.py"
+BUGS += [
+    Bug("fp16-loss-flag-dropped", "under fp16 a fused AdamW steps past a non-finite loss, finite gradients",
+        "loom/train/step.py", "                torch.maximum(found, skipped.to(found.device), out=found)\n",
+        "                pass\n",
+        (f"{FP16}::test_a_non_finite_loss_leaves_the_weights[nan-loss-only-True]",)),
+    Bug("fp16-skip-read-on-host", "under fp16 the loss's flag is read on the host beside a fused AdamW",
+        "loom/train/step.py", "        if getattr(optimizer, \"_step_supports_amp_scaling\", False):\n",
+        "        if False:\n", (f"{FP16}::test_a_fused_step_reads_nothing_on_the_host",)),
+]

@@ -33,10 +33,9 @@ BUGS = [
         "torch.ops.aten.silu_backward(grad * up, gate)", "torch.ops.aten.silu_backward(grad * gate, up)",
         SWIGLU),
     Bug("lean-gqa-repeats", "attention repeats k, v to every head instead of enable_gqa",
-        "loom/models/gpt/model.py",
-        "out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)",
-        "out = F.scaled_dot_product_attention(q, k.repeat_interleave(self.n_rep, 1), "
-        "v.repeat_interleave(self.n_rep, 1), is_causal=True)",
+        "loom/parallel/sdpa.py",
+        "    if device.type != \"cuda\":\n        return True\n",
+        "    if device.type != \"cuda\":\n        return False\n",
         (f"{LEAN}::test_gqa_runs_the_fused_kernel_without_repeating_k_v", *SAVED)),
     Bug("lean-formula-kv-repeated", "the planner counts k, v as wide as q (repeated)", "loom/plan/shapes.py",
         "split = sb * ((2 * h + 2 * kv + mlp_saved_widths(tp) * f) * elem + 4 * shape.n_heads)",

@@ -12,7 +12,7 @@ UNIT = "tests/unit/test_muon.py"
 BUGS = [
     Bug("muon-nesterov-ignored", "the plain momentum orthogonalized where nesterov asks for the look-ahead",
         "loom/train/muon.py",
-        'updates.append(p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)',
+        'updates.append(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)',
         "updates.append(buf)",
         (f"{UNIT}::test_steps_equal_torch_muon_and_adamw[match_rms_adamw-True]",)),
     Bug("muon-chunks-floor", "shard rows taken as ⌊n/world⌋ (FSDP2 and DTensor chunk by ⌈n/world⌉)",

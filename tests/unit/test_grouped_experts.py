@@ -105,3 +105,34 @@ def test_the_device_picks_the_path(monkeypatch):
     assert moe.grouped_dtype(cuda, torch.bfloat16, 64, 36) is None  # a width not 16-byte aligned
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert moe.grouped_dtype(cuda, torch.bfloat16, 64, 32) is None
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+def test_the_feed_forward_keeps_what_the_plan_says(grouped):
+    """An MoE block's feed-forward, saved bytes against plan/shapes.py's moe_ffn_saved_bytes for each
+    path (CUDA's grouped one run here in fp32): the padded rows and the SwiGLU product that w2's
+    grouped GEMM keeps, and no copy of the rows or of the combined output kept for a shape (index_copy's
+    and index_add's backward would). What the plan leaves out: the routing's int64 indices and fp32
+    weights, T·k each, the aux loss's [B, E] and the layout's offsets."""
+    from test_plan_formulas import kept_bytes
+
+    from loom.plan.shapes import GROUP_ROWS as PLANNED_ROWS
+    from loom.plan.shapes import from_gpt_config, moe_ffn_saved_bytes
+
+    assert PLANNED_ROWS == GROUP_ROWS
+    cfg = preset("tiny-moe")
+    torch.manual_seed(0)
+    block = MoE(cfg)
+    for m in block.modules():
+        if hasattr(m, "grouped"):
+            m.grouped = torch.float32 if grouped else None
+    batch, seq = 2, 64
+    x = torch.randn(batch, seq, cfg.d_model, requires_grad=True)
+    measured = kept_bytes(lambda: block(x), [*block.parameters(), x])
+    shape = from_gpt_config(cfg, "tiny-moe")
+    planned = moe_ffn_saved_bytes(shape, seq, batch, 4, grouped_experts=cfg.moe_experts if grouped else 0)
+    choices = batch * seq * cfg.moe_top_k
+    # int64 indices (chosen, order, token; the grouped layout's too), fp32 weights; aux; the offsets
+    routing = choices * (5 * 8 + 4) + (batch + 1) * cfg.moe_experts * 4
+    assert routing < choices * cfg.expert_hidden * 4  # far below the product the grouped path keeps
+    assert 0 <= measured - planned <= routing, (measured, planned)

@@ -192,3 +192,77 @@ def test_a_muon_run_resumes_through_the_cli(tmp_path, corpus):
         assert set(held) == set(trained_entries(build_model(preset("tiny"), "meta"), "muon"))
         assert loom.cli.main([*argv, "--set", "train.steps=3", "--resume", "auto"]) == 0
     assert (run / "checkpoints" / "step_3").is_dir()
+
+
+def _fused_muon(net):
+    t, m = TrainConfig(lr=0.01, weight_decay=0.1), MuonConfig(lr=0.02)
+    return MuonAdamW(muon_groups(net, t, m), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
+
+
+def _snapshot(net, opt):
+    return copy.deepcopy(([p.detach() for p in net.parameters()], opt.state_dict()["state"]))
+
+
+def test_a_flagged_step_changes_nothing_even_with_nan_gradients():
+    """found_inf (the training step's device flag for a non-finite loss or norm): Muon's matrices,
+    momenta and the fused AdamW's parameters and moments are left exactly as they were."""
+    torch.manual_seed(0)
+    net = _Net()
+    opt = _fused_muon(net)
+    assert opt.takes_found_inf()
+    _loss(net, 0).backward()
+    opt.step()  # the states exist
+    before = _snapshot(net, opt)
+    opt.zero_grad()
+    _loss(net, 1).backward()
+    for p in net.parameters():
+        p.grad[..., 0] = float("nan")
+    opt.found_inf = torch.ones(())
+    opt.step()
+    after = _snapshot(net, opt)
+    for a, b in zip(before[0], after[0]):
+        assert torch.equal(a, b)
+    for k, state in before[1].items():
+        for name, v in state.items():
+            assert torch.equal(v, after[1][k][name]), (k, name)
+
+
+def test_an_unflagged_step_is_the_plain_step():
+    torch.manual_seed(0)
+    nets = [_Net(), None]
+    nets[1] = copy.deepcopy(nets[0])
+    opts = [_fused_muon(n) for n in nets]
+    for step in range(2):
+        for i, (net, opt) in enumerate(zip(nets, opts)):
+            opt.zero_grad()
+            _loss(net, step).backward()
+            if i:
+                opt.found_inf = torch.zeros(())
+            opt.step()
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_training_step_skips_on_the_device(fused):
+    """loom's optimizer step hands Muon (beside a fused AdamW) the non-finite flag: no host read of it;
+    beside a foreach AdamW the flag is read on the host (free on a CPU, where that one runs)."""
+    import sys
+    from pathlib import Path
+
+    from loom.train import step as step_module
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from host_reads import host_reads
+
+    torch.manual_seed(0)
+    net = _Net()
+    t, m = TrainConfig(lr=0.01, weight_decay=0.1), MuonConfig(lr=0.02)
+    opt = MuonAdamW(muon_groups(net, t, m), lr=t.lr, **({"fused": True} if fused else {"foreach": True}))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    loss = _loss(net, 0)
+    loss.backward()
+    reads = []
+    with host_reads(lambda: reads.append(1)):
+        step_module._optimizer_step(opt, scheduler, None, list(net.parameters()), t, None, loss.detach())
+    assert (len(reads) == 0) == fused, reads

@@ -40,24 +40,34 @@ def test_block_parameters_are_the_modules():
         assert shape.layer_params == sum(p.numel() for p in Block(cfg).parameters())
 
 
-def _saved_bytes(block, x, rope, context) -> int:
-    """Bytes of the tensors autograd keeps for backward in one block's forward (each storage once),
-    beside the parameters and the RoPE table every block shares."""
+def kept_bytes(run, shared) -> int:
+    """Bytes of the tensors autograd keeps for backward while `run()` runs (each storage once), beside
+    the `shared` tensors' storages."""
     import torch
 
-    shared = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    shared.add(rope.untyped_storage().data_ptr())
+    skip = {t.untyped_storage().data_ptr() for t in shared}
     kept: dict[int, int] = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in shared:
+        if storage.data_ptr() not in skip:
             kept[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
-        block(x, rope)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
     return sum(kept.values())
+
+
+def _saved_bytes(block, x, rope, context) -> int:
+    """Bytes of the tensors autograd keeps for backward in one block's forward, beside the parameters
+    and the RoPE table every block shares."""
+
+    def run():
+        with context:
+            block(x, rope)
+
+    return kept_bytes(run, [*block.parameters(), rope])
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])

@@ -16,7 +16,6 @@ import math
 import zlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -27,6 +26,7 @@ from loom.models.gpt.lean_ops import apply_rope, rms_norm, swiglu, swiglu_down
 from loom.models.gpt.moe import EXPERT_WEIGHTS, MoE
 from loom.parallel.context_parallel import Sequence, SequenceSplit, attention
 from loom.parallel.mesh import local_view
+from loom.parallel.sdpa import attend
 from loom.parallel.weights import WeightSource, block, plain_name, write_weights
 
 
@@ -68,13 +68,13 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, tokens, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        # under TP, q/k/v are DTensors sharded over heads: each rank attends its own heads
+        local = [local_view(t) for t in (q, k, v)]
         if seq is None or (seq.cp is None and seq.docs is None):
-            # Grouped k, v go in as they are: CPU's flash kernel takes GQA, no repeated copies kept.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+            # Grouped k, v go in as they are where the device's flash kernel takes them (sdpa.py).
+            out = _like(attend(*local, is_causal=True), q)
         else:  # the sequence split over cp ranks, or packed documents (loom/parallel/context_parallel.py)
-            # under TP, q/k/v are DTensors sharded over heads: the exchange runs on each rank's heads
-            out = attention(*(local_view(t) for t in (q, k, v)), seq)
-            out = _like(out, q)
+            out = _like(attention(*local, seq), q)
         return self.wo(out.transpose(1, 2).reshape(bsz, tokens, -1))
 
 

@@ -147,7 +147,8 @@ class Experts(nn.Module):
             counts = torch.tensor(counts, device=rows.device)
         dest, ends, length = grouped_layout(counts, rows.shape[0], GROUP_ROWS)
         x = rows.to(dtype)
-        x = x.new_zeros(length, x.shape[1]).index_copy(0, dest, x)
+        # scatter, not index_copy, whose backward keeps its source (the rows) for its shape
+        x = x.new_zeros(length, x.shape[1]).scatter(0, dest[:, None].expand_as(x), x)
         spec = self.lora
 
         def linear(h: torch.Tensor, w: str) -> torch.Tensor:
@@ -303,7 +304,8 @@ class MoE(nn.Module):
             local_rows, local_counts, back = send_to_experts(rows, counts, ep)
             out = return_from_experts(self.experts(local_rows, local_counts), back, ep)
         out = out * weight.to(out.dtype)[:, None]
-        return torch.zeros_like(flat, dtype=out.dtype).index_add(0, token, out)
+        # scatter_add, not index_add: index_add's backward keeps its source (for its shape), T·k·h more
+        return torch.zeros_like(flat, dtype=out.dtype).scatter_add(0, token[:, None].expand_as(out), out)
 
     def _record(self, load: torch.Tensor, keep: torch.Tensor | None, aux: torch.Tensor) -> None:
         # Training forward calls only, once each: not again when activation checkpointing recomputes
