@@ -33,15 +33,26 @@ def smoke_set() -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
+def extended_set() -> list[str]:
+    """tests/extended.txt's node ids: more cases of a capability another test already runs."""
+    lines = (Path(__file__).parent / "extended.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def _listed(nodeid: str, entries: set[str]) -> bool:
+    return nodeid in entries or nodeid.split("::")[0] in entries or nodeid.split("[")[0] in entries
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     here = Path(__file__).parent / "distributed"
-    smoke = set(smoke_set())
+    smoke, extended = set(smoke_set()), set(extended_set())
     for item in items:
         if here in Path(item.fspath).parents:
             item.add_marker(pytest.mark.distributed)
-        if item.nodeid in smoke or item.nodeid.split("::")[0] in smoke or \
-                item.nodeid.split("[")[0] in smoke:
+        if _listed(item.nodeid, smoke):
             item.add_marker(pytest.mark.smoke)
+        if _listed(item.nodeid, extended):
+            item.add_marker(pytest.mark.extended)
 
 
 @pytest.fixture(autouse=True)

@@ -131,8 +131,9 @@ def pytest_in(scratch: Path, tests: list[str], timeout: float, first_failure: bo
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOOM_FAULTS", "PYTEST_"))}
     env.update(PYTHONPATH=str(scratch), LOOM_PLANTED_ROOT=str(scratch), LOOM_PLANTED_FAILED=str(failed),
                PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", *(["-x"] if first_failure else []), "-p", "no:cacheprovider",
-           "-p", PLUGIN, *tests]
+    # -m "": the extended set too (tests/extended.txt), which the default run leaves out
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "", *(["-x"] if first_failure else []),
+           "-p", "no:cacheprovider", "-p", PLUGIN, *tests]
     # Its own session, so that a run past the timeout is ended with every rank it started.
     proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

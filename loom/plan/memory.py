@@ -19,7 +19,6 @@ from loom.plan.shapes import (
     checkpointed_layers,
     chunk_logits_bytes,
     dense_mlp_saved_bytes,
-    experts_grouped,
     head_backward_bytes,
     head_saved_bytes,
     head_transient_bytes,
@@ -718,8 +717,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     moe = shape.moe_layers_in(start, layers)  # MoE blocks of the stage
     imbalance = experts.imbalance(w, c)
     if moe:
-        grouped = shape.moe_experts // c.ep if experts_grouped(shape, device, w.precision) else 0
-        moe_ffn = moe_ffn_saved_bytes(shape, seq, mb, e, imbalance, terms, grouped)
+        moe_ffn = moe_ffn_saved_bytes(shape, seq, mb, e, imbalance, terms)
         dense_ffn = dense_mlp_saved_bytes(shape, seq, mb, e, tp)
         per_moe = per_layer - dense_ffn + moe_ffn
         if terms:

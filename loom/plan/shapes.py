@@ -327,12 +327,6 @@ def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, el
 GROUP_ROWS = 8  # the grouped GEMM's row alignment per expert (loom/models/gpt/moe.py GROUP_ROWS)
 
 
-def experts_grouped(shape: ModelShape, device: str, precision: str) -> bool:
-    """Whether the experts run as grouped GEMMs (loom/models/gpt/moe.py grouped_dtype): on CUDA, in
-    bf16, with widths whose bf16 rows are 16-byte aligned; else the per-expert loop."""
-    return device == "cuda" and precision == "bf16" and shape.d_model % 8 == 0 and shape.moe_hidden % 8 == 0
-
-
 def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, imbalance: float = 1.0,
                         terms: Terms = NO_TERMS, grouped_experts: int = 0) -> float:
     """Bytes an MoE block's feed-forward keeps for backward, for one micro-batch of T = s·b tokens
@@ -346,7 +340,8 @@ def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int
       combined      the rows back from the experts, kept by the routing weights'
                     product                                                      T·k·h·e
       shared        the shared experts: a dense SwiGLU of width S·h_e (gate, up)  2·T·S·h_e·e
-    `grouped_experts` (CUDA's grouped GEMMs, experts_grouped; the rank's experts E_r): the rows are laid
+    `grouped_experts` (CUDA's grouped GEMMs, moe.py grouped_dtype; the rank's experts E_r; the step's
+    plan does not pass it yet): the rows are laid
     out padded, GROUP_ROWS-aligned per expert, at the static length L = imb·T·k + E_r·(GROUP_ROWS − 1),
     and w2's grouped GEMM keeps its input, the SwiGLU product, which swiglu_down recomputes:
     dispatched and experts become                                                L·(h + 3h_e)·e
