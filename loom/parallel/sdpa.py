@@ -8,7 +8,7 @@ Asked for grouped heads where flash cannot run (an fp32 run, document masks), to
 math kernel, which keeps the B·H·T² scores for backward: 128 MiB per sequence and layer at 1024
 tokens and 32 heads. There k and v are repeated to the query heads first, so the efficient kernel
 runs and keeps them (2·(H − H_kv)·head_dim elements per token more, priced by
-loom/plan/shapes.py::attention_saved_widths).
+loom/plan/shapes.py::attention_kv_width).
 """
 
 from __future__ import annotations

@@ -162,3 +162,9 @@ BUGS += [
         "loom/train/step.py", "        if getattr(optimizer, \"_step_supports_amp_scaling\", False):\n",
         "        if False:\n", (f"{FP16}::test_a_fused_step_reads_nothing_on_the_host",)),
 ]
+BUGS += [
+    Bug("sdpa-heads-tiled", "k/v heads tiled (repeat), not one per query group (repeat_interleave)",
+        "loom/parallel/sdpa.py", "t.repeat_interleave(heads // t.shape[1], dim=1)",
+        "t.repeat(1, heads // t.shape[1], 1, 1)",
+        (f"{SDPA}::test_repeated_heads_give_the_grouped_result[causal]",)),
+]
