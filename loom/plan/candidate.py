@@ -49,6 +49,13 @@ class Workload:
         return self.global_batch * self.seq_len
 
 
+def head_recomputed(w: Workload, c: Candidate) -> bool:
+    """Whether the chunked loss runs each chunk's head matmul again in backward: under GPipe and the
+    split-backward schedules, whose loss cannot make its gradients in forward (loom/train/step.py);
+    everywhere else a chunk costs no recompute, so loom chunks."""
+    return w.loss_chunk > 0 and c.pp > 1 and (c.schedule == "gpipe" or c.split_backward)
+
+
 @dataclass(frozen=True)
 class Candidate:
     strategy: str  # a name in loom.strategies.STRATEGIES
@@ -76,27 +83,27 @@ class Candidate:
     # parallel.dualpipev_overlap: the ep all-to-alls beside the other side's compute
     dualpipev_overlap: bool = True
 
-    @property
+    @functools.cached_property
     def world(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 
-    @property
+    @functools.cached_property
     def strategy_info(self) -> strategies.Strategy:
         return strategies.lookup(self.strategy)
 
-    @property
+    @functools.cached_property
     def split_backward(self) -> bool:
         """A pipeline schedule that runs B and W apart (zb, zbv, dualpipev): ddp and zero1 then
         replicate through FSDP2 (strategies.Strategy.uses_fsdp), as the run does."""
         return self.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES
 
-    @property
+    @functools.cached_property
     def uses_fsdp(self) -> bool:
         """Whether the torch engine runs this layout on FSDP2 (the strategy's, TP's, EP's or the split
         backward's reason)."""
         return self.strategy_info.uses_fsdp(self.tp, self.ep, self.split_backward)
 
-    @property
+    @functools.cached_property
     def shard_size(self) -> int:
         """N of the formulas: ranks one shard of the model states is split over. The cp ranks of a
         dp index hold the same model: FSDP2 shards over dp_shard × cp, ZeRO-1 over dp × cp."""
@@ -104,7 +111,7 @@ class Candidate:
         n = s.shard_size(*s.dp_dims(self.dp, self.dp_shard))
         return n * self.cp if s.sharded else n
 
-    @property
+    @functools.cached_property
     def expert_shard_size(self) -> int:
         """N_e: ranks one shard of the routed experts' states is split over. The ep ranks split the
         experts; the strategy shards each rank's E/ep over the edp = dp/ep ranks holding the same ones
@@ -132,7 +139,7 @@ class Candidate:
             return list(_fsdp_units(shape, self.ep > 1, self.fsdp_unit_mb, layers, first, last, start))
         return list(_fsdp_units(shape, False, self.fsdp_unit_mb, layers, first, last, 0))
 
-    @property
+    @functools.cached_property
     def engine(self) -> str:
         """The parallel.engine that runs it, in the config's words (plan.json and the plan's text use
         them too): "deepspeed", or "torch" (see `implementation`)."""
@@ -150,7 +157,7 @@ class Candidate:
         replicas = "FSDP2" if self.uses_fsdp else "DDP"
         return f"{replicas} + ZeroRedundancyOptimizer" if s.shards_optimizer_only else replicas
 
-    @property
+    @functools.cached_property
     def runs_in_loom(self) -> bool:
         """loom's deepspeed engine runs data parallelism (ZeRO 0-3, offload), not TP, PP, CP or hsdp,
         and without loom's activation checkpointing (the torch engine's)."""

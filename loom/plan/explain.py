@@ -18,7 +18,7 @@ from loom.plan import step as steps
 from loom.plan.candidate import Candidate
 from loom.plan.comm import comm_per_step
 from loom.plan.memory import gpu_memory
-from loom.plan.search import estimate, size_text
+from loom.plan.search import TIGHT, estimate, record_workload, size_text
 from loom.plan.terms import GB, Terms, gb, num, sec
 
 
@@ -41,6 +41,7 @@ def explain(plan, index: int) -> str:
         raise ConfigError(f"candidate {index} does not exist; the plan has {count} (0–{count - 1})")
     record = plan.candidates[index]
     w, cluster = plan.workload, plan.cluster
+    w = record_workload(w, record)  # the loss the record runs (search._loss_of)
     c = candidate_of(record)
     out = Terms()
     _header(out, index, record, w, c, cluster)
@@ -102,8 +103,14 @@ def _header(out: Terms, index: int, record: dict, w, c: Candidate, cluster) -> N
     if c.activation_checkpointing != "none":
         every = f" of every {c.ac_every} blocks" if c.activation_checkpointing == "selective" else ""
         out.note(f"activation checkpointing: {c.activation_checkpointing}{every}")
-    if c.label() != record["label"]:
-        out.note(f"✗ the candidate rebuilt from the record is {c.label()!r}, not {record['label']!r}")
+    label = c.label()
+    if record.get("full_logits"):
+        label += " full logits"
+        out.note(f"loss: the full logits, not chunks of train.loss_chunk: under {c.schedule} a chunk's "
+                 f"logits are computed again in backward, and the full ones fit under the {TIGHT:.0%} "
+                 "headroom rule")
+    if label != record["label"]:
+        out.note(f"✗ the candidate rebuilt from the record is {label!r}, not {record['label']!r}")
     again = estimate(w, c, cluster)
     same = again["memory_bytes"] == record["memory_bytes"] and again["step_time_s"] == record["step_time_s"]
     if not same:

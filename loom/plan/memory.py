@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from loom import strategies
 from loom.config import rank_stages, stages_per_rank
 from loom.plan import context, experts, in_flight, lora, muon
+from loom.plan.candidate import head_recomputed
 from loom.plan.shapes import (
     activation_bytes_per_layer,
     attention_kv_width,
     checkpointed_layers,
     chunk_logits_bytes,
     dense_mlp_saved_bytes,
+    grouped_experts,
     head_backward_bytes,
     head_saved_bytes,
     head_transient_bytes,
@@ -717,7 +719,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     moe = shape.moe_layers_in(start, layers)  # MoE blocks of the stage
     imbalance = experts.imbalance(w, c)
     if moe:
-        moe_ffn = moe_ffn_saved_bytes(shape, seq, mb, e, imbalance, terms)
+        moe_ffn = moe_ffn_saved_bytes(shape, seq, mb, e, imbalance, terms,
+                                      grouped_experts(shape, w.precision, device, c.ep,
+                                                      spec.rank if spec and spec.expert_targets else 0))
         dense_ffn = dense_mlp_saved_bytes(shape, seq, mb, e, tp)
         per_moe = per_layer - dense_ffn + moe_ffn
         if terms:
@@ -772,7 +776,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     elif terms and not moe:
         terms.item("blocks", "L_s·block", f"{layers}·{gb(per_layer)}", gb(blocks))
     # the chunked loss's gradients made in its forward (not under GPipe or a split backward: step.py)
-    in_forward = bool(chunk) and not (pipelined and (c.schedule == "gpipe" or c.split_backward))
+    in_forward = bool(chunk) and not head_recomputed(w, c)
     head = head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast, chunk, terms,
                             grad_in_forward=in_forward) if last else 0.0
     if pipelined and terms:

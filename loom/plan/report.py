@@ -8,7 +8,7 @@ import dataclasses
 from loom.plan import lora, muon
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.memory import gpu_memory
-from loom.plan.search import GB, Plan, estimate, size_text, unrunnable
+from loom.plan.search import GB, Plan, estimate, record_workload, size_text, unrunnable
 from loom.strategies import STRATEGIES
 
 
@@ -67,7 +67,8 @@ def muon_versus_adamw(plan: Plan) -> str:
     time its Newton-Schulz iterations and exchange add."""
     from loom.plan.explain import candidate_of  # (explain imports search, as this module does)
     best = plan.candidates[plan.recommended]
-    adamw = estimate(dataclasses.replace(plan.workload, muon=None), candidate_of(best), plan.cluster)
+    adamw = estimate(dataclasses.replace(record_workload(plan.workload, best), muon=None), candidate_of(best),
+                     plan.cluster)
     m, a = best["memory_bytes"], adamw["memory_bytes"]
     unit = "rank" if plan.cluster.profile is not None and plan.cluster.profile.device == "cpu" else "GPU"
     step, base = best["step_time_s"], adamw["step_time_s"]

@@ -17,7 +17,7 @@ from loom.config import SPLIT_BACKWARD_SCHEDULES as SPLIT_BACKWARD
 from loom.config import V_SCHEDULES, stages_per_rank
 from loom.errors import ConfigError
 from loom.plan import context, experts, lora, muon
-from loom.plan.candidate import Candidate, Workload
+from loom.plan.candidate import Candidate, Workload, head_recomputed
 from loom.plan.comm import comm_per_step, ep_payload_per_step
 from loom.plan.efficiency import compute_fraction, link_efficiency
 from loom.plan.hardware import Cluster
@@ -29,13 +29,18 @@ MICRO_BATCHES = (1, 2, 4, 8, 16)
 AC_MODES = ("none", "op", "selective", "full")  # activation checkpointing, from least recompute to most
 
 
-def estimate(w: Workload, c: Candidate, cluster: Cluster) -> dict:
-    """One candidate, priced: the JSON record of `loom plan --format json`."""
+def estimate(w: Workload, c: Candidate, cluster: Cluster, choose_loss: bool = False) -> dict:
+    """One candidate, priced: the JSON record of `loom plan --format json`. `choose_loss` (the search):
+    the loss the candidate runs best (_loss_of); otherwise the workload's."""
+    chunked = w.loss_chunk
     device = cluster.profile.device if cluster.profile is not None else "cuda"
-    mem = gpu_memory(w, c, cluster.fragmentation, device)
+    w, mem = _loss_of(w, c, cluster, device) if choose_loss else (w, gpu_memory(w, c, cluster.fragmentation,
+                                                                                 device))
     comm, groups = comm_per_step(w, c, cluster.gpus_per_node)
     record = {
-        "label": c.label(), "strategy": c.strategy, "engine": c.engine, "implementation": c.implementation,
+        "label": c.label() + (" full logits" if w.loss_chunk != chunked else ""),
+        "full_logits": w.loss_chunk != chunked,
+        "strategy": c.strategy, "engine": c.engine, "implementation": c.implementation,
         "runs_in_loom": c.runs_in_loom,
         "nodes": cluster.nodes, "gpus": c.world, "dp": c.dp, "dp_shard": c.shard_size, "tp": c.tp, "pp": c.pp,
         "cp": c.cp, "cp_mode": c.cp_mode,
@@ -321,7 +326,7 @@ def search(w: Workload, cluster: Cluster) -> Plan:
     TIGHT of the device; any that fit when none has it), the simplest of the fastest."""
     if cluster.gpu is None:
         raise ConfigError("loom plan needs a GPU model to price step time; pass --gpu (e.g. --gpu H100-SXM)")
-    records = [estimate(w, c, cluster) for c in enumerate_candidates(w, cluster)]
+    records = [estimate(w, c, cluster, choose_loss=True) for c in enumerate_candidates(w, cluster)]
     if not records:
         raise ConfigError(
             f"no layout of {cluster.world_size} GPUs divides the global batch of {w.global_batch} sequences "
@@ -348,6 +353,27 @@ def search(w: Workload, cluster: Cluster) -> Plan:
     if w.lora is not None:
         why += ". " + _lora_reason(w, cluster, records)
     return Plan(w, cluster, records, best, why, _one_per_layout(records, band, best))
+
+
+def record_workload(w: Workload, record: dict) -> Workload:
+    """The workload as a record of the search prices it: its loss unchunked where it chose so."""
+    return dataclasses.replace(w, loss_chunk=0) if record.get("full_logits") else w
+
+
+def _loss_of(w: Workload, c: Candidate, cluster: Cluster, device: str):
+    """(the workload with the loss this candidate runs, its memory): the config's (train.loss_chunk),
+    but the full logits where a chunk's head matmul would run again in backward (head_recomputed:
+    GPipe, the split backwards) and the full logits still fit under the TIGHT headroom rule: memory
+    spent for speed only where there is room for it."""
+    mem = gpu_memory(w, c, cluster.fragmentation, device)
+    room = TIGHT * cluster.gpu.memory_gb * GB if cluster.gpu is not None else 0.0
+    if not head_recomputed(w, c) or mem.total > room:  # (the full logits hold more than the chunks)
+        return w, mem
+    full = dataclasses.replace(w, loss_chunk=0)
+    full_mem = gpu_memory(full, c, cluster.fragmentation, device)
+    if full_mem.total <= room:
+        return full, full_mem
+    return w, mem
 
 
 def choose(records: list[dict], pool: list[int], capacity: float) -> tuple[int, int, list[int]]:
@@ -408,7 +434,8 @@ def _simpler(records: list[dict], best: int, fastest: int, band: list[int], capa
              unit: str = "GPU") -> str:
     """Why the pick beat the fastest near-tie: what it was preferred to, how much faster that one is
     (both tokens/s), and the rule that decided ("" when the pick is the one fastest). A tie at the top
-    is named, unless only micro-batch splits of the pick's own layout tie it."""
+    is named, unless only micro-batch splits of the pick's own layout tie it; a faster such split (left
+    out for its memory) is named with its micro-batch."""
     if fastest == best:
         ties = [i for i in band if i != best and records[i]["label"] != records[best]["label"]
                 and records[i]["tokens_per_s"] >= records[best]["tokens_per_s"]]
@@ -417,6 +444,9 @@ def _simpler(records: list[dict], best: int, fastest: int, band: list[int], capa
         fastest = ties[0]
     picked, other = records[best], records[fastest]
     gap = other["tokens_per_s"] / picked["tokens_per_s"] - 1
+    name = other["label"]
+    if name == picked["label"]:  # a micro-batch split of the pick's own layout: say which
+        name += f" at micro-batch {other['micro_batch']}×{other['grad_accum']}"
     rule = _kind_rule(picked, other, capacity, unit)
     mine, theirs = picked["memory_bytes"]["total"], other["memory_bytes"]["total"]
     if rule is None:  # one kind: the memory it saves (choose's ROOM), or on a tie the least memory
@@ -430,7 +460,7 @@ def _simpler(records: list[dict], best: int, fastest: int, band: list[int], capa
         fast, slow = numbers_apart(other["tokens_per_s"], picked["tokens_per_s"])
         speed = (f"which is predicted {percent(gap)} faster ({fast} vs {slow} tokens/s), within the "
                  f"{NEAR_TIE:.0%} the time model cannot tell apart")
-    return f"preferred to {other['label']} (#{fastest}), {speed}, for {rule}"
+    return f"preferred to {name} (#{fastest}), {speed}, for {rule}"
 
 
 def _set_aside(records: list[dict], best: int, runnable: list[int], roomy: list[int], capacity: float,
@@ -681,6 +711,8 @@ def emit_config(base, record: dict):
         if "nvme" in record["offload"]:
             p.nvme_path = p.nvme_path or "/local_nvme/loom"  # a directory on the node's NVMe disk
     p.activation_checkpointing, p.ac_every = record["activation_checkpointing"], record["ac_every"]
+    if record.get("full_logits"):  # the loss unchunked: a chunk would recompute its logits (_loss_of)
+        t.loss_chunk = 0
     cp = record.get("cp", 1)
     p.cp = cp
     if cp > 1:

@@ -43,11 +43,11 @@ class ModelShape:
     moe_every: int = 1
     moe_dense_first: int = 0
 
-    @property
+    @functools.cached_property
     def known(self) -> bool:
         return self.params_only == 0
 
-    @property
+    @functools.cached_property
     def moe(self) -> bool:
         """Whether some blocks route their tokens to experts."""
         return self.moe_experts > 0 and self.known
@@ -67,25 +67,25 @@ class ModelShape:
         end = start + count
         return 0 if at >= end else (end - 1 - at) // every + 1
 
-    @property
+    @functools.cached_property
     def moe_layers(self) -> int:
         return self.moe_layers_in(0, self.n_layers)
 
-    @property
+    @functools.cached_property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
-    @property
+    @functools.cached_property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
-    @property
+    @functools.cached_property
     def layer_params(self) -> int:
         """A dense block's parameters (an MoE block's: moe_layer_params)."""
         d = self.d_model
         return 2 * d * d + 2 * d * self.kv_dim + 3 * d * self.ffn_hidden + 2 * d
 
-    @property
+    @functools.cached_property
     def routed_params_per_block(self) -> int:
         """An MoE block's routed experts: E SwiGLUs of 3·h·h_e (what expert parallelism splits)."""
         return 3 * self.d_model * self.moe_hidden * self.moe_experts
@@ -97,7 +97,7 @@ class ModelShape:
         shared = 3 * d * self.moe_shared_hidden + (d if self.moe_shared_gate else 0)
         return d * self.moe_experts + 3 * d * self.moe_hidden * experts + shared
 
-    @property
+    @functools.cached_property
     def moe_layer_params(self) -> int:
         """An MoE block's parameters: attention, the two norms, the MoE feed-forward."""
         d = self.d_model
@@ -106,7 +106,7 @@ class ModelShape:
     def block_params(self, layer: int) -> int:
         return self.moe_layer_params if self.is_moe(layer) else self.layer_params
 
-    @property
+    @functools.cached_property
     def layer_norm_params(self) -> int:
         """Norm gains: not split by tensor parallelism."""
         return 2 * self.d_model
@@ -118,11 +118,11 @@ class ModelShape:
         as autocast always is in loom)."""
         return self.layer_params - self.layer_norm_params - self.d_model * self.ffn_hidden
 
-    @property
+    @functools.cached_property
     def embedding_params(self) -> int:
         return self.vocab_size * self.d_model
 
-    @property
+    @functools.cached_property
     def head_params(self) -> int:
         """Output head + final norm (the head is the embedding itself when tied)."""
         return (0 if self.tie_embeddings else self.vocab_size * self.d_model) + self.d_model
@@ -133,7 +133,7 @@ class ModelShape:
         return (count - moe) * self.layer_params + moe * self.moe_layer_params if moe \
             else count * self.layer_params
 
-    @property
+    @functools.cached_property
     def num_params(self) -> int:
         """Every parameter (all the routed experts of an MoE model)."""
         if not self.known:
@@ -327,6 +327,17 @@ def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, el
 GROUP_ROWS = 8  # the grouped GEMM's row alignment per expert (loom/models/gpt/moe.py GROUP_ROWS)
 
 
+def grouped_experts(shape: ModelShape, precision: str, device: str = "cpu", ep: int = 1,
+                    lora_rank: int = 0) -> int:
+    """The experts a rank runs through CUDA's grouped GEMM (loom/models/gpt/moe.py grouped_dtype),
+    E/ep, or 0 where the per-expert loop runs: off CUDA, outside bf16, or where a width (d, h_e, a
+    LoRA rank) leaves bf16 rows not 16-byte aligned."""
+    widths = (shape.d_model, shape.moe_hidden) + ((lora_rank,) if lora_rank else ())
+    if device != "cuda" or precision != "bf16" or any(w % 8 for w in widths):
+        return 0
+    return shape.moe_experts // ep
+
+
 def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, imbalance: float = 1.0,
                         terms: Terms = NO_TERMS, grouped_experts: int = 0) -> float:
     """Bytes an MoE block's feed-forward keeps for backward, for one micro-batch of T = s·b tokens
@@ -340,11 +351,11 @@ def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int
       combined      the rows back from the experts, kept by the routing weights'
                     product                                                      T·k·h·e
       shared        the shared experts: a dense SwiGLU of width S·h_e (gate, up)  2·T·S·h_e·e
-    `grouped_experts` (CUDA's grouped GEMMs, moe.py grouped_dtype; the rank's experts E_r; the step's
-    plan does not pass it yet): the rows are laid
-    out padded, GROUP_ROWS-aligned per expert, at the static length L = imb·T·k + E_r·(GROUP_ROWS − 1),
-    and w2's grouped GEMM keeps its input, the SwiGLU product, which swiglu_down recomputes:
-    dispatched and experts become                                                L·(h + 3h_e)·e
+    `grouped_experts` (CUDA's grouped GEMMs: the rank's experts E_r, from grouped_experts): the rows
+    are laid out padded, GROUP_ROWS-aligned per expert, at the static length
+    L = imb·T·k + E_r·(GROUP_ROWS − 1) (w2's input recomputed, as swiglu_down does:
+    lean_ops.grouped_swiglu_down):
+    dispatched and experts become                                                L·(h + 2h_e)·e
     The router's input is the block's ffn_norm output, already among the linear inputs
     (activation_bytes_per_layer). `imbalance` (the busiest expert's tokens over the mean) scales
     what the experts hold: the busiest rank's. Not counted: the routing's small int64 indices and
@@ -354,16 +365,16 @@ def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int
     routed = imbalance * t * k * (d + 2 * he) * elem
     rows = imbalance * t * k + grouped_experts * (GROUP_ROWS - 1)
     if grouped_experts:
-        routed = rows * (d + 3 * he) * elem
+        routed = rows * (d + 2 * he) * elem
     combined = t * k * d * elem
     shared = 2 * t * shape.moe_shared_hidden * elem
     total = router + routed + combined + shared
     if terms and grouped_experts:
         terms.item("grouped rows L", f"imb·T·k + E_r·{GROUP_ROWS - 1} (padded per expert)",
                    f"{imbalance:g}·{t}·{k} + {grouped_experts}·{GROUP_ROWS - 1}", num(rows))
-        terms.item("MoE feed-forward", "T·4E + L·(h + 3h_e)·e + T·k·h·e + 2·T·S·h_e·e (scores; padded rows, "
-                   "expert gate, up and product; combined rows; shared gate and up)",
-                   f"{t}·4·{shape.moe_experts} + {num(rows)}·({d} + 3·{he})·{elem} + {t}·{k}·{d}·{elem} + "
+        terms.item("MoE feed-forward", "T·4E + L·(h + 2h_e)·e + T·k·h·e + 2·T·S·h_e·e (scores; padded rows, "
+                   "expert gate and up; combined rows; shared gate and up)",
+                   f"{t}·4·{shape.moe_experts} + {num(rows)}·({d} + 2·{he})·{elem} + {t}·{k}·{d}·{elem} + "
                    f"2·{t}·{shape.moe_shared_hidden}·{elem}", gb(total))
     elif terms:
         imb = f"{imbalance:g}·" if imbalance != 1 else ""

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from loom.config import V_SCHEDULES
 from loom.plan import context, experts, lora, muon
+from loom.plan.candidate import head_recomputed
 from loom.plan.comm import DDP_BUCKET, CommAccount, cp_exchange, ep_payload_per_step
 from loom.plan.comm import ring as comm_ring
 from loom.plan.efficiency import D0_SCALE, DEFAULT, FAMILY, compute_fraction, link_efficiency
@@ -363,6 +364,7 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
             terms.note(f"  compute = the floor, {sec(floor)} (the launches take longer than the FLOPs)")
         compute = max(compute, floor)
     recompute = _recompute(w, c, compute, gpu, terms)
+    recompute += _head_recompute(w, c, gpu.bf16_tflops * 1e12 * fraction, terms)
     busy = compute + recompute
     bubble = _bubble(w, c, busy, terms)
     efficiency = cluster.comm_efficiency or link_efficiency(gpu)
@@ -574,6 +576,7 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
         elif recompute and terms and not ckpt_moe:
             terms.item("recompute", "micro-steps × checkpointed blocks × block/3",
                        f"{micro_steps(c)} × {ckpt} × {sec(layer)}/3", sec(recompute))
+        recompute += _head_recompute(w, c, head_rate, terms)
     else:
         per_token = flops_per_token(w, terms)
         peak = profile.peak_flops(ranks)
@@ -878,6 +881,22 @@ def _recompute(w, c, compute: float, gpu=None, terms: Terms = NO_TERMS) -> float
         terms.item("recompute", "compute/3 × checkpointed/L (a forward again)",
                    f"{sec(compute)}/3 × {ckpt}/{layers}", sec(recompute))
     return recompute
+
+
+def _head_recompute(w, c, rate: float, terms: Terms = NO_TERMS) -> float:
+    """The chunked loss's head matmul again in backward, where its gradients are not made in forward
+    (candidate.head_recomputed: GPipe, the split backwards): 2·s·b·h·V/tp FLOPs a micro-batch on the
+    last stage, at `rate`, FLOP/s (the stages wait for it)."""
+    if not w.shape.known or not head_recomputed(w, c):
+        return 0.0
+    tokens = c.local_seq(w.seq_len) * c.micro_batch
+    seconds = micro_steps(c) * 2 * tokens * w.shape.d_model * w.shape.vocab_size / c.tp / rate
+    if terms:
+        terms.item("loss recompute", f"micro-steps × 2·s·b·h·V/tp / rate (train.loss_chunk under "
+                   f"{c.schedule}: each chunk's logits again in backward)",
+                   f"{micro_steps(c)} × 2·{tokens}·{w.shape.d_model}·{w.shape.vocab_size}/{c.tp} / "
+                   f"{num(rate / 1e12)} TFLOP/s", sec(seconds))
+    return seconds
 
 
 def _ep_exposed(c, ep_s: float, busy: float, terms: Terms = NO_TERMS) -> float:

@@ -168,3 +168,36 @@ BUGS += [
         "t.repeat(1, heads // t.shape[1], 1, 1)",
         (f"{SDPA}::test_repeated_heads_give_the_grouped_result[causal]",)),
 ]
+
+BUGS += [
+    Bug("grouped-down-keeps-product", "the grouped experts' w2 keeps its input, the SwiGLU product",
+        "loom/models/gpt/moe.py", "        if spec is not None and \"w2\" in self.lora_weights:\n",
+        "        if True:\n", (f"{FFN}[grouped]",)),
+    Bug("grouped-down-product-wrong", "the grouped down's backward recomputes w2's input as gate · up",
+        "loom/models/gpt/lean_ops.py",
+        "        product = F.silu(gate).mul_(up)\n        grad_w = torch._grouped_mm",
+        "        product = gate * up\n        grad_w = torch._grouped_mm",
+        ("tests/unit/test_grouped_experts.py::test_grouped_experts_equal_the_loop[top2-base]",)),
+    Bug("grouped-down-gradients-swapped", "the grouped down returns the up gradient for the gate's",
+        "loom/models/gpt/lean_ops.py", "        return grad_gate, grad_up, grad_w, None\n",
+        "        return grad_up, grad_gate, grad_w, None\n",
+        ("tests/unit/test_grouped_experts.py::test_grouped_experts_equal_the_loop[top2-base]",)),
+    Bug("plan-grouped-experts-unwired", "the step's plan prices CUDA's grouped experts as the loop",
+        "loom/plan/shapes.py", " or precision != \"bf16\" or any(w % 8 for w in widths):\n",
+        " or True:\n",
+        ("tests/unit/test_plan_moe.py::test_cudas_grouped_experts_are_priced_where_they_run",)),
+]
+
+CHOICE = "tests/unit/test_plan_loss_choice.py"
+BUGS += [
+    Bug("loss-choice-ignores-headroom", "the search takes the full logits wherever a chunk recomputes",
+        "loom/plan/search.py", "    if full_mem.total <= room:\n", "    if True:\n",
+        (f"{CHOICE}::test_the_search_takes_the_full_logits_only_under_the_headroom[48]",)),
+    Bug("loss-recompute-unpriced", "the chunked loss's recompute under GPipe left out of the step time",
+        "loom/plan/step.py", "    if not w.shape.known or not head_recomputed(w, c):\n        return 0.0\n",
+        "    if True:\n        return 0.0\n",
+        (f"{CHOICE}::test_the_recompute_is_one_head_matmul_per_micro_batch_on_the_last_stage",)),
+    Bug("emit-drops-full-logits", "--emit keeps the chunk of a candidate priced with the full logits",
+        "loom/plan/search.py", "        t.loss_chunk = 0\n", "        pass\n",
+        (f"{CHOICE}::test_emit_writes_the_chosen_loss_and_explain_prices_it",)),
+]

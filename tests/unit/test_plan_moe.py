@@ -6,6 +6,7 @@ recommendations for DeepSeek-V3."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from loom.plan.search import (
     estimate,
     search,
 )
-from loom.plan.shapes import ModelShape, from_hf_config, from_preset, moe_ffn_saved_bytes
+from loom.plan.shapes import ModelShape, from_hf_config, from_preset, grouped_experts, moe_ffn_saved_bytes
 from loom.plan.step import step_time
 
 # h = 64, 4 heads of 16, 2 kv heads (kv = 32), dense f = 192; block 0 dense, blocks 1-3 MoE: 8 experts of
@@ -247,6 +248,27 @@ def test_routed_activations_by_hand_and_imbalance():
     assert one[0] == one[1]
 
 
+
+def test_cudas_grouped_experts_are_priced_where_they_run():
+    """CUDA in bf16 runs the experts as grouped GEMMs (moe.py grouped_dtype): each of the three MoE
+    blocks keeps its E/ep experts' padding rows, E_r·(GROUP_ROWS − 1)·(h + 2h_e)·e more than the loop
+    that CPUs, fp16 and unaligned widths run."""
+    def loss_moment(device: str, precision: str, ep: int, shape: ModelShape = SHAPE) -> float:
+        named: list = []
+        stage_memory(Workload(shape, 32, 8, precision, "torch", 0), Candidate("zero3", 8, ep=ep), 0,
+                     device=device, moments=named)
+        return dict((name, act) for name, act, _ in named)["loss"]
+
+    loop = loss_moment("cpu", "bf16", 1)
+    assert loss_moment("cuda", "fp16", 1) == loss_moment("cpu", "bf16", 4) == loop
+    for ep in (1, 4):
+        padding = 3 * (8 // ep) * 7 * (64 + 2 * 32) * 2
+        assert loss_moment("cuda", "bf16", ep) - loop == padding
+    unaligned = dataclasses.replace(SHAPE, moe_hidden=36)
+    assert loss_moment("cuda", "bf16", 1, unaligned) == loss_moment("cpu", "bf16", 1, unaligned)
+    assert grouped_experts(SHAPE, "bf16", "cuda", 2, lora_rank=12) == 0  # a rank unaligned too
+    assert grouped_experts(SHAPE, "bf16", "cuda", 2, lora_rank=16) == 4
+
 # ---------------------------------------------------------------------------------------------
 # the dispatch
 
@@ -390,7 +412,7 @@ def test_dualpipev_overlap_hides_the_paired_share_of_the_alltoall():
 def test_which_ep_splits_are_valid(candidate, ok):
     assert experts.valid(SHAPE, candidate) is ok
     assert experts.valid(from_preset("8b"), candidate) is (candidate.ep == 1)  # a dense model: never
-    assert experts.valid(ModelShape(**{**SHAPE.__dict__, "moe_experts": 6, "moe_top_k": 2}),
+    assert experts.valid(dataclasses.replace(SHAPE, moe_experts=6, moe_top_k=2),
                          Candidate("zero3", 8, ep=4)) is False  # 6 experts do not divide over 4
 
 

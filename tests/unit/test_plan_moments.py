@@ -5,6 +5,8 @@ tests/distributed/test_plan_measured.py, the units and blocks cases)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from loom.plan.candidate import Candidate, Workload
@@ -15,7 +17,7 @@ SHAPE = ModelShape("units", vocab_size=8192, d_model=256, n_layers=4, n_heads=4,
 
 
 def moments(strategy: str, device: str = "cpu", tie: bool = False) -> tuple[dict, Candidate]:
-    shape = ModelShape(**{**SHAPE.__dict__, "tie_embeddings": tie})
+    shape = dataclasses.replace(SHAPE, tie_embeddings=tie)
     w = Workload(shape, 32, 4, "fp32", "torch")
     c = Candidate(strategy, 2, micro_batch=2, grad_accum=1, fsdp_unit_mb=0)
     named: list = []

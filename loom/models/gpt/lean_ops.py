@@ -143,6 +143,38 @@ class _SwiGLUDown(torch.autograd.Function):
             return grad_gate, grad_up, grad_w.to(weight.dtype)
 
 
+class _GroupedSwiGLUDown(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, weight, ends):
+        out = torch._grouped_mm(F.silu(gate).mul_(up), weight.transpose(-2, -1), offs=ends)
+        ctx.save_for_backward(gate, up, weight, ends)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, weight, ends = ctx.saved_tensors
+        grad = grad.contiguous()
+        # The two grouped GEMMs, in the layouts, that _grouped_mm's own backward runs (torch 2.11 and
+        # 2.13 alike: what CUDA's kernel takes), w2's input recomputed for the first and dropped.
+        product = F.silu(gate).mul_(up)
+        grad_w = torch._grouped_mm(grad.t(), product, offs=ends)  # [E, d, hidden], the weight's layout
+        del product
+        grad_product = torch._grouped_mm(grad, weight, offs=ends)
+        grad_up = F.silu(gate).mul_(grad_product)
+        grad_product.mul_(up)
+        grad_gate = torch.ops.aten.silu_backward.grad_input(grad_product, gate, grad_input=grad_product)
+        return grad_gate, grad_up, grad_w, None
+
+
+def grouped_swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                        ends: torch.Tensor) -> torch.Tensor:
+    """The experts' swiglu_down as one grouped GEMM (rows [L, hidden] grouped by `ends`, weight
+    [E, d, hidden] in the rows' dtype): keeps gate, up and the weight, not w2's input."""
+    if _plain:
+        return torch._grouped_mm(F.silu(gate) * up, weight.transpose(-2, -1), offs=ends)
+    return _GroupedSwiGLUDown.apply(gate, up, weight, ends)
+
+
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(silu(gate) * up, weight), keeping gate, up and the weight for backward: not the
     product (w2's input) nor, under autocast, a 16-bit copy of the weight. Plain tensors only: under

@@ -33,7 +33,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from loom.models.gpt.config import GPTConfig
-from loom.models.gpt.lean_ops import swiglu, swiglu_down
+from loom.models.gpt.lean_ops import grouped_swiglu_down, swiglu, swiglu_down
 from loom.models.lora import lora_delta
 from loom.parallel.expert_parallel import ExpertGroup, return_from_experts, scale_grad, send_to_experts
 from loom.parallel.mesh import local_view
@@ -162,7 +162,11 @@ class Experts(nn.Module):
                     out = out + torch._grouped_mm(low, b, offs=ends)
             return out
 
-        return linear(swiglu(linear(x, "w1"), linear(x, "w3")), "w2")[dest]
+        gate, up = linear(x, "w1"), linear(x, "w3")
+        if spec is not None and "w2" in self.lora_weights:
+            return linear(swiglu(gate, up), "w2")[dest]
+        with torch.autocast(rows.device.type, enabled=False):  # w2's input recomputed in backward
+            return grouped_swiglu_down(gate, up, stacked("w2").to(dtype), ends)[dest]
 
 
 class SharedExpert(nn.Module):
