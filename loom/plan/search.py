@@ -34,8 +34,10 @@ def estimate(w: Workload, c: Candidate, cluster: Cluster, choose_loss: bool = Fa
     the loss the candidate runs best (_loss_of); otherwise the workload's."""
     chunked = w.loss_chunk
     device = cluster.profile.device if cluster.profile is not None else "cuda"
-    w, mem = _loss_of(w, c, cluster, device) if choose_loss else (w, gpu_memory(w, c, cluster.fragmentation,
-                                                                                 device))
+    if choose_loss:
+        w, mem = _loss_of(w, c, cluster, device)
+    else:
+        mem = gpu_memory(w, c, cluster.fragmentation, device)
     comm, groups = comm_per_step(w, c, cluster.gpus_per_node)
     record = {
         "label": c.label() + (" full logits" if w.loss_chunk != chunked else ""),

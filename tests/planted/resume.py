@@ -9,7 +9,7 @@ TESTS = "tests/unit/test_resume_config.py"
 STOP_HINT = f"{TESTS}::test_the_stop_hint_continues_the_run_as_it_was_configured"
 END_HINT = f"{TESTS}::test_the_end_hint_extends_the_run_and_init_from_is_kept"
 STOP_2_RANKS = ("tests/distributed/test_stop.py::"
-                "test_signal_checkpoints_and_resume_continues_the_same_run[sigint]")
+                "test_signal_checkpoints_and_resume_continues_the_same_run[sigterm]")
 
 BUGS = [
     Bug("resume-from-defaults", "a resume builds its config from the defaults, not the run's config.toml",

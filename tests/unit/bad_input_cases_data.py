@@ -42,12 +42,16 @@ def tokenizer_folder(folder: Path, template: str | None = CHAT_TEMPLATE, extra: 
     adds words at the ids given (gaps allowed)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *WORDS])} | (extra or {})
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *WORDS])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(["</s>"])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
+    if extra:  # written into the file (tokenizers' own save takes ~20 s to write an id of 2**31)
+        saved = json.loads((folder / "tokenizer.json").read_text())
+        saved["model"]["vocab"].update(extra)
+        (folder / "tokenizer.json").write_text(json.dumps(saved))
     config = {"eos_token": "</s>"} | ({"chat_template": template} if template else {})
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder / "tokenizer.json"

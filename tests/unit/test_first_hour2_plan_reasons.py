@@ -353,3 +353,22 @@ def test_sizes_that_round_alike_are_told_apart():
     assert sizes_apart(3.82e9, 13.5e9) == (size_text(3.82e9), size_text(13.5e9))
     assert numbers_apart(15544.2, 15544.4) == ("15,544.2", "15,544.4")
     assert percent(0.0004) == "0.04%" and percent(0.018) == "1.8%"
+
+
+def test_a_faster_micro_batch_split_of_the_pick_is_named_by_its_micro_batch():
+    """The pick over a faster split of its own layout, left out for its memory (choose's ROOM): the reason
+    names that split by its micro-batch, never as the pick's own label alone."""
+    from loom.plan.search import _simpler
+
+    def record(mb: int, tokens: float, gb: float) -> dict:
+        return {"label": "zero3 ep4 ac full", "tokens_per_s": tokens, "memory_bytes": {"total": gb * 1e9},
+                "tp": 1, "pp": 1, "cp": 1, "ep": 4, "engine": "torch", "offload": "none",
+                "activation_checkpointing": "full", "strategy": "zero3", "micro_batch": mb,
+                "grad_accum": 8 // mb}
+
+    capacity = 80e9
+    records = [record(1, 62_046, 58.0), record(2, 62_084, 58.0 + ROOM * 80 + 1.7)]
+    reason = _simpler(records, 0, 1, [0, 1], capacity)
+    assert reason.startswith("preferred to zero3 ep4 ac full at micro-batch 2×4 (#1), which is predicted "
+                             "0.1% faster (62,084 vs 62,046 tokens/s)"), reason
+    assert "more memory headroom" in reason
