@@ -18,7 +18,7 @@ from loom.plan import step as steps
 from loom.plan.candidate import Candidate
 from loom.plan.comm import comm_per_step
 from loom.plan.memory import gpu_memory
-from loom.plan.search import TIGHT, estimate, record_workload, size_text
+from loom.plan.search import TIGHT, estimate, record_label, record_workload, size_text
 from loom.plan.terms import GB, Terms, gb, num, sec
 
 
@@ -103,9 +103,8 @@ def _header(out: Terms, index: int, record: dict, w, c: Candidate, cluster) -> N
     if c.activation_checkpointing != "none":
         every = f" of every {c.ac_every} blocks" if c.activation_checkpointing == "selective" else ""
         out.note(f"activation checkpointing: {c.activation_checkpointing}{every}")
-    label = c.label()
+    label = record_label(c, record.get("full_logits", False))
     if record.get("full_logits"):
-        label += " full logits"
         out.note(f"loss: the full logits, not chunks of train.loss_chunk: under {c.schedule} a chunk's "
                  f"logits are computed again in backward, and the full ones fit under the {TIGHT:.0%} "
                  "headroom rule")

@@ -40,8 +40,7 @@ def estimate(w: Workload, c: Candidate, cluster: Cluster, choose_loss: bool = Fa
         mem = gpu_memory(w, c, cluster.fragmentation, device)
     comm, groups = comm_per_step(w, c, cluster.gpus_per_node)
     record = {
-        "label": c.label() + (" full logits" if w.loss_chunk != chunked else ""),
-        "full_logits": w.loss_chunk != chunked,
+        "label": record_label(c, w.loss_chunk != chunked), "full_logits": w.loss_chunk != chunked,
         "strategy": c.strategy, "engine": c.engine, "implementation": c.implementation,
         "runs_in_loom": c.runs_in_loom,
         "nodes": cluster.nodes, "gpus": c.world, "dp": c.dp, "dp_shard": c.shard_size, "tp": c.tp, "pp": c.pp,
@@ -355,6 +354,11 @@ def search(w: Workload, cluster: Cluster) -> Plan:
     if w.lora is not None:
         why += ". " + _lora_reason(w, cluster, records)
     return Plan(w, cluster, records, best, why, _one_per_layout(records, band, best))
+
+
+def record_label(c: Candidate, full_logits: bool) -> str:
+    """A record's label: the candidate's, and the loss where the search unchunked it."""
+    return c.label() + (" full logits" if full_logits else "")
 
 
 def record_workload(w: Workload, record: dict) -> Workload:

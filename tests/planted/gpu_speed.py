@@ -179,8 +179,9 @@ BUGS += [
         "        product = gate * up\n        grad_w = torch._grouped_mm",
         ("tests/unit/test_grouped_experts.py::test_grouped_experts_equal_the_loop[top2-base]",)),
     Bug("grouped-down-gradients-swapped", "the grouped down returns the up gradient for the gate's",
-        "loom/models/gpt/lean_ops.py", "        return grad_gate, grad_up, grad_w, None\n",
-        "        return grad_up, grad_gate, grad_w, None\n",
+        "loom/models/gpt/lean_ops.py",
+        "        return *_swiglu_grads(gate, up, grad_product), grad_w, None\n",
+        "        return *reversed(_swiglu_grads(gate, up, grad_product)), grad_w, None\n",
         ("tests/unit/test_grouped_experts.py::test_grouped_experts_equal_the_loop[top2-base]",)),
     Bug("plan-grouped-experts-unwired", "the step's plan prices CUDA's grouped experts as the loop",
         "loom/plan/shapes.py", " or precision != \"bf16\" or any(w % 8 for w in widths):\n",
@@ -207,4 +208,9 @@ BUGS += [
         "    if False:  # a micro-batch split",
         ("tests/unit/test_first_hour2_plan_reasons.py::"
          "test_a_faster_micro_batch_split_of_the_pick_is_named_by_its_micro_batch",)),
+]
+BUGS += [
+    Bug("head-recompute-gpipe-only", "the split backwards taken to make the loss gradients in forward",
+        "loom/plan/candidate.py", '(c.schedule == "gpipe" or c.split_backward)', '(c.schedule == "gpipe")',
+        (f"{CHOICE}::test_which_schedules_recompute_the_chunked_loss[zbv-2-512-True]",)),
 ]

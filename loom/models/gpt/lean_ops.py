@@ -137,10 +137,15 @@ class _SwiGLUDown(torch.autograd.Function):
             grad_w = grad.flatten(0, -2).t().mm(product.flatten(0, -2))
             del product
             grad_product = grad.matmul(weight.to(grad.dtype))
-            grad_up = F.silu(gate).mul_(grad_product)
-            grad_product.mul_(up)
-            grad_gate = torch.ops.aten.silu_backward.grad_input(grad_product, gate, grad_input=grad_product)
-            return grad_gate, grad_up, grad_w.to(weight.dtype)
+            return *_swiglu_grads(gate, up, grad_product), grad_w.to(weight.dtype)
+
+
+def _swiglu_grads(gate: torch.Tensor, up: torch.Tensor, grad_product: torch.Tensor) -> tuple:
+    """(gate's, up's gradient) of silu(gate) * up from the product's gradient, which becomes gate's in
+    place: silu(gate) recomputed, one f-wide tensor of its own."""
+    grad_up = F.silu(gate).mul_(grad_product)
+    grad_product.mul_(up)
+    return torch.ops.aten.silu_backward.grad_input(grad_product, gate, grad_input=grad_product), grad_up
 
 
 class _GroupedSwiGLUDown(torch.autograd.Function):
@@ -160,10 +165,7 @@ class _GroupedSwiGLUDown(torch.autograd.Function):
         grad_w = torch._grouped_mm(grad.t(), product, offs=ends)  # [E, d, hidden], the weight's layout
         del product
         grad_product = torch._grouped_mm(grad, weight, offs=ends)
-        grad_up = F.silu(gate).mul_(grad_product)
-        grad_product.mul_(up)
-        grad_gate = torch.ops.aten.silu_backward.grad_input(grad_product, gate, grad_input=grad_product)
-        return grad_gate, grad_up, grad_w, None
+        return *_swiglu_grads(gate, up, grad_product), grad_w, None
 
 
 def grouped_swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
