@@ -2,7 +2,8 @@
 
     python bench/plan_speed.py [--gpus-per-node 8] [--nodes 128] [--repeat 3]
 
-Prints the candidate count, the search time (best of --repeat) and the recommendation.
+Prints the candidate count, the search time (best of --repeat) in one process and over the worker
+processes `loom plan` takes on this machine (one per core), and the recommendation.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 
 from loom.plan.candidate import Workload
 from loom.plan.hardware import Cluster, lookup
-from loom.plan.search import search
+from loom.plan.search import enumerate_candidates, search, search_workers
 from loom.plan.shapes import from_preset
 
 
@@ -28,16 +29,23 @@ def main() -> None:
     args = ap.parse_args()
     workload = Workload(from_preset(args.model), args.seq_len, args.global_batch)
     cluster = Cluster(lookup(args.gpu), args.gpus_per_node, args.nodes)
-    times = []
-    for _ in range(args.repeat):
-        start = time.perf_counter()
-        plan = search(workload, cluster)
-        times.append(time.perf_counter() - start)
-    best = plan.candidates[plan.recommended]
+    workers = search_workers(len(list(enumerate_candidates(workload, cluster))))
+    timed = {}
+    for count in sorted({1, workers}):
+        times = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            plan = search(workload, cluster, workers=count)
+            times.append(time.perf_counter() - start)
+        timed[count] = min(times)
     print(f"{args.model} on {cluster.describe()} ({cluster.world_size} GPUs), "
-          f"global batch {args.global_batch} × "
-          f"{args.seq_len}: {len(plan.candidates)} candidates in {min(times):.3f} s "
-          f"(best of {args.repeat}; target < 2 s) — {len(plan.candidates) / min(times):,.0f} candidates/s")
+          f"global batch {args.global_batch} × {args.seq_len}: {len(plan.candidates)} candidates "
+          f"(best of {args.repeat}; target < 2 s)")
+    for count, seconds in timed.items():
+        print(f"  {count} process{'es' if count > 1 else ''}: {seconds:.3f} s, "
+              f"{len(plan.candidates) / seconds:,.0f} candidates/s"
+              + (f", {timed[1] / seconds:.2f}× one" if count > 1 else ""))
+    best = plan.candidates[plan.recommended]
     print(f"recommended: {best['label']}, micro-batch {best['micro_batch']} × {best['grad_accum']}, "
           f"{best['memory_bytes']['total'] / 1e9:.1f} GB per GPU, {best['tokens_per_s']:,.0f} tokens/s, "
           f"MFU {best['mfu']:.0%}")

@@ -136,8 +136,8 @@ class Candidate:
         expert parallelism each MoE block's routed experts are a unit of their own, over the ranks
         holding the same experts (one per MoE block, plan/comm.py's _expert_sync): not among these."""
         if shape.moe:
-            return list(_fsdp_units(shape, self.ep > 1, self.fsdp_unit_mb, layers, first, last, start))
-        return list(_fsdp_units(shape, False, self.fsdp_unit_mb, layers, first, last, 0))
+            return list(stage_fsdp_units(shape, self.ep > 1, self.fsdp_unit_mb, layers, first, last, start))
+        return list(stage_fsdp_units(shape, False, self.fsdp_unit_mb, layers, first, last, 0))
 
     @functools.cached_property
     def engine(self) -> str:
@@ -198,8 +198,8 @@ class Candidate:
 
 
 @functools.lru_cache(maxsize=4096)
-def _fsdp_units(shape: ModelShape, experts_apart: bool, unit_mb: float, layers: int, first: bool, last: bool,
-                start: int) -> tuple[int, ...]:
+def stage_fsdp_units(shape: ModelShape, experts_apart: bool, unit_mb: float, layers: int, first: bool,
+                     last: bool, start: int) -> tuple[int, ...]:
     """Candidate.fsdp_unit_params, remembered (the search asks for the same stages again and again)."""
     tied = shape.tie_embeddings
     blocks = sizes = [shape.layer_params] * layers

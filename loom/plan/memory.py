@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from loom import strategies
 from loom.config import rank_stages, stages_per_rank
 from loom.plan import context, experts, in_flight, lora, muon
-from loom.plan.candidate import head_recomputed
+from loom.plan.candidate import head_recomputed, stage_fsdp_units
 from loom.plan.shapes import (
     activation_bytes_per_layer,
     attention_kv_width,
@@ -122,14 +122,20 @@ def lora_state_bytes(strategy: str, base_params: float, trainable_params: float,
                            grads=g * trainable_params / sg, optimizer=o * trainable_params / so)
 
 
-def rank_stages_of(c, rank: int) -> tuple[list[int], int]:
+def rank_stages_of(c, rank: int) -> tuple[tuple[int, ...], int]:
     """(the stages pipeline rank `rank` runs, the pipeline's stage count): one stage a rank, or v of
     them round-robin (interleaved, zb), or two in a V (zbv, dualpipev: rank 0 runs the first and the
     last), as loom.config.rank_stages places them."""
     if c.pp == 1:
-        return [0], 1
-    per = stages_per_rank(c.schedule, c.virtual_stages)
-    return rank_stages(rank, c.pp, per, c.schedule), c.pp * per
+        return (0,), 1
+    return _rank_stages(rank, c.pp, c.schedule, c.virtual_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_stages(rank: int, pp: int, schedule: str, virtual: int) -> tuple[tuple[int, ...], int]:
+    """rank_stages_of, remembered (the search asks for each rank's stages several times a candidate)."""
+    per = stages_per_rank(schedule, virtual)
+    return tuple(rank_stages(rank, pp, per, schedule)), pp * per
 
 
 def holds_last_stage(c, rank: int) -> bool:
@@ -838,7 +844,8 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     elif fsdp and moe:
         units = _moe_units(shape, c, start, layers, stage == 0, last)
     else:
-        units = [local(u) for u in c.fsdp_unit_params(shape, layers, stage == 0, last)] if fsdp else []
+        units = _tp_local_units(shape, shape.moe and c.ep > 1, c.fsdp_unit_mb, layers, stage == 0, last,
+                                tp) if fsdp else ()
     if spec is None:
         grad_units = units  # every parameter has a gradient
     kept = 0.0
@@ -1008,6 +1015,17 @@ class HeldMicroBatches:
     receive: float  # the receive buffers: a micro-batch's input and output gradient, per stage
     input_grads: float  # split schedules: each micro-batch's input gradient, left on its receive buffer
     sent: float  # the multi-stage schedules' sends, each tensor held to the step's end
+
+
+@functools.lru_cache(maxsize=4096)
+def _tp_local_units(shape, experts_apart: bool, unit_mb: float, layers: int, first: bool, last: bool,
+                    tp: int) -> tuple[float, ...]:
+    """A stage's FSDP2 units (Candidate.fsdp_unit_params) as one TP rank holds them: each split over tp
+    but its norms' gains, which every TP rank holds whole. Remembered: the search asks again for every
+    micro-batch and checkpointing mode."""
+    norms = shape.layer_norm_params
+    units = stage_fsdp_units(shape, experts_apart, unit_mb, layers, first, last, 0)
+    return tuple((n - norms) / tp + norms for n in units)
 
 
 def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float, head: float,

@@ -9,6 +9,9 @@ engine only: loom's deepspeed engine refuses it). Pure Python: thousands of cand
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -322,12 +325,13 @@ def assumptions(cluster: Cluster, shape=None, cp: bool = False, imbalance: float
     ] + moe + lora_words
 
 
-def search(w: Workload, cluster: Cluster) -> Plan:
+def search(w: Workload, cluster: Cluster, workers: int | None = None) -> Plan:
     """Price every candidate and recommend, among those loom runs that fit with headroom (under
-    TIGHT of the device; any that fit when none has it), the simplest of the fastest."""
+    TIGHT of the device; any that fit when none has it), the simplest of the fastest. `workers`:
+    processes to price with (price_all; by default one per core on a large search)."""
     if cluster.gpu is None:
         raise ConfigError("loom plan needs a GPU model to price step time; pass --gpu (e.g. --gpu H100-SXM)")
-    records = [estimate(w, c, cluster, choose_loss=True) for c in enumerate_candidates(w, cluster)]
+    records = price_all(w, cluster, list(enumerate_candidates(w, cluster)), workers)
     if not records:
         raise ConfigError(
             f"no layout of {cluster.world_size} GPUs divides the global batch of {w.global_batch} sequences "
@@ -354,6 +358,39 @@ def search(w: Workload, cluster: Cluster) -> Plan:
     if w.lora is not None:
         why += ". " + _lora_reason(w, cluster, records)
     return Plan(w, cluster, records, best, why, _one_per_layout(records, band, best))
+
+
+PER_WORKER = 2000  # candidates: below this a worker process costs more than it saves
+
+
+def price_all(w: Workload, cluster: Cluster, candidates: list[Candidate],
+              workers: int | None = None) -> list[dict]:
+    """Every candidate priced (estimate, choosing the loss), in their order. A large search is split
+    into contiguous slices priced by forked worker processes, one per core (the records are plain
+    dicts, cheap to send back): 113,278 candidates of 70B on 1024 GPUs take about 160 µs each."""
+    if workers is None:
+        workers = search_workers(len(candidates))
+    if workers <= 1:
+        return _price_slice(w, cluster, candidates)
+    size = -(-len(candidates) // (4 * workers))  # a few slices per worker: the layouts' costs differ
+    slices = [candidates[i:i + size] for i in range(0, len(candidates), size)]
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        priced = pool.starmap(_price_slice, [(w, cluster, part) for part in slices])
+    return [record for part in priced for record in part]
+
+
+def search_workers(candidates: int) -> int:
+    """Processes to price `candidates` with: the cores this process may use, one per PER_WORKER
+    candidates. Linux only: workers are forked, and run pure Python; elsewhere fork is unsafe or
+    absent, and a fresh interpreter per worker costs more than most searches."""
+    if not sys.platform.startswith("linux"):
+        return 1
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores, candidates // PER_WORKER))
+
+
+def _price_slice(w: Workload, cluster: Cluster, candidates: list[Candidate]) -> list[dict]:
+    return [estimate(w, c, cluster, choose_loss=True) for c in candidates]
 
 
 def record_label(c: Candidate, full_logits: bool) -> str:

@@ -14,7 +14,15 @@ from loom.config import load_config, validate
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.hardware import CATALOG, Cluster, lookup
 from loom.plan.memory import gpu_memory
-from loom.plan.search import config_candidate, emit_config, enumerate_candidates, search
+from loom.plan.search import (
+    PER_WORKER,
+    config_candidate,
+    emit_config,
+    enumerate_candidates,
+    price_all,
+    search,
+    search_workers,
+)
 from loom.plan.shapes import from_params, from_preset
 from loom.plan.step import bubble_fraction
 
@@ -189,6 +197,26 @@ def test_hf_config_json(tmp_path, capsys):
                                   "tie_word_embeddings": False}))
     plan = plan_json(capsys, str(config), "--set", "train.batch_size=64")
     assert plan["model"]["num_params"] == from_preset("8b").num_params  # the Llama-3-8B shape
+
+
+def test_worker_processes_price_every_candidate_in_order():
+    """A search split over forked workers gives the records one process gives, in the same order (the
+    pick and the near-ties are indices into them)."""
+    w = Workload(from_preset("8b"), 4096, 64)
+    cluster = Cluster(lookup("H100-SXM"), 8, 1)
+    cands = list(enumerate_candidates(w, cluster))[::7]  # every layout's kinds, a seventh of the cost
+    alone = price_all(w, cluster, cands, workers=1)
+    assert len(alone) == len(cands) > 1000
+    assert price_all(w, cluster, cands, workers=3) == alone  # 12 slices over 3 processes
+    assert [r["label"] for r in alone[:3]] == [c.label() + (" full logits" if r["full_logits"] else "")
+                                               for c, r in zip(cands[:3], alone)]
+
+
+def test_a_search_takes_a_worker_per_core_and_per_slice_of_candidates(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert search_workers(PER_WORKER - 1) == 1  # small searches stay in this process
+    assert search_workers(3 * PER_WORKER) == 3
+    assert search_workers(100 * PER_WORKER) == 16  # no more than the cores
 
 
 def test_plan_does_not_import_torch_and_is_fast():
