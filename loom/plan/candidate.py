@@ -215,3 +215,17 @@ def stage_fsdp_units(shape: ModelShape, experts_apart: bool, unit_mb: float, lay
     if len(units) == 1:
         return (units[0] + root,)  # the root is the one unit
     return tuple(units + ([root] if root else []))
+
+
+@functools.lru_cache(maxsize=1024)
+def last_unit_norms(shape: ModelShape, unit_mb: float, layers: int) -> int:
+    """The norms' gains in the last FSDP unit of a dense model's one stage (stage_fsdp_units, grouped
+    alike): the unit kept gathered from forward to backward, of which TP splits all but these."""
+    tied = shape.tie_embeddings
+    norms = [0] * (not tied) + [shape.layer_norm_params] * layers + [shape.d_model] * (not tied)
+    sizes = [shape.embedding_params] * (not tied) + [shape.layer_params] * layers \
+        + [shape.head_params] * (not tied)
+    groups = strategies.fsdp_units(norms, sizes, unit_mb)
+    if tied:  # the root (embedding and head, the final norm) is the last unit, or the one
+        return shape.d_model + (sum(map(sum, groups)) if len(groups) == 1 else 0)
+    return sum(groups[-1])

@@ -39,7 +39,8 @@ and TP and PP one per activation, but DDP's buckets and ZeRO-1's per-parameter b
 the engine's choice (None). Groups of one rank issue nothing. Left out of the search's account:
 the loop's few-byte collectives (the mean loss's and gradient norm's all-reduces, DDP's broadcast
 of its rebuilt bucket order in step 2); `loop_collectives` plans them apart for `loom train`'s
-measured-vs-planned (record.planned_collectives), where known (not loss parallel's statistics).
+measured-vs-planned (record.planned_collectives), where known (under TP also the vocabulary-split
+loss's statistics and the norm's partial sums over tp).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 
 from loom.config import V_SCHEDULES, rank_stages, stages_per_rank
 from loom.plan import context, experts, lora, muon
+from loom.plan.candidate import last_unit_norms
 from loom.plan.in_flight import cross_rank_sends
 from loom.plan.memory import GRAD_COMM_BYTES, RECIPES
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
@@ -131,13 +133,15 @@ def tp_reductions(w, c) -> tuple[float, float]:
     The embedding (forward) and the head (backward) add one each. An MoE block's feed-forward runs
     whole on each TP rank (the sequence gathered around it): no reduction of its own, or under
     sequence parallel the all-gather of its input and, backward, the reduce-scatter of its gradient
-    (one in all)."""
+    (one in all). Under LoRA with a frozen embedding (one pipeline stage) the first block's input needs
+    no gradient: one fewer."""
     shape = w.shape
     activation = c.local_seq(w.seq_len) * c.micro_batch * shape.d_model * w.act_bytes
     layers = shape.n_layers / c.pp
     ckpt = checkpointed_layers(round(layers), c.activation_checkpointing, c.ac_every)
     moe = shape.moe_layers / c.pp * (1 if c.sequence_parallel else 2) if shape.moe else 0
-    return activation, 4 * layers - moe + ckpt + (2 if c.pp == 1 else 1)
+    frozen_input = w.lora is not None and not w.lora.train_embeddings and c.pp == 1
+    return activation, 4 * layers - moe + ckpt + (2 if c.pp == 1 else 1) - frozen_input
 
 
 def pp_sends(w, c) -> tuple[float, int]:
@@ -476,7 +480,10 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
         # does not gather them again in backward
         idle = _frozen_lead(lora_units)
         if s.reshard_after_forward:  # backward again, but for the unit kept gathered
-            kept = per_param * units[-1] / c.tp if units else 0.0
+            # a TP rank's share of it: split over tp but for its norms' gains
+            whole = last_unit_norms(shape, c.fsdp_unit_mb, shape.n_layers) if units and c.tp > 1 and \
+                not shape.moe else 0
+            kept = per_param * ((units[-1] - whole) / c.tp + whole) if units else 0.0
             if lora_units:
                 kept = per_param * (units[-1] + sum(units[:idle]))
             if terms:
@@ -488,6 +495,10 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
                            f"backward: the last unit stays gathered, the {idle} frozen unit(s) before the "
                            f"first that trains output no gradient)",
                            f"{per_param} × ({num(units[-1])} + {num(sum(units[:idle]))})", gb(kept))
+            elif units and terms and whole:
+                terms.item("Φ_kept last unit", f"{per_param}·((P_unit − R_unit)/tp + R_unit) (R: its norms)",
+                           f"{per_param} × (({num(units[-1])} − {num(whole)})/{c.tp} + {num(whole)})",
+                           gb(kept))
             elif units and terms:
                 terms.item("Φ_kept last unit", f"{per_param}·P_unit/tp",
                            f"{per_param} × {num(units[-1])}/{c.tp}", gb(kept))
@@ -573,6 +584,26 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
         count = round(reductions * c.grad_accum)
         for kind in ("all_gather", "reduce_scatter") if c.sequence_parallel else ("all_reduce",):
             acc.issue(kind, c.tp, count * activation, count)
+        if c.sequence_parallel and not shape.moe and (w.lora is None or w.lora.train_norms):
+            # the norms run on sequence shards: each TP rank's gradient of a gain is a partial sum,
+            # which DTensor all-reduces in backward (fp32), one per norm
+            norms = round(layers) * shape.layer_norm_params + (shape.d_model if c.pp == 1 else 0)
+            calls = (2 * round(layers) + (c.pp == 1)) * c.grad_accum
+            if terms:
+                terms.item("norms' gradients over tp", "m × 4·(L·2h + h) (sequence parallel: partial sums)",
+                           f"{c.grad_accum} × 4 × {num(norms)}", gb(4 * norms * c.grad_accum))
+            acc.add("tp", ring("all_reduce", c.tp, 4 * norms) * c.grad_accum, c.tp > gpus_per_node)
+            acc.issue("all_reduce", c.tp, 4 * norms * c.grad_accum, calls)
+            groups["tp"] += ring("all_reduce", c.tp, 4 * norms) * c.grad_accum
+        if w.lora is not None and not shape.moe:  # the adapter factors whole on each TP rank
+            calls, synced = lora.tp_synced_grads(shape, w.lora, round(layers))
+            if terms:
+                terms.item("LoRA gradients over tp", f"m × Σ 4·r·(a column split A's in, a row split B's "
+                           f"out), {calls} adapted linears", f"{c.grad_accum} × {gb(synced)}",
+                           gb(synced * c.grad_accum))
+            acc.add("tp", ring("all_reduce", c.tp, synced) * c.grad_accum, c.tp > gpus_per_node)
+            acc.issue("all_reduce", c.tp, synced * c.grad_accum, calls * c.grad_accum)
+            groups["tp"] += ring("all_reduce", c.tp, synced) * c.grad_accum
 
     acc.group = "pp"
     if c.pp > 1 and shape.known:
@@ -637,7 +668,7 @@ class LoopCollective:
 
 
 def loop_collectives(w, c, trained_tensors: int, bucket_bytes: float, grad_bytes: float,
-                     sft: bool = False) -> list[LoopCollective] | None:
+                     sft: bool = False, tp_split_tensors: int = 0) -> list[LoopCollective] | None:
     """The loop's own collectives in a step (loom/train/step.py), as loom runs them on the torch
     engine: the mean loss's all-reduce (an fp32 scalar, over every rank, a world of one too); under
     FSDP2 the gradient norm's over the shard group, which carries one fp32 partial norm per tensor
@@ -646,17 +677,26 @@ def loop_collectives(w, c, trained_tensors: int, bucket_bytes: float, grad_bytes
     the one `loom train` measures) the broadcast of their order, int32: the indices and their count,
     then each bucket's size. A pipeline adds its stages' squared norms (an fp32 scalar over the pp
     group); its DDP settles the bucket order before step 1 (no broadcast), and its FSDP2 norm carries
-    this rank's stages' tensors. None where not planned: tensor and expert parallelism (loss parallel's
-    statistics), a mixture of experts (the router's tally), the deepspeed engine, whose collectives of
-    this kind are theirs, and DDP on one rank (it still all-reduces its buckets there, which the plan
-    of a group of one leaves out)."""
-    s = c.strategy_info
-    if c.engine == "deepspeed" or c.tp > 1 or c.ep > 1 or w.shape.moe or \
-            (not s.shards_params and c.grad_sync_size == 1):
+    this rank's stages' tensors. Under tensor parallelism (tp_loop_collectives) the vocabulary-split
+    loss's statistics, and the norm's partial sums over tp of the `tp_split_tensors` split over it. A
+    mixture of experts adds the router's tally (loom/train/moe_step.py: each MoE block's tokens per
+    expert, dropped choices and auxiliary loss, fp32 over dp·cp). None where not planned: tensor
+    parallelism within a pipeline; expert parallelism, and a mixture of experts beside TP or PP (the
+    experts' own norm group, the stages' tallies); the deepspeed engine, whose collectives of this
+    kind are theirs; and DDP on one rank (it still all-reduces its buckets there, which the plan of a
+    group of one leaves out)."""
+    s, shape = c.strategy_info, w.shape
+    if c.engine == "deepspeed" or (c.tp > 1 and c.pp > 1) or c.ep > 1 or \
+            (shape.moe and (c.tp > 1 or c.pp > 1)) or (not s.shards_params and c.grad_sync_size == 1):
         return None
     loop = [LoopCollective("all_reduce", 1, 4, "mean loss")]
     if sft:
         loop.append(LoopCollective("all_reduce", 1, 4, "loss tokens"))
+    if shape.moe:
+        loop.append(LoopCollective("all_reduce", 1, 4 * shape.moe_layers * (shape.moe_experts + 2),
+                                   "the router's tally"))
+    if c.tp > 1:
+        return loop + tp_loop_collectives(w, c, trained_tensors, tp_split_tensors)
     if s.shards_params and c.shard_size > 1:
         loop.append(LoopCollective("all_reduce", 1, 4 * trained_tensors, "gradient norm"))
     if c.pp > 1:
@@ -664,6 +704,36 @@ def loop_collectives(w, c, trained_tensors: int, bucket_bytes: float, grad_bytes
     elif not s.shards_params:  # DDP's rebuilt bucket order
         buckets = max(1, math.ceil(grad_bytes / bucket_bytes))
         loop.append(LoopCollective("broadcast", 2, 4 * (trained_tensors + 1 + buckets), "DDP's bucket order"))
+    return loop
+
+
+def tp_loop_collectives(w, c, trained_tensors: int, split: int) -> list[LoopCollective]:
+    """Tensor parallelism's share of the loop's collectives (measured on gloo, torch 2.11 and 2.13):
+      loss     the head splits the vocabulary: each token's logsumexp needs the global max and the
+               sums of exp (with the target's logit, 0 but on its owner), fp32 over tp: 4 + 8 bytes
+               a token, in two all-reduces per chunk of train.loss_chunk tokens
+               (loom/models/chunked_loss.py); unchunked, torch's loss_parallel: three of 4 a token
+      norm     each of the `split` tensors split over tp (a matmul's weight: DTensor Shard on tp) adds
+               its partial norm over tp, and under FSDP2 over the shards too; the rest (the norms'
+               gains, whole on each TP rank) over the shards only: fp32 a tensor. DDP and ZeRO-1 run
+               FSDP2 over the replicas there (apply.uses_fsdp), their gradients whole: over tp only.
+    Per micro-step the loss's, on its micro-batch's s·b tokens (s/cp under context parallelism)."""
+    tokens, steps = c.micro_batch * c.local_seq(w.seq_len), c.grad_accum
+    chunk = w.loss_chunk
+    calls = 2 * math.ceil(tokens / chunk) if chunk > 0 else 3
+    loop = [LoopCollective("all_reduce", calls * steps, 12 * tokens * steps,
+                           "the loss's vocabulary statistics")]
+    if w.lora is not None or c.sequence_parallel:
+        # measured: where the gradients of tensors whole on each TP rank are partial sums reduced in
+        # backward (LoRA's whole factors, sequence parallel's norms), DTensor stacks every tensor's
+        # norm as partial over tp, in one all-reduce over tp and one over the shards
+        split = trained_tensors
+    count, payload = (1, 4 * split) if split else (0, 0)
+    if c.strategy_info.shards_params and c.shard_size > 1:
+        whole = trained_tensors - split
+        count, payload = count + (split > 0) + (whole > 0), payload + 4 * split + 4 * whole
+    if count:
+        loop.append(LoopCollective("all_reduce", count, payload, "gradient norm"))
     return loop
 
 

@@ -172,6 +172,16 @@ def block_adapters(shape: ModelShape, lora: LoRA, moe: bool, tp: int = 1, ep: in
     return rest, routed
 
 
+def tp_synced_grads(shape: ModelShape, lora: LoRA, layers: int) -> tuple[int, float]:
+    """(all-reduces, bytes) over tp per micro-batch of the adapter factors TP keeps whole on each rank (a
+    column-split linear's A, a row-split linear's B): each rank's gradient of one is a partial sum, which
+    DTensor all-reduces in backward (fp32). One per adapted linear of `layers` dense blocks."""
+    r, shaped = lora.rank, linears(shape)
+    whole = [r * (inp if split == COLUMN else out)
+             for inp, out, split in (shaped[role] for role in lora.targets)]
+    return len(whole) * layers, 4.0 * sum(whole) * layers
+
+
 def counted_shape(shape: ModelShape) -> ModelShape:
     """The shape adapters are counted on: a parameter count's Llama-style stand-in (shapes.llama_like)."""
     return shape if shape.known else llama_like(shape.num_params)

@@ -370,6 +370,8 @@ def price_all(w: Workload, cluster: Cluster, candidates: list[Candidate],
     dicts, cheap to send back): 113,278 candidates of 70B on 1024 GPUs take about 160 µs each."""
     if workers is None:
         workers = search_workers(len(candidates))
+    elif "torch" in sys.modules:
+        workers = 1  # (search_workers says why)
     if workers <= 1:
         return _price_slice(w, cluster, candidates)
     size = -(-len(candidates) // (4 * workers))  # a few slices per worker: the layouts' costs differ
@@ -381,9 +383,11 @@ def price_all(w: Workload, cluster: Cluster, candidates: list[Candidate],
 
 def search_workers(candidates: int) -> int:
     """Processes to price `candidates` with: the cores this process may use, one per PER_WORKER
-    candidates. Linux only: workers are forked, and run pure Python; elsewhere fork is unsafe or
-    absent, and a fresh interpreter per worker costs more than most searches."""
-    if not sys.platform.startswith("linux"):
+    candidates. Workers are forked, so only where forking is safe: on Linux (elsewhere fork is unsafe
+    or absent, and a fresh interpreter per worker costs more than most searches), and in a process
+    that has not imported torch (`loom plan` does not): a fork copies none of torch's threads, and a
+    process group left for the collector then deadlocks the child that frees it."""
+    if not sys.platform.startswith("linux") or "torch" in sys.modules:
         return 1
     cores = len(os.sched_getaffinity(0))
     return max(1, min(cores, candidates // PER_WORKER))

@@ -230,7 +230,7 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
                             d.dp_mesh.size(), cfg.data.pin_memory and d.device.type == "cuda", start_step)
     ckpt = (checkpoint.Checkpointer(run_dir, cfg, d, t.keep_last, t.ckpt_async) if run_dir is not None
             else None)
-    plan = record.plan_run(cfg, task.shape, d, len(built.params)) if task.shape is not None else None
+    plan = record.plan_run(cfg, task.shape, d, built.params) if task.shape is not None else None
     if run_dir is not None and main:
         record.write_start(run_dir, cfg, plan, built.engine_config, built.optimizers)
     log = StepLog(cfg, run_dir, start_step, t.batch_size * task.tokens_per_sample, main, say, plan)

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from loom.config import Config, to_toml
 from loom.files import atomic_write
@@ -57,13 +58,13 @@ def write_end(run_dir: Path, strategy: str, formula: str, shard: int, expected: 
     atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2).encode())
 
 
-def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained_tensors: int = 0,
+def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained: list[torch.Tensor] = (),
              per_node: int | None = None) -> dict:
     """The planner's prediction for this very run (written as plan.json, printed beside the
     measurements). Time is priced on this machine's device profile (`loom plan --calibrate`) when
     one was measured on this kind of device, else on the catalog entry of a recognised GPU; without
-    either (a CPU never calibrated) the plan has bytes only. `trained_tensors`: the parameter tensors
-    of this rank that train (the loop's gradient norm and DDP's bucket order carry one number each).
+    either (a CPU never calibrated) the plan has bytes only. `trained`: the parameters of this rank
+    that train (the loop's gradient norm and DDP's bucket order carry one number per tensor).
     `per_node`: ranks per node, for a run not launched (a rank reads its launcher's LOCAL_WORLD_SIZE)."""
     per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size))
     nodes = max(d.world_size // per_node, 1)
@@ -83,7 +84,8 @@ def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained_tensors: int = 0,
     record["memory_bytes_by_stage"] = {s: stage_memory(w, c, s, cluster.fragmentation,
                                                        device=d.device.type).to_dict()
                                        for s in range(c.pp)}
-    record.update(planned_collectives(cfg, w, c, cluster.gpus_per_node, trained_tensors))
+    record.update(planned_collectives(cfg, w, c, cluster.gpus_per_node, len(trained),
+                                      tp_split_tensors(trained)))
     record["gpu"] = cluster.gpu.name if cluster.gpu else None
     # what the measured MFU is figured from (loom/train/run_figures.py): the planner's FLOPs per token
     record["peak_tflops"] = cluster.gpu.bf16_tflops if cluster.gpu else None
@@ -96,14 +98,24 @@ def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained_tensors: int = 0,
     return record
 
 
-def planned_collectives(cfg: Config, w, c, gpus_per_node: int, trained_tensors: int) -> dict:
+def tp_split_tensors(params: list[torch.Tensor]) -> int:
+    """The parameters split over the tensor-parallel ranks: DTensors sharded on their mesh's "tp"
+    dimension (a matmul's weight; a norm's gain is replicated there)."""
+    return sum(1 for q in params if isinstance(q, DTensor) and any(
+        name == "tp" and placement.is_shard()
+        for name, placement in zip(q.device_mesh.mesh_dim_names or (), q.placements)))
+
+
+def planned_collectives(cfg: Config, w, c, gpus_per_node: int, trained_tensors: int,
+                        tp_split: int = 0) -> dict:
     """What a rank can observe of the plan's collectives (payload bytes and counts per collective kind),
     for comparison with the run's CollectiveCounter; comm_bytes_per_step stays the ring model's wire
     bytes. The loop's own few-byte collectives (the control plane) are added to their kinds and listed
     apart (comm_loop_by_kind), so that measured and planned count the same collectives."""
     payload = comm_per_step(w, c, gpus_per_node)[0].payload_dict()
     loop = loop_collectives(w, c, trained_tensors, cfg.parallel.ddp_bucket_mb * 2**20,
-                            payload["payload_bytes_by_kind"].get("all_reduce", 0.0), cfg.data.format == "sft")
+                            payload["payload_bytes_by_kind"].get("all_reduce", 0.0), cfg.data.format == "sft",
+                            tp_split)
     payload = with_loop(payload, loop)
     return {"comm_payload_bytes_per_step": payload["payload_bytes"],
             "comm_payload_bytes_by_kind": payload["payload_bytes_by_kind"],

@@ -207,4 +207,14 @@ BUGS = [
         "return max(1, min(cores, candidates // PER_WORKER))",
         "return max(1, candidates // PER_WORKER)",
         ("tests/unit/test_plan.py::test_a_search_takes_a_worker_per_core_and_per_slice_of_candidates",)),
+    Bug("workers-forked-beside-torch", "a search forks its workers in a process that imported torch "
+        "(a child freeing a process group deadlocks)", "loom/plan/search.py",
+        '    elif "torch" in sys.modules:\n        workers = 1  # (search_workers says why)\n',
+        "",
+        ("tests/unit/test_plan.py::test_a_process_with_torch_prices_in_itself",)),
+    Bug("workers-torch-unchecked", "the default workers ignore torch in the process",
+        "loom/plan/search.py",
+        'if not sys.platform.startswith("linux") or "torch" in sys.modules:',
+        'if not sys.platform.startswith("linux"):',
+        ("tests/unit/test_plan.py::test_a_search_takes_a_worker_per_core_and_per_slice_of_candidates",)),
 ]

@@ -123,16 +123,93 @@ def test_each_pipeline_rank_is_planned_its_own_sends():
     assert rows[1]["comm_payload_bytes"][1] == plan["comm_payload_bytes_per_step"]
 
 
-@pytest.mark.parametrize("sets", [("parallel.tp=2",), ('parallel.engine="deepspeed"',)],
-                         ids=["tp", "deepspeed"])
+@pytest.mark.parametrize("sets", [("parallel.tp=2", "parallel.pp=2"), ('parallel.engine="deepspeed"',)],
+                         ids=["tp-within-pp", "deepspeed"])
 def test_layouts_whose_loop_collectives_are_not_planned_say_so(sets):
-    """Loss parallel's statistics, DeepSpeed's own: not planned (None), and then nothing of the
-    loop's is added to the kinds (measured may exceed planned there, by a few bytes)."""
+    """TP within a pipeline (the loss's statistics on the last stage only), DeepSpeed's own: not planned
+    (None), and then nothing of the loop's is added to the kinds (measured may exceed planned there, by a
+    few bytes)."""
     cfg = load_config(None, ["parallel.strategy=zero3", *sets])
     gpt = model_config(cfg, 256)
-    c = config_candidate(cfg, 1, 2, 2 if "parallel.tp=2" in sets else 1, 1)
+    tp, pp = (2, 2) if "parallel.tp=2" in sets else (1, 1)
+    c = config_candidate(cfg, 1, 2, tp, pp)
     plan = record.planned_collectives(cfg, config_workload(cfg, from_gpt_config(gpt, "default")), c, 8, 39)
     assert plan["comm_loop_by_kind"] is None
+
+
+# Tensor parallelism: what `loom train --nproc N --set model.preset=tiny --set train.steps=2 --set
+# parallel.tp=2 ...` observed in step 2 (memory.json, rank 0; gloo, torch 2.11 and 2.13 alike). The tiny
+# model: 2 blocks, untied, 21 tensors, 16 of them matmul weights split over tp and 5 norms whole on each
+# TP rank; 16 sequences of 128 tokens, loss chunks of 512. Beside TP's activations (an all-reduce of
+# 1024·64·4 bytes per token batch, 10 per micro-step), the loop's: the mean loss (4 bytes), the vocabulary
+# split loss's max and sums (12 bytes a token, 2 all-reduces a chunk; unchunked, loss_parallel's 3), the
+# gradient norm (4 bytes a tensor: the split ones over tp and, under FSDP2, over the shards; the whole
+# ones over the shards). LoRA (rank 4, every role: 28 adapters, 14 split over tp) also all-reduces the
+# gradient of each adapter factor TP keeps whole (4·r·64 bytes) and skips the frozen embedding's
+# reduction in backward. (strategy, dp_replicate, dp_shard, tp, ranks, sets): {kind: (count, payload)}
+TP_MEASURED = {
+    ("zero3", 1, 2, 2, 4, ()): {"all_gather": (1, 214272), "all_reduce": (18, 2633880),
+                                "reduce_scatter": (1, 214272)},
+    ("zero2", 1, 2, 2, 4, ()): {"all_gather": (1, 214272), "all_reduce": (18, 2633880),
+                                "reduce_scatter": (1, 214272)},
+    ("ddp", 2, 1, 2, 4, ()): {"all_reduce": (17, 2848068)},
+    ("zero1", 2, 1, 2, 4, ()): {"all_reduce": (17, 2848068), "broadcast": (21, 214272)},
+    ("hsdp", 2, 2, 2, 8, ()): {"all_gather": (1, 214272), "all_reduce": (17, 1424152),
+                               "reduce_scatter": (1, 214272)},
+    ("zero3", 1, 1, 2, 2, ()): {"all_reduce": (20, 5267524)},  # a shard group of one: the norm over tp only
+    ("zero3", 1, 2, 2, 4, ("train.loss_chunk=0",)): {"all_gather": (1, 214272), "all_reduce": (17, 2633880),
+                                                     "reduce_scatter": (1, 214272)},
+    ("zero3", 1, 2, 2, 4, ("train.grad_accum=2",)): {"all_gather": (2, 428544), "all_reduce": (28, 2633880),
+                                                     "reduce_scatter": (2, 428544)},
+    ("zero3", 1, 1, 2, 4, ("parallel.cp=2",)): {"all_gather": (1, 214272), "all_reduce": (18, 2633880),
+                                                "cp_ring": (16, 1048576), "reduce_scatter": (1, 214272)},
+    # sequence parallel: the activations' all-gathers and reduce-scatters, and each norm's gradient
+    # all-reduced over tp in backward (5 × 4·64 bytes)
+    ("zero3", 1, 2, 2, 4, ("parallel.sequence_parallel=true",)): {
+        "all_gather": (11, 2835712), "all_reduce": (12, 13740), "reduce_scatter": (11, 2835712)},
+    ("zero3", 1, 2, 2, 4, ("lora.rank=4",)): {"all_gather": (1, 237824), "all_reduce": (30, 2386148),
+                                              "reduce_scatter": (1, 23552)},
+    ("zero3", 1, 2, 2, 4, ("lora.rank=4", "train.grad_accum=2")): {
+        "all_gather": (2, 475648), "all_reduce": (53, 2400484), "reduce_scatter": (2, 47104)},
+    ("ddp", 2, 1, 2, 4, ("lora.rank=4", 'lora.targets=["q","o"]')): {"all_reduce": (20, 2381860)},
+}
+# (trained tensors, of them split over tp) of the tiny model, as loom/train/record.tp_split_tensors counts
+TP_TENSORS = {(): (21, 16), ("lora.rank=4",): (28, 14), ("lora.rank=4", 'lora.targets=["q","o"]'): (8, 4)}
+
+
+def _planned_tp(strategy: str, replicate: int, shard: int, tp: int, sets: tuple[str, ...]) -> dict:
+    hybrid = ["parallel.dp_replicate=2", "parallel.dp_shard=2"] if strategy == "hsdp" else []
+    cfg = load_config(None, ["model.preset=tiny", f"parallel.strategy={strategy}", f"parallel.tp={tp}",
+                             *hybrid, *sets])
+    shape = from_gpt_config(model_config(cfg, 256), "tiny")
+    c = config_candidate(cfg, replicate, shard, tp, 1)
+    trained, split = TP_TENSORS[tuple(x for x in sets if x.startswith("lora."))]
+    return record.planned_collectives(cfg, config_workload(cfg, shape), c, 8, trained, split)
+
+
+@pytest.mark.parametrize("layout", TP_MEASURED,
+                         ids=["-".join(map(str, [*k[:5], *k[5]])) for k in TP_MEASURED])
+def test_tensor_parallel_collectives_are_the_measured_ones(layout):
+    """Under TP too, each kind's planned payload is the measured one to the byte, and so is its count
+    where the engine does not choose it."""
+    strategy, replicate, shard, tp, _, sets = layout
+    plan = _planned_tp(strategy, replicate, shard, tp, sets)
+    assert plan["comm_loop_by_kind"] is not None
+    seen = TP_MEASURED[layout]
+    assert set(plan["comm_payload_bytes_by_kind"]) == set(seen)
+    for kind, (count, payload) in seen.items():
+        assert plan["comm_payload_bytes_by_kind"][kind] == payload, kind
+        assert plan["comm_count_by_kind"][kind] in (count, None), kind
+    if strategy not in ("ddp", "zero1"):  # (their gradients' all-reduce: counted by the engine)
+        assert plan["comm_count_by_kind"]["all_reduce"] == seen["all_reduce"][0]
+
+
+def test_tensor_parallels_loop_collectives_say_what_they_carry():
+    loop = _planned_tp("zero3", 1, 2, 2, ())["comm_loop_by_kind"]["all_reduce"]
+    assert loop == {"count": 8, "payload_bytes": 4 + 12 * 1024 + 4 * (16 + 16 + 5),
+                    "what": "mean loss, the loss's vocabulary statistics, gradient norm"}
+    assert _planned_tp("ddp", 2, 1, 2, ())["comm_loop_by_kind"]["all_reduce"]["payload_bytes"] == \
+        4 + 12 * 1024 + 4 * 16  # DDP and ZeRO-1 under TP: gradients whole over dp, the norm over tp only
 
 
 def _rows(strategy: str, replicate: int, shard: int, seen: dict) -> list[dict]:
@@ -230,3 +307,53 @@ def test_where_the_loop_is_not_planned_its_extra_counts_are_not_a_miss():
     page = render_html({"plan": {"comm_loop_by_kind": None}, "measured_vs_planned": [row]})
     assert "Off plan by more than 25%</b>: rank 0 all_gather count / step." in page
     assert "Off plan" in render_html({"plan": {"comm_loop_by_kind": {}}, "measured_vs_planned": [row]})
+
+
+def test_the_tensors_split_over_tp_are_those_sharded_on_its_mesh_dimension(gloo_world_of_one):
+    """record.tp_split_tensors: a DTensor sharded on the "tp" dimension counts; one replicated there
+    (a norm's gain), one sharded on another dimension only, and a plain tensor do not."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    weight = distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0), Shard(1)])
+    gain = distribute_tensor(torch.zeros(4), mesh, [Shard(0), Replicate()])
+    flat = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    sharded_elsewhere = distribute_tensor(torch.zeros(4, 4), flat, [Shard(0)])
+    assert record.tp_split_tensors([weight, gain, sharded_elsewhere, torch.zeros(2)]) == 1
+    assert record.tp_split_tensors([weight, weight]) == 2
+
+
+# A mixture of experts without expert parallelism: `loom train --nproc 2 --set model.preset=tiny-moe
+# --set train.steps=2` (step 2, rank 0, gloo): the tiny MoE (2 MoE blocks of 8 experts, 29 tensors)
+# adds the router's tally to the loop, 4·(8 + 2) bytes a block, over the data-parallel ranks.
+MOE_MEASURED = {
+    ("zero3", 1, 2): {"all_gather": (1, 677120), "reduce_scatter": (1, 677120), "all_reduce": (3, 200)},
+    ("ddp", 2, 1): {"all_reduce": (3, 677204), "broadcast": (2, 124)},
+}
+
+
+@pytest.mark.parametrize("layout", MOE_MEASURED, ids=["-".join(map(str, k)) for k in MOE_MEASURED])
+def test_a_mixture_of_experts_loop_collectives_are_the_measured_ones(layout):
+    strategy, replicate, shard = layout
+    cfg = load_config(None, ["model.preset=tiny-moe", f"parallel.strategy={strategy}"])
+    shape = from_gpt_config(model_config(cfg, 256), "tiny-moe")
+    c = config_candidate(cfg, replicate, shard, 1, 1)
+    plan = record.planned_collectives(cfg, config_workload(cfg, shape), c, 8, 29)
+    assert "the router's tally" in plan["comm_loop_by_kind"]["all_reduce"]["what"]
+    seen = MOE_MEASURED[layout]
+    assert set(plan["comm_payload_bytes_by_kind"]) == set(seen)
+    for kind, (count, payload) in seen.items():
+        assert plan["comm_payload_bytes_by_kind"][kind] == payload, kind
+        assert plan["comm_count_by_kind"][kind] in (count, None), kind
+
+
+@pytest.mark.parametrize("sets,dims", [(("parallel.ep=2",), (1, 2, 1, 1)),
+                                       (("parallel.pp=2",), (1, 2, 1, 2))], ids=["ep2", "pp2"])
+def test_a_mixture_of_experts_loop_is_not_planned_under_ep_or_pp(sets, dims):
+    """Expert parallelism (the experts' own norm group) and a pipeline's stages' tallies: not planned."""
+    cfg = load_config(None, ["model.preset=tiny-moe", "parallel.strategy=zero3", *sets])
+    shape = from_gpt_config(model_config(cfg, 256), "tiny-moe")
+    plan = record.planned_collectives(cfg, config_workload(cfg, shape), config_candidate(cfg, *dims), 8, 29)
+    assert plan["comm_loop_by_kind"] is None

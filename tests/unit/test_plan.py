@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -199,24 +200,53 @@ def test_hf_config_json(tmp_path, capsys):
     assert plan["model"]["num_params"] == from_preset("8b").num_params  # the Llama-3-8B shape
 
 
+WORKERS_CHECK = """
+import sys
+from loom.plan.candidate import Workload
+from loom.plan.hardware import Cluster, lookup
+from loom.plan.search import enumerate_candidates, price_all
+from loom.plan.shapes import from_preset
+w, cluster = Workload(from_preset("8b"), 4096, 64), Cluster(lookup("H100-SXM"), 8, 1)
+cands = list(enumerate_candidates(w, cluster))[::7]  # every layout's kinds, a seventh of the cost
+alone, split = price_all(w, cluster, cands, workers=1), price_all(w, cluster, cands, workers=3)
+assert "torch" not in sys.modules
+print(len(cands), len(alone), split == alone, alone[0]["label"], cands[0].label())
+"""
+
+
 def test_worker_processes_price_every_candidate_in_order():
-    """A search split over forked workers gives the records one process gives, in the same order (the
-    pick and the near-ties are indices into them)."""
-    w = Workload(from_preset("8b"), 4096, 64)
-    cluster = Cluster(lookup("H100-SXM"), 8, 1)
-    cands = list(enumerate_candidates(w, cluster))[::7]  # every layout's kinds, a seventh of the cost
-    alone = price_all(w, cluster, cands, workers=1)
-    assert len(alone) == len(cands) > 1000
-    assert price_all(w, cluster, cands, workers=3) == alone  # 12 slices over 3 processes
-    assert [r["label"] for r in alone[:3]] == [c.label() + (" full logits" if r["full_logits"] else "")
-                                               for c, r in zip(cands[:3], alone)]
+    """A search split over forked workers (12 slices over 3 processes; in a fresh interpreter, as
+    `loom plan` runs, without torch) gives the records one process gives, in the same order: the
+    pick and the near-ties are indices into them."""
+    proc = subprocess.run([sys.executable, "-c", WORKERS_CHECK], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    count, priced, same, label, first = proc.stdout.split(maxsplit=4)
+    assert int(count) == int(priced) > 1000 and same == "True"
+    assert label.split()[0] == first.split()[0]
 
 
 def test_a_search_takes_a_worker_per_core_and_per_slice_of_candidates(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or types.ModuleType("torch"))
+    assert search_workers(100 * PER_WORKER) == 1  # torch imported: forking is not safe
+    monkeypatch.delitem(sys.modules, "torch")
     assert search_workers(PER_WORKER - 1) == 1  # small searches stay in this process
     assert search_workers(3 * PER_WORKER) == 3
     assert search_workers(100 * PER_WORKER) == 16  # no more than the cores
+
+
+def test_a_process_with_torch_prices_in_itself(monkeypatch):
+    """With torch imported (its threads, perhaps a process group waiting for the collector) a forked
+    child can deadlock: price_all stays in this process, whatever the workers asked for."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("forked with torch imported")
+
+    monkeypatch.setattr("multiprocessing.get_context", refuse)
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or types.ModuleType("torch"))
+    w, cluster = Workload(from_preset("1b"), 2048, 64), Cluster(lookup("H100-SXM"), 8, 1)
+    cands = list(enumerate_candidates(w, cluster))[:50]
+    assert len(price_all(w, cluster, cands, workers=4)) == 50
 
 
 def test_plan_does_not_import_torch_and_is_fast():
