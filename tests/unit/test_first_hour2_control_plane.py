@@ -167,6 +167,8 @@ TP_MEASURED = {
     # all-reduced over tp in backward (5 × 4·64 bytes)
     ("zero3", 1, 2, 2, 4, ("parallel.sequence_parallel=true",)): {
         "all_gather": (11, 2835712), "all_reduce": (12, 13740), "reduce_scatter": (11, 2835712)},
+    ("zero3", 1, 2, 2, 4, ("parallel.sequence_parallel=true", "train.grad_accum=2")): {  # each micro-step's
+        "all_gather": (22, 3049984), "all_reduce": (17, 15020), "reduce_scatter": (22, 3049984)},
     ("zero3", 1, 2, 2, 4, ("lora.rank=4",)): {"all_gather": (1, 237824), "all_reduce": (30, 2386148),
                                               "reduce_scatter": (1, 23552)},
     ("zero3", 1, 2, 2, 4, ("lora.rank=4", "train.grad_accum=2")): {
