@@ -201,31 +201,30 @@ class Candidate:
 def stage_fsdp_units(shape: ModelShape, experts_apart: bool, unit_mb: float, layers: int, first: bool,
                      last: bool, start: int) -> tuple[int, ...]:
     """Candidate.fsdp_unit_params, remembered (the search asks for the same stages again and again)."""
-    tied = shape.tie_embeddings
+    return tuple(params for params, _ in stage_fsdp_unit_parts(shape, experts_apart, unit_mb, layers, first,
+                                                                last, start))
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_fsdp_unit_parts(shape: ModelShape, experts_apart: bool, unit_mb: float, layers: int, first: bool,
+                          last: bool, start: int) -> tuple[tuple[int, int], ...]:
+    """Each unit of stage_fsdp_units as (parameters, of them the norms' gains: what TP keeps whole on
+    each of its ranks)."""
+    tied, norms = shape.tie_embeddings, shape.layer_norm_params
     blocks = sizes = [shape.layer_params] * layers
     if shape.moe:  # grouped by their whole size (fsdp.py counts the experts' parameters too)
         sizes = [shape.block_params(i) for i in range(start, start + layers)]
         routed = shape.routed_params_per_block if experts_apart else 0
         blocks = [n - (routed if shape.is_moe(i) else 0) for i, n in enumerate(sizes, start)]
-    head = ([shape.embedding_params] if first and not tied else [])
-    tail = ([shape.head_params] if last and not tied else [])
-    entries, sizes = head + blocks + tail, head + sizes + tail
-    units = [sum(unit) for unit in strategies.fsdp_units(entries, sizes, unit_mb)]
-    root = shape.embedding_params + shape.head_params if tied else 0  # tied: the root holds both
+    head = [(shape.embedding_params, 0)] if first and not tied else []
+    tail = [(shape.head_params, shape.d_model)] if last and not tied else []  # the head and the final norm
+    entries = head + [(n, norms) for n in blocks] + tail
+    sizes = [n for n, _ in head] + sizes + [n for n, _ in tail]
+    units = [(sum(n for n, _ in unit), sum(r for _, r in unit))
+             for unit in strategies.fsdp_units(entries, sizes, unit_mb)]
+    if not tied:
+        return tuple(units)
+    root = (shape.embedding_params + shape.head_params, shape.d_model)  # tied: the root holds both
     if len(units) == 1:
-        return (units[0] + root,)  # the root is the one unit
-    return tuple(units + ([root] if root else []))
-
-
-@functools.lru_cache(maxsize=1024)
-def last_unit_norms(shape: ModelShape, unit_mb: float, layers: int) -> int:
-    """The norms' gains in the last FSDP unit of a dense model's one stage (stage_fsdp_units, grouped
-    alike): the unit kept gathered from forward to backward, of which TP splits all but these."""
-    tied = shape.tie_embeddings
-    norms = [0] * (not tied) + [shape.layer_norm_params] * layers + [shape.d_model] * (not tied)
-    sizes = [shape.embedding_params] * (not tied) + [shape.layer_params] * layers \
-        + [shape.head_params] * (not tied)
-    groups = strategies.fsdp_units(norms, sizes, unit_mb)
-    if tied:  # the root (embedding and head, the final norm) is the last unit, or the one
-        return shape.d_model + (sum(map(sum, groups)) if len(groups) == 1 else 0)
-    return sum(groups[-1])
+        return ((units[0][0] + root[0], units[0][1] + root[1]),)  # the root is the one unit
+    return tuple(units + [root])

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from loom.config import V_SCHEDULES, rank_stages, stages_per_rank
 from loom.plan import context, experts, lora, muon
-from loom.plan.candidate import last_unit_norms
+from loom.plan.candidate import stage_fsdp_unit_parts
 from loom.plan.in_flight import cross_rank_sends
 from loom.plan.memory import GRAD_COMM_BYTES, RECIPES
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
@@ -481,8 +481,10 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
         idle = _frozen_lead(lora_units)
         if s.reshard_after_forward:  # backward again, but for the unit kept gathered
             # a TP rank's share of it: split over tp but for its norms' gains
-            whole = last_unit_norms(shape, c.fsdp_unit_mb, shape.n_layers) if units and c.tp > 1 and \
-                not shape.moe else 0
+            whole = 0
+            if units and c.tp > 1 and not shape.moe:
+                parts = stage_fsdp_unit_parts(shape, False, c.fsdp_unit_mb, shape.n_layers, True, True, 0)
+                whole = parts[-1][1]
             kept = per_param * ((units[-1] - whole) / c.tp + whole) if units else 0.0
             if lora_units:
                 kept = per_param * (units[-1] + sum(units[:idle]))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from loom import strategies
 from loom.config import rank_stages, stages_per_rank
 from loom.plan import context, experts, in_flight, lora, muon
-from loom.plan.candidate import head_recomputed, stage_fsdp_units
+from loom.plan.candidate import head_recomputed, stage_fsdp_unit_parts
 from loom.plan.shapes import (
     activation_bytes_per_layer,
     attention_kv_width,
@@ -1023,9 +1023,8 @@ def _tp_local_units(shape, experts_apart: bool, unit_mb: float, layers: int, fir
     """A stage's FSDP2 units (Candidate.fsdp_unit_params) as one TP rank holds them: each split over tp
     but its norms' gains, which every TP rank holds whole. Remembered: the search asks again for every
     micro-batch and checkpointing mode."""
-    norms = shape.layer_norm_params
-    units = stage_fsdp_units(shape, experts_apart, unit_mb, layers, first, last, 0)
-    return tuple((n - norms) / tp + norms for n in units)
+    parts = stage_fsdp_unit_parts(shape, experts_apart, unit_mb, layers, first, last, 0)
+    return tuple((n - norms) / tp + norms for n, norms in parts)
 
 
 def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float, head: float,

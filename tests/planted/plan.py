@@ -146,8 +146,8 @@ BUGS = [
         ("tests/unit/test_first_hour2_control_plane.py::test_each_pipeline_rank_is_planned_its_own_sends",)),
     Bug("tied-root-without-norm", "a tied model's root unit planned without the final norm",
         "loom/plan/candidate.py",
-        "root = shape.embedding_params + shape.head_params if tied else 0",
-        "root = shape.embedding_params if tied else 0",
+        "root = (shape.embedding_params + shape.head_params, shape.d_model)",
+        "root = (shape.embedding_params, shape.d_model)",
         (f"{FORMULAS}::test_fsdp_units_by_hand",)),
     # --explain renders what the planner records (loom/plan/terms.py)
     Bug("explain-term-unrecorded", "the planner stops recording the gradients' bytes of its communication",
