@@ -157,6 +157,12 @@ TP_MEASURED = {
     ("hsdp", 2, 2, 2, 8, ()): {"all_gather": (1, 214272), "all_reduce": (17, 1424152),
                                "reduce_scatter": (1, 214272)},
     ("zero3", 1, 1, 2, 2, ()): {"all_reduce": (20, 5267524)},  # a shard group of one: the norm over tp only
+    # a unit per module (the tiny model is one unit at the default fsdp_unit_mb): zero3 gathers all but
+    # the head's unit again in backward, its final norm whole on each TP rank; zero2 gathers once
+    ("zero3", 1, 2, 2, 4, ("parallel.fsdp_unit_mb=0",)): {
+        "all_gather": (7, 395520), "all_reduce": (18, 2633880), "reduce_scatter": (4, 214272)},
+    ("zero2", 1, 2, 2, 4, ("parallel.fsdp_unit_mb=0",)): {
+        "all_gather": (4, 214272), "all_reduce": (18, 2633880), "reduce_scatter": (4, 214272)},
     ("zero3", 1, 2, 2, 4, ("train.loss_chunk=0",)): {"all_gather": (1, 214272), "all_reduce": (17, 2633880),
                                                      "reduce_scatter": (1, 214272)},
     ("zero3", 1, 2, 2, 4, ("train.grad_accum=2",)): {"all_gather": (2, 428544), "all_reduce": (28, 2633880),
