@@ -208,17 +208,19 @@ def stage_fsdp_units(shape: ModelShape, experts_apart: bool, unit_mb: float, lay
 @functools.lru_cache(maxsize=4096)
 def stage_fsdp_unit_parts(shape: ModelShape, experts_apart: bool, unit_mb: float, layers: int, first: bool,
                           last: bool, start: int) -> tuple[tuple[int, int], ...]:
-    """Each unit of stage_fsdp_units as (parameters, of them the norms' gains: what TP keeps whole on
-    each of its ranks)."""
+    """Each unit of stage_fsdp_units as (parameters, of them what TP keeps whole on each of its ranks:
+    the norms' gains, and an MoE block's feed-forward but its routed experts when they are apart)."""
     tied, norms = shape.tie_embeddings, shape.layer_norm_params
-    blocks = sizes = [shape.layer_params] * layers
+    entries = [(shape.layer_params, norms)] * layers
+    sizes = [shape.layer_params] * layers
     if shape.moe:  # grouped by their whole size (fsdp.py counts the experts' parameters too)
         sizes = [shape.block_params(i) for i in range(start, start + layers)]
         routed = shape.routed_params_per_block if experts_apart else 0
-        blocks = [n - (routed if shape.is_moe(i) else 0) for i, n in enumerate(sizes, start)]
+        whole = norms + shape.moe_ffn_params() - routed  # shapes.tp_replicated_params
+        entries = [(n - routed, whole) if shape.is_moe(i) else (n, norms) for i, n in enumerate(sizes, start)]
     head = [(shape.embedding_params, 0)] if first and not tied else []
     tail = [(shape.head_params, shape.d_model)] if last and not tied else []  # the head and the final norm
-    entries = head + [(n, norms) for n in blocks] + tail
+    entries = head + entries + tail
     sizes = [n for n, _ in head] + sizes + [n for n, _ in tail]
     units = [(sum(n for n, _ in unit), sum(r for _, r in unit))
              for unit in strategies.fsdp_units(entries, sizes, unit_mb)]

@@ -3,7 +3,8 @@
 Ring algorithms: all-reduce sends 2(N−1)/N·Φ, all-gather and reduce-scatter (N−1)/N·Φ each
 (Φ = the full tensor), broadcast (N−1)/N·Φ; pipeline point-to-point sends each activation once.
 What the engines issue per step (as loom runs them; `loom train` measures the same counts):
-  ddp    one all-reduce of the fp32 gradients (no_sync on the non-final micro-steps)
+  ddp    one all-reduce of the fp32 gradients (no_sync on the non-final micro-steps; under TP or EP
+         FSDP2 replicates the model, and syncs on the last micro-step too)
   zero1  ddp's all-reduce + the broadcast of each rank's updated partition
   zero2  an all-gather of the parameters per micro-step (FSDP2 reshards after backward) and a
          reduce-scatter of the gradients per micro-step (parallel.reduce_every_micro_step; false:
@@ -15,7 +16,9 @@ What the engines issue per step (as loom runs them; `loom train` measures the sa
          backward, one more in a checkpointed block's recompute (sequence parallel: an all-gather
          and a reduce-scatter for each, the same bytes); one each for the vocabulary-split
          embedding and head
-  pp     each micro-batch's activation to the next stage in forward, its gradient back in backward
+  pp     each micro-batch's activation to the next stage in forward, its gradient back in backward;
+         FSDP2 within it gathers a stage's units once a step, but zero3 under 1F1B or GPipe in each
+         micro-batch's forward and once in backward
   cp     per block and micro-batch the attention's exchange (plan/context.py: ring sends, or
          Ulysses' all_to_alls), again for a recomputed block's forward; the gradients of the
          data-parallel collectives above are synced over dp·cp ranks (the cp ranks hold one model)
@@ -36,11 +39,13 @@ Beside the bytes sent (a model: the ring factors), the account keeps what a rank
 the payload Φ per collective kind (as loom/observe/collectives.py counts it) and, where the plan knows
 it, how many collectives carry it: FSDP2 issues one per unit (a block, the embedding, norm + head)
 and TP and PP one per activation, but DDP's buckets and ZeRO-1's per-parameter broadcasts are
-the engine's choice (None). Groups of one rank issue nothing. Left out of the search's account:
+the engine's choice (None). Groups of one rank issue nothing, but FSDP2's all-reduce across replicas
+and ZeroRedundancyOptimizer's broadcasts (a payload, no bytes on the wire). Left out of the search's account:
 the loop's few-byte collectives (the mean loss's and gradient norm's all-reduces, DDP's broadcast
 of its rebuilt bucket order in step 2); `loop_collectives` plans them apart for `loom train`'s
 measured-vs-planned (record.planned_collectives), where known (under TP also the vocabulary-split
-loss's statistics and the norm's partial sums over tp).
+loss's statistics and the norm's partial sums over tp, under EP the experts' norm apart, with MoE the
+router's tally).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from loom.config import V_SCHEDULES, rank_stages, stages_per_rank
 from loom.plan import context, experts, lora, muon
 from loom.plan.candidate import stage_fsdp_unit_parts
 from loom.plan.in_flight import cross_rank_sends
-from loom.plan.memory import GRAD_COMM_BYTES, RECIPES
+from loom.plan.memory import GRAD_COMM_BYTES, RECIPES, rank_stages_of
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num
 
@@ -88,13 +93,16 @@ class CommAccount:
             self.intra_node += sent
         self.by_kind[kind] = self.by_kind.get(kind, 0.0) + sent
 
-    def issue(self, kind: str, n: int, payload: float, count: int | None = None) -> None:
-        """Collectives of `kind` over groups of n ranks carrying `payload` bytes in all."""
-        if n <= 1 or payload <= 0:
-            return  # engines skip collectives over a group of one (FSDP2 on dp = 1, as observed)
+    def issue(self, kind: str, n: int, payload: float, count: int | None = None, alone: bool = False) -> None:
+        """Collectives of `kind` over groups of n ranks carrying `payload` bytes in all. Over a group of
+        one only where the engine issues them there too (`alone`, as observed on gloo: FSDP2's all-reduce
+        across replicas, ZeroRedundancyOptimizer's broadcasts; FSDP2's shards on dp = 1 issue nothing)."""
+        if (n <= 1 and not alone) or payload <= 0:
+            return
         self.payload_by_kind[kind] = self.payload_by_kind.get(kind, 0.0) + payload
         n_issued = count if count is not None else max(1, math.ceil(payload / DDP_BUCKET))
-        self.count_by_group[self.group] = self.count_by_group.get(self.group, 0) + n_issued
+        if n > 1:  # what pays a latency (a group of one's is a local copy)
+            self.count_by_group[self.group] = self.count_by_group.get(self.group, 0) + n_issued
         known = count is not None and self.count_by_kind.get(kind, 0) is not None
         self.count_by_kind[kind] = self.count_by_kind.get(kind, 0) + count if known else None
 
@@ -332,7 +340,7 @@ def _expert_sync(w, c, routed: int, micro_steps: int, inter: bool, acc: CommAcco
             terms.item("expert all-reduce", "2(edp−1)/edp·gbytes·P_e/ep, edp = dp/ep",
                        f"2({n}−1)/{n} × {gb(grad_bytes)}", gb(ar))
         acc.add("all_reduce", ar, inter)
-        acc.issue("all_reduce", n, grad_bytes)
+        acc.issue("all_reduce", n, grad_bytes, alone=True)  # FSDP2 across the replicas, edp = 1 too
     else:
         n = c.expert_shard_size
         passes = 2 if s.reshard_after_forward else 1  # zero3: gathered again in backward
@@ -368,15 +376,18 @@ def _frozen_lead(units: list[lora.Params] | None) -> int:
     return min(lead, len(units) - 1)
 
 
-def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[CommAccount, dict[str, float]]:
+def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
+                  stage: int | None = None) -> tuple[CommAccount, dict[str, float]]:
     """(bytes sent per GPU per step by link and kind, bytes per group: {"dp", "tp", "pp", "cp", "ep"});
-    each quantity recorded in `terms` as it is computed (plan/terms.py)."""
+    each quantity recorded in `terms` as it is computed (plan/terms.py). Within a pipeline, of the
+    heaviest stage, or of `stage` (what one rank of it issues: loom train's measured-vs-planned)."""
     shape = w.shape
     acc = CommAccount()
     groups = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0}
 
-    # Data parallel over the stage's local (TP-split) parameters: the heaviest stage.
-    heaviest = max(shape.priced_stages(c.pp), key=lambda s: shape.stage_params(s, c.pp))
+    # Data parallel over the stage's local (TP-split) parameters: the heaviest stage (or `stage`).
+    heaviest = stage if stage is not None else \
+        max(shape.priced_stages(c.pp), key=lambda s: shape.stage_params(s, c.pp))
     stage_params = shape.stage_params(heaviest, c.pp)
     # the routed experts (under ep) synced apart, over the ranks holding the same experts
     routed = shape.stage_routed_params(heaviest, c.pp) if c.ep > 1 else 0
@@ -400,7 +411,7 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
                        "feed-forward but routed experts under ep, P_e)",
                        f"({num(stage_params - routed)} − {num(rest)})/{c.tp} + {num(rest)}", num(local))
     elif c.tp > 1 and shape.known:
-        replicated = shape.tp_replicated_params(shape.n_layers // c.pp, True)
+        replicated = shape.tp_replicated_params(shape.stage_layers(heaviest, c.pp)[1], heaviest == c.pp - 1)
         local = (stage_params - replicated) / c.tp + replicated
         if terms:
             terms.item("Ψ_dp synced per rank", "(Ψ_stage − R)/tp + R",
@@ -454,7 +465,10 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
                        f"({_link(dp_inter)}, N = {dp_sym} = {n})")
             terms.item("all-reduce", "2(N−1)/N·Φ_g", f"2({n}−1)/{n} × {gb(grad_bytes)}", gb(ar))
         acc.add("all_reduce", ar, dp_inter)
-        acc.issue("all_reduce", dp_ranks, grad_bytes)
+        # loom's FSDP2 replicating the model (under TP or EP) all-reduces over one replica too; DDP on
+        # one replica is not wrapped (memory.no_ddp)
+        replicas = w.recipe == "torch" and c.engine != "deepspeed" and c.uses_fsdp
+        acc.issue("all_reduce", dp_ranks, grad_bytes, alone=replicas)
         if "broadcast" in s.collectives:
             updated = local if trained is None else trained  # the parameters the optimizer steps
             bc = ring("broadcast", n, 4 * updated)  # the updated fp32 params
@@ -463,27 +477,61 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
                            "(N−1)/N·4Ψ_lora (updated fp32 partitions of what trains)",
                            f"({n}−1)/{n} × 4 × {num(updated)}", gb(bc))
             acc.add("broadcast", bc, dp_inter)
-            acc.issue("broadcast", dp_ranks, 4 * updated)
+            # ZeroRedundancyOptimizer broadcasts over one rank too
+            acc.issue("broadcast", dp_ranks, 4 * updated, alone=c.engine != "deepspeed")
     else:
         n = c.shard_size
         shard_inter = n * c.tp > gpus_per_node
         # One collective per FSDP unit (modules grouped up to parallel.fsdp_unit_mb). The last
-        # unit (the head's, or the root's) stays gathered into backward. A pipeline stage's units
-        # differ by stage: counts unknown there.
-        units = c.fsdp_unit_params(shape, shape.n_layers) if shape.known and c.pp == 1 else None
+        # unit (the head's, or the root's) stays gathered into backward. Within a pipeline, the priced
+        # stage's units (one stage a rank, of an untied model; counts unknown otherwise).
+        start, layers = (0, shape.n_layers) if c.pp == 1 else shape.stage_layers(heaviest, c.pp)
+        last_stage = start + layers == shape.n_layers
+        staged = c.pp == 1 or (c.virtual_stages == 1 and not shape.tie_embeddings)
+        units = c.fsdp_unit_params(shape, layers, start == 0, last_stage, start) if shape.known and staged \
+            else None
+        # fsdp.py keeps a unit gathered from forward to backward: the head's (norm + head) or the root's;
+        # a pipeline stage without the head and of several units keeps none
+        keeps = bool(units) and (last_stage or len(units) == 1)
+        # torch's pipeline schedules (1F1B, GPipe) keep a stage's units gathered from its first backward
+        # to the step's end, and zero3 reshards one after each forward: m micro-batches gather a unit
+        # m + 1 times (measured on gloo), a unit kept gathered once. A schedule that splits the
+        # backward keeps every unit gathered (fsdp.py): once.
+        reshards = s.reshard_after_forward and not c.split_backward
         lora_units = None  # LoRA: a rank's units (the base and adapters), what trains in each
         if w.lora is not None and units:
-            lora_units = lora.fsdp_units(shape, w.lora, shape.n_layers, True, True, 0, c.fsdp_unit_mb, c.tp,
-                                         c.ep, experts_apart=c.ep > 1)
+            lora_units = lora.fsdp_units(shape, w.lora, layers, start == 0, last_stage, start, c.fsdp_unit_mb,
+                                         c.tp, c.ep, experts_apart=c.ep > 1)
             units = [u.total for u in lora_units]
         # LoRA: the units before the first that trains (a frozen embedding's) output no gradient: FSDP2
         # does not gather them again in backward
         idle = _frozen_lead(lora_units)
-        if s.reshard_after_forward:  # backward again, but for the unit kept gathered
-            # a TP rank's share of it: split over tp but for its norms' gains
+        if reshards and c.pp > 1:
+            m = c.grad_accum  # the pipeline's micro-batches
             whole = 0
-            if units and c.tp > 1 and not shape.moe:
-                parts = stage_fsdp_unit_parts(shape, False, c.fsdp_unit_mb, shape.n_layers, True, True, 0)
+            if keeps and c.tp > 1 and not lora_units:
+                whole = stage_fsdp_unit_parts(shape, shape.moe and c.ep > 1, c.fsdp_unit_mb, layers,
+                                              start == 0, last_stage, start)[-1][1]
+            kept = per_param * ((units[-1] - whole) / c.tp + whole) if keeps else 0.0
+            if lora_units and keeps:
+                kept = per_param * units[-1]
+            # LoRA: the frozen units before the first that trains are not gathered in backward
+            lead = per_param * sum(units[:idle]) if lora_units else 0.0
+            gathered = (m + 1) * (param_bytes - kept) + kept - lead
+            if terms:
+                terms.note(f"{c.strategy} within a pipeline: each unit all-gathered in each of the m = {m} "
+                           f"micro-batches' forwards and once in backward (kept gathered from the first "
+                           f"backward to the step's end), but the unit kept gathered: once "
+                           f"({_link(shard_inter)}, N = {n})")
+                terms.item("all-gathered Φ", "(m + 1)·(Φ_p − Φ_kept) + Φ_kept",
+                           f"{m + 1}·({gb(param_bytes)} − {gb(kept)}) + {gb(kept)}", gb(gathered))
+        elif reshards:  # backward again, but for the unit kept gathered
+            # a TP rank's share of it: split over tp but for its norms' gains (and an MoE block's
+            # feed-forward, which every TP rank runs whole)
+            whole = 0
+            if units and c.tp > 1:
+                parts = stage_fsdp_unit_parts(shape, shape.moe and c.ep > 1, c.fsdp_unit_mb, shape.n_layers,
+                                              True, True, 0)
                 whole = parts[-1][1]
             kept = per_param * ((units[-1] - whole) / c.tp + whole) if units else 0.0
             if lora_units:
@@ -498,7 +546,8 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
                            f"first that trains output no gradient)",
                            f"{per_param} × ({num(units[-1])} + {num(sum(units[:idle]))})", gb(kept))
             elif units and terms and whole:
-                terms.item("Φ_kept last unit", f"{per_param}·((P_unit − R_unit)/tp + R_unit) (R: its norms)",
+                terms.item("Φ_kept last unit",
+                           f"{per_param}·((P_unit − R_unit)/tp + R_unit) (R: what TP keeps whole)",
                            f"{per_param} × (({num(units[-1])} − {num(whole)})/{c.tp} + {num(whole)})",
                            gb(kept))
             elif units and terms:
@@ -511,7 +560,11 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
                            f"− {gb(kept)})", gb(gathered))
         else:
             gathered = micro_steps * param_bytes  # forward
-            if terms:
+            if terms and c.split_backward:
+                terms.note(f"{c.strategy} under {c.schedule}, which splits the backward: every unit kept "
+                           f"gathered to the step's end, all-gathered once; reduce-scatter the gradients: 2Φ "
+                           f"({_link(shard_inter)}, N = {n})")
+            elif terms:
                 terms.note(f"{c.strategy}: all-gather once per micro-step (kept to backward), "
                            f"reduce-scatter the gradients: 2Φ ({_link(shard_inter)}, N = {n})")
                 terms.item("all-gathered Φ", "k·Φ_p, k micro-steps", f"{micro_steps}·{gb(param_bytes)}",
@@ -539,8 +592,12 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
         # a unit reduces only if something in it trains (LoRA), every unit otherwise
         reducing = sum(1 for u in lora_units if u.trainable) if lora_units else len(units) if units else None
         units = len(units) if units else None
-        backward = 1 if s.reshard_after_forward else 0
-        gathers = micro_steps * (units + backward * (units - 1 - idle)) if units else None
+        if units and reshards and c.pp > 1:
+            gathers = (c.grad_accum + 1) * (units - keeps) + keeps - idle
+        elif units:
+            gathers = micro_steps * (units + (units - 1 - idle if reshards else 0))
+        else:
+            gathers = None
         acc.issue("all_gather", n, gathered, gathers)
         acc.issue("reduce_scatter", n, reduced, reduces * reducing if units else None)
         if s.dp_mesh == "hybrid":
@@ -588,15 +645,19 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS) -> tuple[Co
             acc.issue(kind, c.tp, count * activation, count)
         if c.sequence_parallel and not shape.moe and (w.lora is None or w.lora.train_norms):
             # the norms run on sequence shards: each TP rank's gradient of a gain is a partial sum,
-            # which DTensor all-reduces in backward (fp32), one per norm
-            norms = round(layers) * shape.layer_norm_params + (shape.d_model if c.pp == 1 else 0)
-            calls = (2 * round(layers) + (c.pp == 1)) * c.grad_accum
+            # which DTensor all-reduces in backward (fp32), one per norm: each micro-step, or within a
+            # pipeline once, in the stage's last backward (measured); the final norm on the last stage
+            final = heaviest == c.pp - 1
+            norms = round(layers) * shape.layer_norm_params + (shape.d_model if final else 0)
+            times = c.grad_accum if c.pp == 1 else 1
+            calls = (2 * round(layers) + final) * times
             if terms:
-                terms.item("norms' gradients over tp", "m × 4·(L·2h + h) (sequence parallel: partial sums)",
-                           f"{c.grad_accum} × 4 × {num(norms)}", gb(4 * norms * c.grad_accum))
-            acc.add("tp", ring("all_reduce", c.tp, 4 * norms) * c.grad_accum, c.tp > gpus_per_node)
-            acc.issue("all_reduce", c.tp, 4 * norms * c.grad_accum, calls)
-            groups["tp"] += ring("all_reduce", c.tp, 4 * norms) * c.grad_accum
+                terms.item("norms' gradients over tp", f"{'m' if times > 1 else '1'} × 4·(L·2h + h) "
+                           "(sequence parallel: partial sums)", f"{times} × 4 × {num(norms)}",
+                           gb(4 * norms * times))
+            acc.add("tp", ring("all_reduce", c.tp, 4 * norms) * times, c.tp > gpus_per_node)
+            acc.issue("all_reduce", c.tp, 4 * norms * times, calls)
+            groups["tp"] += ring("all_reduce", c.tp, 4 * norms) * times
         if w.lora is not None and not shape.moe:  # the adapter factors whole on each TP rank
             calls, synced = lora.tp_synced_grads(shape, w.lora, round(layers))
             if terms:
@@ -670,51 +731,62 @@ class LoopCollective:
 
 
 def loop_collectives(w, c, trained_tensors: int, bucket_bytes: float, grad_bytes: float,
-                     sft: bool = False, tp_split_tensors: int = 0) -> list[LoopCollective] | None:
-    """The loop's own collectives in a step (loom/train/step.py), as loom runs them on the torch
-    engine: the mean loss's all-reduce (an fp32 scalar, over every rank, a world of one too); under
-    FSDP2 the gradient norm's over the shard group, which carries one fp32 partial norm per tensor
-    with a gradient (`trained_tensors`; none on a group of one); SFT's count of loss tokens; and where
-    DDP wraps the model (ddp, zero1), in the step it rebuilds its buckets (the second of a process:
-    the one `loom train` measures) the broadcast of their order, int32: the indices and their count,
-    then each bucket's size. A pipeline adds its stages' squared norms (an fp32 scalar over the pp
-    group); its DDP settles the bucket order before step 1 (no broadcast), and its FSDP2 norm carries
-    this rank's stages' tensors. Under tensor parallelism (tp_loop_collectives) the vocabulary-split
-    loss's statistics, and the norm's partial sums over tp of the `tp_split_tensors` split over it. A
-    mixture of experts adds the router's tally (loom/train/moe_step.py: each MoE block's tokens per
-    expert, dropped choices and auxiliary loss, fp32 over dp·cp). None where not planned: tensor
-    parallelism within a pipeline; expert parallelism, and a mixture of experts beside TP or PP (the
-    experts' own norm group, the stages' tallies); the deepspeed engine, whose collectives of this
-    kind are theirs; and DDP on one rank (it still all-reduces its buckets there, which the plan of a
-    group of one leaves out)."""
+                     sft: bool = False, tp_split_tensors: int = 0, ep_split_tensors: int = 0,
+                     pp_rank: int = 0) -> list[LoopCollective] | None:
+    """The loop's own collectives in a step (loom/train/step.py) on pipeline rank `pp_rank`, as loom runs
+    them on the torch engine: the mean loss's all-reduce (an fp32 scalar, over every rank, a world of one
+    too); under FSDP2 the gradient norm's over the shard group, which carries one fp32 partial norm per
+    tensor with a gradient (`trained_tensors`, the rank's; none on a group of one); SFT's count of loss
+    tokens; and where DDP wraps the model (ddp, zero1 on more than one replica), in the step it rebuilds
+    its buckets (the second of a process: the one `loom train` measures) the broadcast of their order,
+    int32: the indices and their count, then each bucket's size. A pipeline adds its stages' squared
+    norms (an fp32 scalar over the pp group); its DDP settles the bucket order before step 1 (no
+    broadcast). Under tensor parallelism (tp_loop_collectives) the vocabulary-split loss's statistics
+    (on the rank holding the last stage), and the norm's partial sums over tp of the `tp_split_tensors`
+    split over it. A mixture of experts adds the router's tally (loom/train/moe_step.py: each MoE block's
+    tokens per expert, dropped choices and auxiliary loss, fp32 over dp·cp, on a rank holding MoE
+    blocks), and within a pipeline the stages' sums and the largest imbalance over pp; under expert
+    parallelism the `ep_split_tensors` split over ep (the routed experts, and their adapters) add their
+    partial norms apart, in one all-reduce over the ranks holding them (ep, with their own shards).
+    None where not planned: expert parallelism beside TP; the deepspeed engine, whose collectives of
+    this kind are theirs."""
     s, shape = c.strategy_info, w.shape
-    if c.engine == "deepspeed" or (c.tp > 1 and c.pp > 1) or c.ep > 1 or \
-            (shape.moe and (c.tp > 1 or c.pp > 1)) or (not s.shards_params and c.grad_sync_size == 1):
+    if c.engine == "deepspeed" or (c.ep > 1 and c.tp > 1):
         return None
+    stages, total = rank_stages_of(c, pp_rank)
     loop = [LoopCollective("all_reduce", 1, 4, "mean loss")]
     if sft:
         loop.append(LoopCollective("all_reduce", 1, 4, "loss tokens"))
     if shape.moe:
-        loop.append(LoopCollective("all_reduce", 1, 4 * shape.moe_layers * (shape.moe_experts + 2),
-                                   "the router's tally"))
+        experts = shape.moe_experts
+        blocks = sum(shape.moe_layers_in(*shape.stage_layers(stage, total)) for stage in stages)
+        if blocks:
+            loop.append(LoopCollective("all_reduce", 1, 4 * blocks * (experts + 2), "the router's tally"))
+        if c.pp > 1:  # the stages' sums (aux loss, blocks, dropped, each expert's tokens), their imbalance
+            loop.append(LoopCollective("all_reduce", 2, 4 * (experts + 3) + 4, "the stages' tallies"))
     if c.tp > 1:
-        return loop + tp_loop_collectives(w, c, trained_tensors, tp_split_tensors)
-    if s.shards_params and c.shard_size > 1:
-        loop.append(LoopCollective("all_reduce", 1, 4 * trained_tensors, "gradient norm"))
+        loop += tp_loop_collectives(w, c, trained_tensors, tp_split_tensors, total - 1 in stages)
+    else:
+        dense = trained_tensors - ep_split_tensors if c.ep > 1 else trained_tensors
+        if s.shards_params and c.shard_size > 1 and dense:
+            loop.append(LoopCollective("all_reduce", 1, 4 * dense, "gradient norm"))
+        if c.ep > 1 and ep_split_tensors:
+            loop.append(LoopCollective("all_reduce", 1, 4 * ep_split_tensors, "the experts' gradient norm"))
     if c.pp > 1:
         loop.append(LoopCollective("all_reduce", 1, 4, "the stages' gradient norms"))
-    elif not s.shards_params:  # DDP's rebuilt bucket order
+    elif not s.shards_params and not c.uses_fsdp and c.grad_sync_size > 1:  # DDP's rebuilt bucket order
         buckets = max(1, math.ceil(grad_bytes / bucket_bytes))
         loop.append(LoopCollective("broadcast", 2, 4 * (trained_tensors + 1 + buckets), "DDP's bucket order"))
     return loop
 
 
-def tp_loop_collectives(w, c, trained_tensors: int, split: int) -> list[LoopCollective]:
+def tp_loop_collectives(w, c, trained_tensors: int, split: int, last: bool = True) -> list[LoopCollective]:
     """Tensor parallelism's share of the loop's collectives (measured on gloo, torch 2.11 and 2.13):
       loss     the head splits the vocabulary: each token's logsumexp needs the global max and the
                sums of exp (with the target's logit, 0 but on its owner), fp32 over tp: 4 + 8 bytes
                a token, in two all-reduces per chunk of train.loss_chunk tokens
-               (loom/models/chunked_loss.py); unchunked, torch's loss_parallel: three of 4 a token
+               (loom/models/chunked_loss.py); unchunked, torch's loss_parallel: three of 4 a token.
+               Within a pipeline, on the rank holding the last stage only (`last`)
       norm     each of the `split` tensors split over tp (a matmul's weight: DTensor Shard on tp) adds
                its partial norm over tp, and under FSDP2 over the shards too; the rest (the norms'
                gains, whole on each TP rank) over the shards only: fp32 a tensor. DDP and ZeRO-1 run
@@ -724,7 +796,7 @@ def tp_loop_collectives(w, c, trained_tensors: int, split: int) -> list[LoopColl
     chunk = w.loss_chunk
     calls = 2 * math.ceil(tokens / chunk) if chunk > 0 else 3
     loop = [LoopCollective("all_reduce", calls * steps, 12 * tokens * steps,
-                           "the loss's vocabulary statistics")]
+                           "the loss's vocabulary statistics")] if last else []
     if w.lora is not None or c.sequence_parallel:
         # measured: where the gradients of tensors whole on each TP rank are partial sums reduced in
         # backward (LoRA's whole factors, sequence parallel's norms), DTensor stacks every tensor's

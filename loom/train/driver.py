@@ -319,6 +319,9 @@ def _train(cfg: Config, d: Dist, run_dir: Path | None, return_state: bool, quiet
     measured = {**memory.to_dict(), "pp_stage": d.mesh["pp"].get_local_rank(),
                 "core_wait_share": core_wait_share, **sequence_share(cfg.data.seq_len, d.cp),
                 **({"ep": d.ep.size, "ep_rank": d.ep.rank} if d.ep is not None else {}),
+                # this rank's own planned collectives (a pipeline's stages differ): measured_vs_planned
+                "planned_collectives": {k: plan[k] for k in record.PLANNED_COLLECTIVES} if plan is not None
+                else None,
                 **{f"comm_{k}": comm_seen[k] if comm_seen else None
                    for k in ("count", "payload_bytes", "modelled_wire_bytes", "by_kind")}}
     dist.all_gather_object(rank_memory, measured)

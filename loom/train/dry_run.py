@@ -22,12 +22,15 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class _Dim:
-    """One mesh dimension, as a DeviceMesh reports its size."""
+    """One mesh dimension, as a DeviceMesh reports its size (and rank 0's place in it)."""
 
     n: int
 
     def size(self) -> int:
         return self.n
+
+    def get_local_rank(self) -> int:
+        return 0
 
 
 @dataclass(frozen=True)

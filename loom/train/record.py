@@ -85,7 +85,8 @@ def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained: list[torch.Tensor
                                                        device=d.device.type).to_dict()
                                        for s in range(c.pp)}
     record.update(planned_collectives(cfg, w, c, cluster.gpus_per_node, len(trained),
-                                      tp_split_tensors(trained)))
+                                      split_tensors(trained, "tp"), split_tensors(trained, "ep"),
+                                      m["pp"].get_local_rank() if c.pp > 1 else 0))
     record["gpu"] = cluster.gpu.name if cluster.gpu else None
     # what the measured MFU is figured from (loom/train/run_figures.py): the planner's FLOPs per token
     record["peak_tflops"] = cluster.gpu.bf16_tflops if cluster.gpu else None
@@ -98,24 +99,32 @@ def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained: list[torch.Tensor
     return record
 
 
-def tp_split_tensors(params: list[torch.Tensor]) -> int:
-    """The parameters split over the tensor-parallel ranks: DTensors sharded on their mesh's "tp"
-    dimension (a matmul's weight; a norm's gain is replicated there)."""
+def split_tensors(params: list[torch.Tensor], dim: str) -> int:
+    """The parameters split over the ranks of mesh dimension `dim`: DTensors sharded on it ("tp": a
+    matmul's weight, a norm's gain is replicated there; "ep": the routed experts, and their adapters)."""
     return sum(1 for q in params if isinstance(q, DTensor) and any(
-        name == "tp" and placement.is_shard()
+        name == dim and placement.is_shard()
         for name, placement in zip(q.device_mesh.mesh_dim_names or (), q.placements)))
 
 
+# planned_collectives' keys: what a rank observes of the plan's collectives
+PLANNED_COLLECTIVES = ("comm_payload_bytes_per_step", "comm_payload_bytes_by_kind", "comm_count_per_step",
+                       "comm_count_by_kind", "comm_loop_by_kind")
+
+
 def planned_collectives(cfg: Config, w, c, gpus_per_node: int, trained_tensors: int,
-                        tp_split: int = 0) -> dict:
+                        tp_split: int = 0, ep_split: int = 0, pp_rank: int = 0) -> dict:
     """What a rank can observe of the plan's collectives (payload bytes and counts per collective kind),
     for comparison with the run's CollectiveCounter; comm_bytes_per_step stays the ring model's wire
-    bytes. The loop's own few-byte collectives (the control plane) are added to their kinds and listed
-    apart (comm_loop_by_kind), so that measured and planned count the same collectives."""
-    payload = comm_per_step(w, c, gpus_per_node)[0].payload_dict()
+    bytes. Within a pipeline, those of pipeline rank `pp_rank`'s stage (one stage a rank), its own
+    loop's among them. The loop's own few-byte collectives (the control plane, of the rank's
+    `trained_tensors`) are added to their kinds and listed apart (comm_loop_by_kind), so that measured
+    and planned count the same collectives."""
+    stage = pp_rank if c.pp > 1 and c.virtual_stages == 1 else None
+    payload = comm_per_step(w, c, gpus_per_node, stage=stage)[0].payload_dict()
     loop = loop_collectives(w, c, trained_tensors, cfg.parallel.ddp_bucket_mb * 2**20,
                             payload["payload_bytes_by_kind"].get("all_reduce", 0.0), cfg.data.format == "sft",
-                            tp_split)
+                            tp_split, ep_split, pp_rank)
     payload = with_loop(payload, loop)
     return {"comm_payload_bytes_per_step": payload["payload_bytes"],
             "comm_payload_bytes_by_kind": payload["payload_bytes_by_kind"],
@@ -178,9 +187,12 @@ def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:
     observable: `comm_modelled_wire_bytes` is the ring model on the observed payloads beside the
     plan's (modelled) comm_bytes_per_step."""
     rows = []
-    plan_payload = plan.get("comm_payload_bytes_by_kind") or {}
-    plan_count = plan.get("comm_count_by_kind") or {}
     for rank, m in enumerate(ranks):
+        # the rank's own planned collectives (a pipeline's stages differ), else the plan's (rank 0's)
+        own = m.get("planned_collectives") or plan
+        plan_payload = own.get("comm_payload_bytes_by_kind") or {}
+        plan_count = own.get("comm_count_by_kind") or {}
+        payload_total, count_total = own.get("comm_payload_bytes_per_step"), own.get("comm_count_per_step")
         planned = plan["memory_bytes_by_stage"][m["pp_stage"]]
         p2p = _p2p_share(plan, m["pp_stage"])
         activation = m["peak_bytes"] - m["model_state_bytes"] if m["peak_bytes"] is not None else None
@@ -197,9 +209,8 @@ def measured_vs_planned(ranks: list[dict], plan: dict) -> list[dict]:
             "rank": rank,
             "model_state_bytes": [m["model_state_bytes"], planned["model_states"]],
             "activation_peak_bytes": [activation, planned["activations"] + planned["buffers"]],
-            "comm_payload_bytes": [m["comm_payload_bytes"], _less_p2p(plan.get("comm_payload_bytes_per_step"),
-                                                                     plan_payload, p2p)],
-            "comm_count": [m["comm_count"], _less_p2p(plan.get("comm_count_per_step"), plan_count, p2p)],
+            "comm_payload_bytes": [m["comm_payload_bytes"], _less_p2p(payload_total, plan_payload, p2p)],
+            "comm_count": [m["comm_count"], _less_p2p(count_total, plan_count, p2p)],
             "comm_by_kind": by_kind,
             "comm_modelled_wire_bytes": [m["comm_modelled_wire_bytes"], plan["comm_bytes_per_step"]],
             "nvme_bytes": [m.get("nvme_bytes"), planned.get("nvme", 0.0)],  # offloaded (deepspeed engine)

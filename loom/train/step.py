@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom import strategies
 from loom.config import Config, pipeline_microbatches, rank_stages, splits_backward, stages_per_rank
 from loom.models.gpt.lean_ops import plain_ops
 from loom.models.gpt.model import GPT
@@ -135,10 +136,11 @@ class StepValues:
 def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: list[torch.Tensor],
                cfg: Config, d: Dist, pipe: Pipeline | None, loss_fn, timer: PhaseTimer | None = None,
                step: int = 0) -> StepValues:
-    """One optimizer step over grad_accum micro-batches; gradients sync on the last one only (FSDP2:
-    on each, unless parallel.reduce_every_micro_step is false, so that they stay sharded)."""
+    """One optimizer step over grad_accum micro-batches; gradients sync on the last one only (FSDP2
+    sharding them: on each, unless parallel.reduce_every_micro_step is false, so that they stay sharded;
+    FSDP2 replicating them, ddp and zero1 under TP or EP, holds them whole either way: on the last)."""
     t = cfg.train
-    fsdp = uses_fsdp(cfg.parallel)
+    sharded = uses_fsdp(cfg.parallel) and strategies.GRADS in strategies.lookup(cfg.parallel.strategy).sharded
     timer = timer or PhaseTimer(d.device)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=d.device)
@@ -157,7 +159,7 @@ def train_step(model: nn.Module, optimizer, scheduler, scaler, batches, params: 
                 # undo 1/accum
                 loss_sum += local_view(faults.after_forward(step, d.rank, loss)) * t.grad_accum
             continue
-        sync = micro == t.grad_accum - 1 or (fsdp and cfg.parallel.reduce_every_micro_step)
+        sync = micro == t.grad_accum - 1 or (sharded and cfg.parallel.reduce_every_micro_step)
         with (gradient_sync(model, enabled=sync), autocast(cfg, d.device),
               loss_context(cfg.parallel.tp)):
             with timer.phase("forward"):

@@ -85,8 +85,8 @@ BUGS = [
         (f"{FORMULAS}::test_comm_bytes_by_hand",)),
     Bug("zero3-backward-gather-on-zero2", "the second (backward) all-gather charged to zero2, not zero3",
         "loom/plan/comm.py",
-        "if s.reshard_after_forward:  # backward again",
-        "if not s.reshard_after_forward:  # backward again",
+        "reshards = s.reshard_after_forward and not c.split_backward",
+        "reshards = not s.reshard_after_forward and not c.split_backward",
         (f"{FORMULAS}::test_comm_bytes_by_hand",)),
     Bug("grad-reduce-bf16", "the torch recipe's gradients planned as reduced in 2 bytes (FSDP2 reduces in "
         "fp32)",
