@@ -506,17 +506,17 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
         # LoRA: the units before the first that trains (a frozen embedding's) output no gradient: FSDP2
         # does not gather them again in backward
         idle = _frozen_lead(lora_units)
+        lead = per_param * sum(units[:idle]) if lora_units else 0.0
+        # the unit kept gathered, as a TP rank holds it: split over tp but what TP keeps whole (its norms'
+        # gains, an MoE block's feed-forward); LoRA's units are a rank's already
+        whole = 0
+        if keeps and c.tp > 1 and not lora_units:
+            whole = stage_fsdp_unit_parts(shape, shape.moe and c.ep > 1, c.fsdp_unit_mb, layers, start == 0,
+                                          last_stage, start)[-1][1]
+        kept = 0.0 if not keeps else per_param * units[-1] if lora_units else \
+            per_param * ((units[-1] - whole) / c.tp + whole)
         if reshards and c.pp > 1:
             m = c.grad_accum  # the pipeline's micro-batches
-            whole = 0
-            if keeps and c.tp > 1 and not lora_units:
-                whole = stage_fsdp_unit_parts(shape, shape.moe and c.ep > 1, c.fsdp_unit_mb, layers,
-                                              start == 0, last_stage, start)[-1][1]
-            kept = per_param * ((units[-1] - whole) / c.tp + whole) if keeps else 0.0
-            if lora_units and keeps:
-                kept = per_param * units[-1]
-            # LoRA: the frozen units before the first that trains are not gathered in backward
-            lead = per_param * sum(units[:idle]) if lora_units else 0.0
             gathered = (m + 1) * (param_bytes - kept) + kept - lead
             if terms:
                 terms.note(f"{c.strategy} within a pipeline: each unit all-gathered in each of the m = {m} "
@@ -525,17 +525,8 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
                            f"({_link(shard_inter)}, N = {n})")
                 terms.item("all-gathered Φ", "(m + 1)·(Φ_p − Φ_kept) + Φ_kept",
                            f"{m + 1}·({gb(param_bytes)} − {gb(kept)}) + {gb(kept)}", gb(gathered))
-        elif reshards:  # backward again, but for the unit kept gathered
-            # a TP rank's share of it: split over tp but for its norms' gains (and an MoE block's
-            # feed-forward, which every TP rank runs whole)
-            whole = 0
-            if units and c.tp > 1:
-                parts = stage_fsdp_unit_parts(shape, shape.moe and c.ep > 1, c.fsdp_unit_mb, shape.n_layers,
-                                              True, True, 0)
-                whole = parts[-1][1]
-            kept = per_param * ((units[-1] - whole) / c.tp + whole) if units else 0.0
-            if lora_units:
-                kept = per_param * (units[-1] + sum(units[:idle]))
+        elif reshards:  # backward again, but for the unit kept gathered (and LoRA's frozen lead)
+            kept += lead
             if terms:
                 terms.note(f"{c.strategy}: all-gather in forward, again in backward (but the unit kept "
                            f"gathered), reduce-scatter the gradients: 3Φ against DDP's 2Φ "
