@@ -373,6 +373,8 @@ MOMENTS = {
     "pipeline steady": "as many micro-batches as at the peak, under FSDP2 every unit gathered, the sends "
                        "and input gradients torch holds to the step's end",
     "reduce-scatter": "the end of backward: the last unit's reduce-scatter",
+    "pipeline reduce-scatter": "after the last backward: the stage's units reduced one by one, those after "
+                               "the one reduced still gathered with their gradients",
     "tied embedding": "the embedding's gradient added to the head's",
     "optimizer": "foreach AdamW's sqrt(v) on CPU: half the optimizer states",
     "ring forward": "the last block's ring attention: its k/v blocks in flight and fp32 accumulators",
@@ -667,6 +669,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                           every unit gathered until the step's last backward
       reduce-scatter      the end of backward: the last unit's (_reduce_scatter), every other
                           sharded gradient rebuilt
+      pipeline reduce-scatter  a pipeline reduces a stage's gradients after its last backward, unit
+                          by unit (_pipeline_reduce); it reduces none in backward (no head
+                          reduce-scatter there)
       tied embedding      its backward adds its gradient to the head's (below)
       optimizer           on CPU, foreach AdamW (loom's choice there) makes sqrt(v), one more
                           v-sized tensor: half the optimizer states; GPUs step fused, in place
@@ -802,16 +807,18 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     held = 0.0
     if deepspeed:
         held += DEEPSPEED_BUCKETS
+    accumulated = 0.0  # the unsharded gradients accumulated over micro-steps
     if fsdp and c.grad_accum > 1 and (pipelined or not w.reduce_every_micro_step):
         # Micro-steps without gradient sync accumulate the unsharded gradients (FSDP2 no_sync, under
         # parallel.reduce_every_micro_step = false; pipelining does the same between micro-batches):
         # the stage's whole gradient.
         rest = replicated - routed if replicated else 0  # the routed experts: P_e/ep whole on a rank
         if spec is not None:  # only what trains has a gradient
-            held += 4 * (lora_rest.trainable + lora_routed.trainable)
+            accumulated = 4 * (lora_rest.trainable + lora_routed.trainable)
         else:
-            held += GRAD_COMM_BYTES[w.recipe] * (stage_params - routed - rest) / tp + rest * 4 \
+            accumulated = GRAD_COMM_BYTES[w.recipe] * (stage_params - routed - rest) / tp + rest * 4 \
                 + 4 * routed / c.ep
+        held += accumulated
     if ddp_accumulates_apart(w, c):
         held += grads
     block_local = local(shape.layer_params)  # a block's parameters on a rank, gathered
@@ -900,12 +907,17 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         rows = seq * mb * shape.d_model / (tp if sp else 1)
         moments.append(("final norm backward", saved - loss_saved + rows * (16 + e),
                         kept + weight_grad + held))
-        if own_head:  # its gradient reduce-scattered at once, the unit resharded first (zero2: the
-            # others stay gathered)
+        if own_head and not pipelined:  # its gradient reduce-scattered at once, the unit resharded first
+            # (zero2: the others stay gathered); the head's weight is the unit's last parameter, its gradient
+            # held through it, and the head's sharded gradient, written there, is among those `held` lacks
+            # (a pipeline reduces after its last backward: "pipeline reduce-scatter")
             gloo = device == "cpu" and c.shard_size > 1
             others_gathered = kept - e * units[-1] if not reshards else 0.0
+            held_head = e * vh_grad if c.shard_size > 1 else 0.0
+            rebuilt_head = 4 * grad_units[-1] / c.shard_size if held < 0 else 0.0
             moments.append(("head reduce-scatter", saved - head,
-                            _reduce_scatter(grad_units[-1], e, gloo) + others_gathered + held))
+                            _reduce_scatter(grad_units[-1], e, gloo, held_head, rebuilt_head)
+                            + others_gathered + held))
         if fsdp and reshards and len(units) > 2 and c.shard_size > 1:
             # The topmost block's unit gathered again for its backward, the loss and head done: the
             # all-gather's output and the unsharded copy of it, and the next unit's prefetched
@@ -952,11 +964,17 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         # split schedules' input gradients and the multi-stage schedules' sends, held to the step's end.
         gathered = e * sum(units) if fsdp else 0.0
         moments.append(("pipeline steady", saved, gathered + held + peak.input_grads + peak.sent))
-    if fsdp and stage == 0:
+    if fsdp and pipelined:
+        last_params = _units_last_params(shape, grad_units, tp, stage == 0, last, tied_root, own_head,
+                                         vh_grad)
+        moments.append(("pipeline reduce-scatter", 0.0,
+                        _pipeline_reduce(units, grad_units, last_params, e, c.shard_size, device, tied_root,
+                                         held - accumulated, accumulated, grads)))
+    elif fsdp and stage == 0:
         # The end of backward: the unit reduced last is the root when it holds the tied embedding
         # (complete only after the embedding's backward), else the first unit; every other sharded
-        # gradient is rebuilt. An untied embedding's gradient stays referenced by autograd through
-        # its unit's reduce-scatter (issued by FSDP2's end-of-backward callback).
+        # gradient is rebuilt. An untied embedding's gradient, its unit's last, is held through the
+        # reduce-scatter (_reduce_scatter).
         last_reduced = grad_units[-1] if tied_root else grad_units[0]
         gloo = device == "cpu" and c.shard_size > 1  # one rank per shard: a copy, no collective
         held_grad = 0.0 if tied_root else e * vh_grad
@@ -1119,12 +1137,59 @@ def _moe_units_of(shape, tp: int, ep: int, unit_mb: float, start: int, layers: i
     return tuple(units + ([root] if root else []))
 
 
-def _reduce_scatter(unit: float, elem: int, gloo: bool, held: float = 0.0) -> float:
-    """Peak bytes of one FSDP2 unit's gradient reduce-scatter beyond the sharded gradient it
-    writes: the unsharded gradient (compute dtype) and the fp32 reduce-scatter input it is copied
-    into; gloo then all-reduces a copy of that input, the unsharded gradient released unless
-    something else holds it (`held`)."""
-    return max(elem * unit + 4 * unit, held + 8 * unit if gloo else 0.0)
+def _units_last_params(shape, grad_units, tp: int, first: bool, last: bool, tied_root: bool, own_head: bool,
+                       head: float) -> list[float]:
+    """Each unit's last parameter with a gradient (grad_units' order), whose gradient FSDP2's reduce
+    keeps to its end (_reduce_scatter): an untied head's weight (`head`: its gradient's elements; the head
+    and the final norm end the last unit), the embedding where it is a unit alone, else a block's w2
+    (an MoE block's priced so too) or, for the tied root, its final norm's gain (taken as nothing)."""
+    block_w2 = shape.d_model * shape.ffn_hidden / tp
+    out = [block_w2] * len(grad_units)
+    if first and not tied_root and grad_units[0] == head:
+        out[0] = head
+    if own_head:
+        out[-1] = head
+    if tied_root:
+        out[-1] = 0.0
+    return out
+
+
+def _pipeline_reduce(units, grad_units, last_params, elem: int, shard: int, device: str, tied_root: bool,
+                     held: float, accumulated: float, grads: float) -> float:
+    """Buffers at the peak of a pipeline stage's gradient reduction, which torch's pipeline runs after the
+    stage's last backward (REDUCE_GRAD): every unit in module order (the root first, with a tied
+    embedding), each resharded, then reduce-scattered (_reduce_scatter); the units after it still
+    gathered with their unsharded gradients (`accumulated` in all, or one step's in the compute dtype),
+    the sharded gradients of those before it rebuilt (`grads`: all of them, at rest). `held`: the
+    stage's other buffers, less `grads`. Measured on gloo, zero3 pp 2 × dp 2, a unit per module:
+    stage 0 peaks at its embedding's reduce-scatter, the blocks gathered with their gradients."""
+    order = list(range(len(units)))
+    if tied_root and len(units) > 1:  # the root's state is the stage module's: first in module order
+        order = order[-1:] + order[:-1]
+    total = sum(grad_units) or 1.0
+    per_grad = accumulated / total if accumulated else elem
+    gloo = device == "cpu" and shard > 1
+    peak, done = float("-inf"), 0.0
+    for k in order:
+        after = [j for j in order[order.index(k) + 1:]]
+        rest = sum(grad_units[j] for j in after)
+        moment = held + elem * sum(units[j] for j in after) + per_grad * rest + grads * done / total \
+            + _reduce_scatter(grad_units[k], elem, gloo, per_grad * last_params[k] if shard > 1 else 0.0,
+                              4 * grad_units[k] / shard)
+        peak = max(peak, moment)
+        done += grad_units[k]
+    return peak
+
+
+def _reduce_scatter(unit: float, elem: int, gloo: bool, held: float = 0.0, output: float = 0.0) -> float:
+    """Peak bytes of one FSDP2 unit's gradient reduce-scatter: first the unsharded gradients (compute
+    dtype) and the fp32 reduce-scatter input they are copied into; then, the gradients released, the
+    input with the collective's output (`output`: the sharded gradient it writes, where the caller's
+    moment does not hold it already) and gloo's copy of the input, which it all-reduces. FSDP2's
+    foreach_reduce keeps its loop's last gradient (the unit's last parameter's, over a shard group
+    of two or more) to the end of the call: `held` (measured: the head's weight gradient beside its
+    unit's reduce-scatter on gloo)."""
+    return max(elem * unit + 4 * unit, 4 * unit + (4 * unit if gloo else 0.0) + held + output)
 
 
 def deferred_weight_bytes_per_layer(shape, seq: int, micro_batch: int, elem: int, tp: int = 1) -> float:

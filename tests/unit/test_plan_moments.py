@@ -34,6 +34,21 @@ def test_zero2_reduce_scatters_the_head_beside_every_other_unit_gathered():
     assert zero2["head reduce-scatter"][1] - zero3["head reduce-scatter"][1] == pytest.approx(others)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_head_reduce_scatter_holds_the_head_weight_gradient_and_writes_its_shard(device):
+    """zero3: the head's unit resharded, the other sharded gradients not rebuilt; the fp32 input (gloo:
+    and its copy), the head weight's gradient (the unit's last parameter, kept by FSDP2's foreach_reduce
+    to its end) and the head's sharded gradient written (measured on gloo: tests/distributed/
+    test_plan_measured.py, zero2-units, 1.39 of the plan without the last two)."""
+    zero3, c = moments("zero3", device)
+    units = c.fsdp_unit_params(SHAPE, SHAPE.n_layers)
+    grads = 4 * sum(units) / 2  # the sharded gradients at rest, none rebuilt yet
+    weight = SHAPE.vocab_size * SHAPE.d_model
+    inputs = (8 if device == "cpu" else 4) * units[-1]
+    expected = inputs + 4 * weight + 4 * units[-1] / 2 - grads
+    assert zero3["head reduce-scatter"][1] == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("device,copies", [("cpu", 4), ("cuda", 3)])
 def test_zero3_all_gathers_the_top_block_for_its_backward(device, copies):
     """The all-gather's output, the unit's unsharded copy and the next unit's prefetched output
@@ -57,3 +72,32 @@ def test_the_final_norm_backward_holds_its_temporaries_beside_the_head_gradient(
     norm = named["head backward"][0] - logits_grad + rows * (16 + 4)
     assert named["final norm backward"][0] == pytest.approx(norm)
     assert named["final norm backward"][1] == named["head backward"][1]
+
+
+def pipeline_moments(strategy: str, stage: int) -> tuple[dict, Candidate]:
+    w = Workload(SHAPE, 32, 8, "fp32", "torch")
+    c = Candidate(strategy, 2, pp=2, schedule="1f1b", micro_batch=1, grad_accum=4, fsdp_unit_mb=0)
+    named: list = []
+    stage_memory(w, c, stage, 0.0, "cpu", moments=named)
+    return {name: (act, buf) for name, act, buf in named}, c
+
+
+def test_a_pipeline_reduces_its_first_unit_beside_the_later_units_gathered_with_their_gradients():
+    """Stage 0 (the embedding and two blocks, a unit each) reduces after its last backward, the embedding
+    first: resharded, its fp32 input, gloo's copy, its gradient (held) and the shard it writes, beside the
+    blocks gathered with their unsharded gradients; no gradient rebuilt yet (measured on gloo ranks:
+    tests/distributed/test_plan_measured.py, pp2-zero3-units)."""
+    named, c = pipeline_moments("zero3", 0)
+    units = c.fsdp_unit_params(SHAPE, 2, first=True, last=False)
+    emb, blocks = units[0], sum(units[1:])
+    assert emb == SHAPE.vocab_size * SHAPE.d_model
+    grads = 4 * sum(units) / 2
+    expected = 8 * emb + 4 * emb + 4 * emb / 2 + 4 * blocks + 4 * blocks - grads
+    receive = named["at rest"][1]  # the pipeline's receive buffers, in every moment
+    assert named["pipeline reduce-scatter"] == (0.0, pytest.approx(expected + receive))
+
+
+def test_a_pipeline_last_stage_reduce_scatters_no_head_in_its_backward():
+    named, _ = pipeline_moments("zero3", 1)
+    assert "head reduce-scatter" not in named and "pipeline reduce-scatter" in named
+    assert "head reduce-scatter" in moments("zero3")[0]

@@ -1,0 +1,36 @@
+"""Planted bugs in the planner's memory moments found by measuring them on gloo ranks (loom/plan/memory.py),
+each caught by the unit moments and the measured run."""
+
+from __future__ import annotations
+
+from planted import Bug
+
+MOMENTS = "tests/unit/test_plan_moments.py"
+MEASURED = "tests/distributed/test_plan_measured.py::test_measured_matches_plan"
+
+BUGS = [
+    Bug("plan-head-rs-drops-held-weight-grad",
+        "the head's reduce-scatter priced without the head weight's gradient FSDP2 keeps through it",
+        "loom/plan/memory.py", "            held_head = e * vh_grad if c.shard_size > 1 else 0.0\n",
+        "            held_head = 0.0\n",
+        (f"{MOMENTS}::test_the_head_reduce_scatter_holds_the_head_weight_gradient_and_writes_its_shard[cpu]",
+         f"{MEASURED}[zero2-units]")),
+    Bug("plan-head-rs-output-uncounted",
+        "the head's reduce-scatter priced without the sharded gradient it writes",
+        "loom/plan/memory.py",
+        "            rebuilt_head = 4 * grad_units[-1] / c.shard_size if held < 0 else 0.0\n",
+        "            rebuilt_head = 0.0\n",
+        (f"{MOMENTS}::test_the_head_reduce_scatter_holds_the_head_weight_gradient_and_writes_its_shard[cuda]",)),
+    Bug("plan-pipeline-reduces-as-one-unit",
+        "a pipeline stage's reduction priced as the end of one backward (the later units rebuilt, not "
+        "gathered)", "loom/plan/memory.py",
+        "    if fsdp and pipelined:\n        last_params", "    if False:\n        last_params",
+        (f"{MOMENTS}::test_a_pipeline_reduces_its_first_unit_beside_the_later_units_gathered_with_their_gradients",
+         f"{MEASURED}[pp2-zero3-units]")),
+    Bug("plan-pipeline-head-reduced-in-backward",
+        "a pipeline's last stage priced with the head's reduce-scatter in its backward (its sync is off "
+        "there)",
+        "loom/plan/memory.py", "        if own_head and not pipelined:", "        if own_head:",
+        (f"{MOMENTS}::test_a_pipeline_last_stage_reduce_scatters_no_head_in_its_backward",
+         f"{MEASURED}[pp2-zero3-units]")),
+]
