@@ -376,6 +376,8 @@ MOMENTS = {
     "pipeline reduce-scatter": "after the last backward: the stage's units reduced one by one, those after "
                                "the one reduced still gathered with their gradients",
     "tied embedding": "the embedding's gradient added to the head's",
+    "embedding gradient": "TP, untied: the embedding's gradient whole over the vocabulary, sliced to its "
+                          "shard",
     "optimizer": "foreach AdamW's sqrt(v) on CPU: half the optimizer states",
     "ring forward": "the last block's ring attention: its k/v blocks in flight and fp32 accumulators",
     "ring backward": "the topmost (or rebuilt) block's ring backward: k/v in flight, fp32 dk, dv, dq",
@@ -979,18 +981,29 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         gloo = device == "cpu" and c.shard_size > 1  # one rank per shard: a copy, no collective
         held_grad = 0.0 if tied_root else e * vh_grad
         moments.append(("reduce-scatter", 0.0, _reduce_scatter(last_reduced, e, gloo, held_grad)))
+        if tp > 1 and trains_embeddings and not tied_root:
+            # Under TP DTensor's backward makes the embedding's weight gradient whole over the vocabulary
+            # (Replicate), which FSDP2 slices to its shard (a copy) as it takes it, at the end of backward:
+            # beside its unit, still gathered, and the first block's reduce-scatter input (kept until the
+            # next); its own sharded gradient not rebuilt yet (measured on gloo: 1.26 of the plan)
+            previous = 4 * grad_units[1] if len(grad_units) > 1 else 0.0
+            moments.append(("embedding gradient", 0.0, e * vh_grad * (tp + 1) + e * units[0] + previous
+                            - 4 * grad_units[0] / c.shard_size))
     if shape.tie_embeddings and stage == 0 and not deepspeed and trains_embeddings:
         # The embedding's backward adds its gradient to the head's: both and their sum (autograd
         # accumulates out of place) in the parameter's dtype (FSDP2: the gathered 16-bit one; DDP:
         # fp32, the bucket taking it only once both uses are done). FSDP2 also holds the root
         # gathered with its other unsharded gradients (with one unit: the whole model's), and
         # the previous unit's reduce-scatter input (kept until the next); the root's own sharded
-        # gradient is not rebuilt yet.
+        # gradient is not rebuilt yet. Under TP the embedding's gradient comes whole over the
+        # vocabulary (DTensor's Replicate) and is sliced to the head's shard (a copy) to be added
+        # (measured on gloo: 1.35 of the plan without them).
         if fsdp:
             root = units[-1]
             previous = 4 * units[0] if len(units) > 1 else 0.0
             extra = e * root + e * (root - vh) + previous - 4 * root / c.shard_size
-            moments.append(("tied embedding", 0.0, 3 * e * vh + extra + held + grads))
+            whole = e * vh * (tp + 1) if tp > 1 else e * vh  # the embedding's gradient (and its slice)
+            moments.append(("tied embedding", 0.0, 2 * e * vh + whole + extra + held + grads))
         else:
             moments.append(("tied embedding", 0.0, 3 * 4 * vh + held))
     if c.cp > 1 and c.cp_mode == "ring":

@@ -1,5 +1,6 @@
 """Planted bugs in the planner's memory moments found by measuring them on gloo ranks (loom/plan/memory.py),
-each caught by the unit moments and the measured run."""
+each caught by the unit moments and the measured run; and in what the measuring found: TP untying a tied
+embedding and head."""
 
 from __future__ import annotations
 
@@ -33,4 +34,25 @@ BUGS = [
         "loom/plan/memory.py", "        if own_head and not pipelined:", "        if own_head:",
         (f"{MOMENTS}::test_a_pipeline_last_stage_reduce_scatters_no_head_in_its_backward",
          f"{MEASURED}[pp2-zero3-units]")),
+    Bug("plan-tp-embedding-gradient-sliced-free",
+        "under TP the embedding's gradient priced at its shard (DTensor makes it whole, then slices it)",
+        "loom/plan/memory.py", "e * vh_grad * (tp + 1) + e * units[0] + previous",
+        "e * vh_grad + e * units[0] + previous",
+        (f"{MOMENTS}::test_under_tp_the_embedding_gradient_is_whole_over_the_vocabulary_then_sliced",
+         f"{MEASURED}[tp2-zero3-units]")),
+    Bug("plan-tp-tied-embedding-as-without-tp",
+        "under TP the tied embedding's backward priced as without it (no whole gradient, no slice)",
+        "loom/plan/memory.py", "            whole = e * vh * (tp + 1) if tp > 1 else e * vh",
+        "            whole = e * vh",
+        (f"{MOMENTS}::"
+         "test_under_tp_a_tied_embedding_adds_its_whole_gradient_sliced_to_the_head_shard",
+         f"{MEASURED}[tp2-zero3-units-tied]")),
+    Bug("tp-unties-embeddings",
+        "TP leaves a tied embedding and head as two parameters (FSDP2 moves the weight twice a step)",
+        "loom/models/gpt/tensor_parallel.py", "        head.weight = emb.weight\n",
+        "        pass\n", (f"{MEASURED}[tp2-zero3-units-tied]",)),
+    Bug("hf-tp-unties-embeddings",
+        "TP leaves a Hugging Face model's tied embedding and head as two parameters (they train apart)",
+        "loom/models/hf/tensor_parallel.py", "        head.weight = embed.weight\n", "        pass\n",
+        ("tests/distributed/test_hf_adapters.py::test_hf_family_matches_single_process[qwen2-tied-tp2]",)),
 ]

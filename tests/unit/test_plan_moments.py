@@ -101,3 +101,40 @@ def test_a_pipeline_last_stage_reduce_scatters_no_head_in_its_backward():
     named, _ = pipeline_moments("zero3", 1)
     assert "head reduce-scatter" not in named and "pipeline reduce-scatter" in named
     assert "head reduce-scatter" in moments("zero3")[0]
+
+
+def tp_moments(tie: bool) -> tuple[dict, Candidate, ModelShape]:
+    shape = dataclasses.replace(SHAPE, tie_embeddings=tie)
+    w = Workload(shape, 32, 4, "fp32", "torch")
+    c = Candidate("zero3", 2, tp=2, micro_batch=2, grad_accum=1, fsdp_unit_mb=0)
+    named: list = []
+    stage_memory(w, c, 0, 0.0, "cpu", moments=named)
+    return {name: (act, buf) for name, act, buf in named}, c, shape
+
+
+def test_under_tp_the_embedding_gradient_is_whole_over_the_vocabulary_then_sliced():
+    """DTensor's embedding backward makes the weight's gradient Replicate ([V, h] on every TP rank), and
+    FSDP2 slices it to the weight's shard, a copy, at the end of backward: beside the embedding's unit
+    (gathered) and the first block's reduce-scatter input; the embedding's own sharded gradient not
+    rebuilt yet (measured on gloo ranks: tests/distributed/test_plan_measured.py, tp2-zero3-units)."""
+    named, c, shape = tp_moments(False)
+    units = c.fsdp_unit_params(shape, shape.n_layers)
+    vh = shape.vocab_size * shape.d_model / 2  # a TP rank's rows of the embedding
+    block = (units[1] - 2 * shape.d_model) / 2 + 2 * shape.d_model  # its norms' gains whole on a TP rank
+    expected = 4 * vh * 2 + 4 * vh + 4 * vh + 4 * block - 4 * vh / 2
+    assert named["embedding gradient"] == (0.0, pytest.approx(expected))
+
+
+def test_under_tp_a_tied_embedding_adds_its_whole_gradient_sliced_to_the_head_shard():
+    """Tied: the embedding's backward adds its gradient to the head's, the whole one (Replicate) sliced to
+    the head's shard first: the head's, the whole, the slice and their sum, beside the root gathered (the
+    weight and the final norm) with its norm's gradient and the first block's reduce-scatter input; the
+    root's sharded gradient not rebuilt yet (measured: tp2-zero3-units-tied)."""
+    named, c, shape = tp_moments(True)
+    units = c.fsdp_unit_params(shape, shape.n_layers)
+    vh = shape.vocab_size * shape.d_model / 2
+    root = vh + shape.d_model
+    block = (units[0] - 2 * shape.d_model) / 2 + 2 * shape.d_model
+    expected = 4 * vh * (1 + 2 + 1 + 1) + 4 * root + 4 * (root - vh) + 4 * block - 4 * root / 2
+    assert named["tied embedding"] == (0.0, pytest.approx(expected))
+    assert "embedding gradient" not in named
