@@ -373,6 +373,7 @@ MOMENTS = {
     "pipeline steady": "as many micro-batches as at the peak, under FSDP2 every unit gathered, the sends "
                        "and input gradients torch holds to the step's end",
     "reduce-scatter": "the end of backward: the last unit's reduce-scatter",
+    "gpipe head backward": "GPipe's last micro-batch: every unit gathered since the first backward",
     "pipeline reduce-scatter": "after the last backward: the stage's units reduced one by one, those after "
                                "the one reduced still gathered with their gradients",
     "tied embedding": "the embedding's gradient added to the head's",
@@ -663,7 +664,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                           frees only after the root's forward
       loss                backward's start: the loss's gradients of the logits
                           (head_transient_bytes); "backward's start" on a stage without the loss
-      head backward       the head's weight gradient (head_backward_bytes), the loss's tensors gone
+      head backward       the head's weight gradient (head_backward_bytes), the loss's tensors gone;
+                          under GPipe the last micro-batch's too, every unit gathered since the first
+                          backward (no forward in between reshards one)
       head reduce-scatter an untied head's own unit reduce-scatters at once, resharded first
       recompute           the topmost checkpointed block rebuilt, the blocks above it done; its
                           unit gathered again (zero3), the tied root still gathered with its gradient
@@ -903,6 +906,12 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         logits_grad, weight_grad = head_backward_bytes(shape, seq, mb, e, tp, autocast, chunk)
         weight_grad = weight_grad if trains_embeddings else 0.0
         moments.append(("head backward", saved - loss_saved + logits_grad, kept + weight_grad + held))
+        if fsdp and pipelined and reshards and c.schedule == "gpipe" and c.grad_accum > 1:
+            # GPipe runs every forward first, so after the first micro-batch's backward no forward
+            # reshards a unit again: the last micro-batch's head backward has every unit gathered, beside
+            # the gradients accumulated so far (measured on gloo: 1.15 of the plan without this moment)
+            moments.append(("gpipe head backward", one_micro - loss_saved + logits_grad,
+                            e * sum(units) + weight_grad + held))
         # then the final norm's backward (lean_ops._RMSNorm): its input's gradient in the compute
         # dtype and four fp32 [s·b, h] temporaries (normalized input, gradient, weighted gradient,
         # the correction), the head's weight gradient still held
@@ -916,7 +925,8 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             gloo = device == "cpu" and c.shard_size > 1
             others_gathered = kept - e * units[-1] if not reshards else 0.0
             held_head = e * vh_grad if c.shard_size > 1 else 0.0
-            rebuilt_head = 4 * grad_units[-1] / c.shard_size if held < 0 else 0.0
+            # (a later micro-step's output is added to the shard the earlier ones left: beside it till then)
+            rebuilt_head = 4 * grad_units[-1] / c.shard_size
             moments.append(("head reduce-scatter", saved - head,
                             _reduce_scatter(grad_units[-1], e, gloo, held_head, rebuilt_head)
                             + others_gathered + held))

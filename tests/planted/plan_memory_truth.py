@@ -19,9 +19,14 @@ BUGS = [
     Bug("plan-head-rs-output-uncounted",
         "the head's reduce-scatter priced without the sharded gradient it writes",
         "loom/plan/memory.py",
-        "            rebuilt_head = 4 * grad_units[-1] / c.shard_size if held < 0 else 0.0\n",
+        "            rebuilt_head = 4 * grad_units[-1] / c.shard_size\n",
         "            rebuilt_head = 0.0\n",
         (f"{MOMENTS}::test_the_head_reduce_scatter_holds_the_head_weight_gradient_and_writes_its_shard[cuda]",)),
+    Bug("plan-head-rs-output-only-without-shards",
+        "a later micro-step's head reduce-scatter priced without its output (the earlier shards there)",
+        "loom/plan/memory.py", "            rebuilt_head = 4 * grad_units[-1] / c.shard_size\n",
+        "            rebuilt_head = 4 * grad_units[-1] / c.shard_size if held < 0 else 0.0\n",
+        (f"{MOMENTS}::test_a_later_micro_step_reduces_the_head_beside_the_shards_the_earlier_left",)),
     Bug("plan-pipeline-reduces-as-one-unit",
         "a pipeline stage's reduction priced as the end of one backward (the later units rebuilt, not "
         "gathered)", "loom/plan/memory.py",
@@ -55,4 +60,11 @@ BUGS = [
         "TP leaves a Hugging Face model's tied embedding and head as two parameters (they train apart)",
         "loom/models/hf/tensor_parallel.py", "        head.weight = embed.weight\n", "        pass\n",
         ("tests/distributed/test_hf_adapters.py::test_hf_family_matches_single_process[qwen2-tied-tp2]",)),
+    Bug("plan-gpipe-last-head-backward-resharded",
+        "GPipe's last head backward priced with the blocks resharded (no forward reshards them after the "
+        "first backward)", "loom/plan/memory.py",
+        'if fsdp and pipelined and reshards and c.schedule == "gpipe" and c.grad_accum > 1:',
+        'if False:',
+        (f"{MOMENTS}::test_gpipe_last_head_backward_has_every_unit_gathered",
+         f"{MEASURED}[pp2-gpipe-zero3-units]")),
 ]

@@ -138,3 +138,36 @@ def test_under_tp_a_tied_embedding_adds_its_whole_gradient_sliced_to_the_head_sh
     expected = 4 * vh * (1 + 2 + 1 + 1) + 4 * root + 4 * (root - vh) + 4 * block - 4 * root / 2
     assert named["tied embedding"] == (0.0, pytest.approx(expected))
     assert "embedding gradient" not in named
+
+
+def test_gpipe_last_head_backward_has_every_unit_gathered():
+    """GPipe runs every micro-batch's forward first, so no forward reshards a unit after the first
+    backward: the last micro-batch's head backward holds every unit gathered, where 1F1B's holds the
+    head's alone (its forwards in between reshard the blocks) (measured: pp2-gpipe-zero3-units)."""
+    w = Workload(SHAPE, 32, 8, "fp32", "torch")
+    named = {}
+    for schedule in ("gpipe", "1f1b"):
+        c = Candidate("zero3", 2, pp=2, schedule=schedule, micro_batch=1, grad_accum=4, fsdp_unit_mb=0)
+        got: list = []
+        stage_memory(w, c, 1, 0.0, "cpu", moments=got)
+        named[schedule] = {name: (act, buf) for name, act, buf in got}
+    units = c.fsdp_unit_params(SHAPE, 2, first=False, last=True)
+    gp = named["gpipe"]
+    assert gp["gpipe head backward"][1] - gp["head backward"][1] == pytest.approx(4 * sum(units[:-1]))
+    assert "gpipe head backward" not in named["1f1b"]
+
+
+def test_a_later_micro_step_reduces_the_head_beside_the_shards_the_earlier_left():
+    """Reducing every micro-step, the second's head reduce-scatter writes its output beside the sharded
+    gradients the first left (it is added to them after): the same moment as one micro-step's plus those
+    gradients (measured on gloo, zero2 with a unit per module and grad_accum 2: 1.10 of the plan when
+    the output was counted only where no gradient existed yet)."""
+    w = Workload(SHAPE, 32, 4, "fp32", "torch")
+    buffers = {}
+    for accum in (1, 2):
+        c = Candidate("zero2", 2, micro_batch=1, grad_accum=accum, fsdp_unit_mb=0)
+        named: list = []
+        stage_memory(w, c, 0, 0.0, "cpu", moments=named)
+        buffers[accum] = {name: buf for name, _, buf in named}["head reduce-scatter"]
+    grads = 4 * sum(c.fsdp_unit_params(SHAPE, SHAPE.n_layers)) / 2
+    assert buffers[2] - buffers[1] == pytest.approx(grads)
