@@ -86,7 +86,8 @@ def test_the_update_joins_the_base_output_inside_its_matmul():
     holder.add_module("wq", nn.Linear(8, 6, bias=False))
     add_lora(holder, [holder], LoRASpec(2, 6.0), ["q"])
     linear = holder.wq
-    with torch.no_grad():
+    with torch.no_grad():  # (add_lora leaves A and B uninitialized: a run's init_weights fills them)
+        linear.lora_A.normal_()
         linear.lora_B.normal_()
     x = torch.randn(2, 3, 8, requires_grad=True)
     ops = []
