@@ -729,6 +729,14 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     # token); not the ring's pieces (context_parallel.py builds theirs as they run)
     keys = 0 if ring or not w.documents else w.seq_len * c.cp
     per_layer = activation_bytes_per_layer(shape, seq, mb, e, tp, sp, autocast, terms, kv_width, keys)
+    if c.cp > 1:  # the split attention's output comes back head-major: wo keeps a sequence-major copy
+        copy = sb * shape.d_model / tp * e  # (measured on gloo, cp2 small at 4,096 tokens: 1.12 of the plan)
+        if terms:
+            terms.item("cp: wo's input", "s·b·h/tp·e (the attention's output, head-major, copied for wo)",
+                       f"{sb}·{shape.d_model}/{tp}·{e}", gb(copy))
+            terms.item("per block under cp", "block + wo's input", f"{gb(per_layer)} + {gb(copy)}",
+                       gb(per_layer + copy))
+        per_layer += copy
     residual = residual_bytes(shape, seq, mb, e, autocast)
     ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
     start = shape.stage_layers(stage, c.pp)[0] if shape.moe else 0

@@ -37,7 +37,9 @@ def payload(w: Workload, c: Candidate) -> dict:
 
 def test_activations_per_rank_are_those_of_seq_over_cp():
     """Every per-token term is priced for s/cp tokens: a block's activations ÷ cp exactly, and the whole
-    account of cp ranks on s tokens is that of one rank on s/cp (same N; alltoall: no ring transients)."""
+    account of cp ranks on s tokens is that of one rank on s/cp (same N; alltoall: no ring transients),
+    but for wo's copy of the attention's output, which the split leaves head-major (measured on gloo:
+    bench/context_parallel.py, 1.12 of the plan without it)."""
     s = 256
     for cp in (2, 4):
         per_rank = activation_bytes_per_layer(SHAPE, s // cp, 1, 2)
@@ -45,7 +47,9 @@ def test_activations_per_rank_are_those_of_seq_over_cp():
         split = stage_memory(bf16(s), Candidate("zero3", 8 // cp, micro_batch=1, grad_accum=1, cp=cp,
                                                  cp_mode="alltoall"), 0)
         whole = stage_memory(bf16(s // cp), Candidate("zero3", 8, micro_batch=1, grad_accum=1), 0)
-        assert split.activations == pytest.approx(whole.activations)
+        # and, split, each block's attention output comes back head-major: wo keeps a sequence-major copy
+        copy = SHAPE.n_layers * (s // cp) * SHAPE.d_model * 2
+        assert split.activations == pytest.approx(whole.activations + copy)
         assert split.model_states == pytest.approx(whole.model_states)
     # and the activations themselves fall with cp
     one, four = (gpu_memory(bf16(s), Candidate("zero3", 8 // cp, cp=cp, cp_mode="alltoall"), 0).activations

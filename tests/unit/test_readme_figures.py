@@ -130,7 +130,7 @@ FIGURES = [
            (row(r"the frozen base ([\d.]+) GB"), row(r"what trains ([\d.]+) GB"))),
     Figure("zero3 holds {18.1} GB per GPU of model states, ddp and zero1 {144} GB", LORA_70B,
            (_states("zero3"), _states("ddp"))),
-    Figure("recommends `zero3 cp8 ring` ({50} GB per GPU, {11,600} tokens/s predicted", LORA_70B,
+    Figure("recommends `zero3 cp8 ring` ({52} GB per GPU, {11,600} tokens/s predicted", LORA_70B,
            (_candidate("zero3 cp8 ring", "gpu", recommended=True),
             _candidate("zero3 cp8 ring", "tok/s", recommended=True))),
     Figure("against {6,544} for full fine-tuning on that node", FULL_70B,
@@ -163,17 +163,18 @@ def _ratio(case: str, key: str, case_below: str, key_below: str) -> Callable[[st
 RING, A2A, EP2, EP2_DDP = "cp2 ring", "cp2 alltoall", "moe ep2", "moe ep2 ddp"
 # The context-parallel and MoE benches (docs/long-context.md, docs/moe.md).
 FIGURES += [
-    Figure("no cp on one rank {1,174} tokens/s, activation peak {228.9} MiB; cp2 ring {1,777} tokens/s, "
+    Figure("no cp on one rank {1,037} tokens/s, activation peak {228.9} MiB; cp2 ring {2,128} tokens/s, "
            "{128.0} MiB ({0.559}×", CP,
            (_case("no cp", "tokens_per_s"), _case("no cp", "activation_peak_mib"),
             _case(RING, "tokens_per_s"), _case(RING, "activation_peak_mib"),
             _ratio(RING, "activation_peak_mib", "no cp", "activation_peak_mib"))),
-    Figure("{1.12} of its plan), exposed exchange {198} ms of {1,339} ms of attention per step ({0.15}; "
-           "{1,000} ms hidden", CP,
+    Figure("{1.04} of its plan, which prices wo's sequence-major copy of the split attention's output: "
+           "1.12 before), exposed exchange {42} ms of {1,183} ms of attention per step ({0.04}; {997} ms "
+           "hidden", CP,
            (_ratio(RING, "activation_peak_mib", RING, "activation_planned_mib"), _case(RING, "cp_exposed_ms"),
             _case(RING, "attention_ms"), _ratio(RING, "cp_exposed_ms", RING, "attention_ms"),
             _case(RING, "cp_hidden_ms"))),
-    Figure("cp2 alltoall {1,453} tokens/s, {128.0} MiB, {361} ms exposed of {1,174} ms ({0.31}", CP,
+    Figure("cp2 alltoall {2,053} tokens/s, {128.0} MiB, {104} ms exposed of {1,111} ms ({0.09}", CP,
            (_case(A2A, "tokens_per_s"), _case(A2A, "activation_peak_mib"), _case(A2A, "cp_exposed_ms"),
             _case(A2A, "attention_ms"), _ratio(A2A, "cp_exposed_ms", A2A, "attention_ms"))),
     Figure("the dense equivalent {4,504} tokens/s; zero3 ep 1 {1,994} and ep 2 {2,687}", MOE,
