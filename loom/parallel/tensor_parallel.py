@@ -43,6 +43,19 @@ class RowwiseParallel(tp.RowwiseParallel):
                                           "lora_B": Replicate()}, self.src_data_rank)
 
 
+def parallelize_root(model: nn.Module, mesh, plan: dict, embedding: nn.Module | None,
+                     head: nn.Module | None) -> None:
+    """`parallelize_module(model, mesh, plan)` for the root's embedding and head, which stay tied when
+    they were: each style distributes its module's weight into a parameter of its own (both Shard(0)
+    over the vocabulary), so a tied pair would train apart (Hugging Face) or FSDP2 would gather and
+    reduce the weight twice, once per unit (loom's GPT, which ties again at init)."""
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    if plan:
+        tp.parallelize_module(model, mesh, plan)
+    if tied:
+        head.weight = embedding.weight
+
+
 def check_tp_shapes(n_heads: int, n_kv_heads: int, ffn_hidden: int, vocab_size: int, tp: int) -> None:
     """Every split dimension must divide by tp; one line naming the one that does not."""
     for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("ffn_hidden", ffn_hidden),

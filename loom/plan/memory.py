@@ -1201,10 +1201,10 @@ def _pipeline_reduce(units, grad_units, last_params, elem: int, shard: int, devi
     per_grad = accumulated / total if accumulated else elem
     gloo = device == "cpu" and shard > 1
     peak, done = float("-inf"), 0.0
+    gathered, unreduced = sum(units), sum(grad_units)  # of the units after the one reduced
     for k in order:
-        after = [j for j in order[order.index(k) + 1:]]
-        rest = sum(grad_units[j] for j in after)
-        moment = held + elem * sum(units[j] for j in after) + per_grad * rest + grads * done / total \
+        gathered, unreduced = gathered - units[k], unreduced - grad_units[k]
+        moment = held + elem * gathered + per_grad * unreduced + grads * done / total \
             + _reduce_scatter(grad_units[k], elem, gloo, per_grad * last_params[k] if shard > 1 else 0.0,
                               4 * grad_units[k] / shard)
         peak = max(peak, moment)

@@ -53,13 +53,11 @@ BUGS = [
          "test_under_tp_a_tied_embedding_adds_its_whole_gradient_sliced_to_the_head_shard",
          f"{MEASURED}[tp2-zero3-units-tied]")),
     Bug("tp-unties-embeddings",
-        "TP leaves a tied embedding and head as two parameters (FSDP2 moves the weight twice a step)",
-        "loom/models/gpt/tensor_parallel.py", "        head.weight = emb.weight\n",
-        "        pass\n", (f"{MEASURED}[tp2-zero3-units-tied]",)),
-    Bug("hf-tp-unties-embeddings",
-        "TP leaves a Hugging Face model's tied embedding and head as two parameters (they train apart)",
-        "loom/models/hf/tensor_parallel.py", "        head.weight = embed.weight\n", "        pass\n",
-        ("tests/distributed/test_hf_adapters.py::test_hf_family_matches_single_process[qwen2-tied-tp2]",)),
+        "TP leaves a tied embedding and head as two parameters: a Hugging Face model trains them apart, "
+        "loom's GPT moves the weight twice a step", "loom/parallel/tensor_parallel.py",
+        "        head.weight = embedding.weight\n", "        pass\n",
+        ("tests/distributed/test_hf_adapters.py::test_hf_family_matches_single_process[qwen2-tied-tp2]",
+         f"{MEASURED}[tp2-zero3-units-tied]")),
     Bug("plan-gpipe-last-head-backward-resharded",
         "GPipe's last head backward priced with the blocks resharded (no forward reshards them after the "
         "first backward)", "loom/plan/memory.py",

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from loom.models.gpt.moe import MoE
-from loom.parallel.tensor_parallel import ColwiseParallel, RowwiseParallel
+from loom.parallel.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_root
 
 
 class VocabParallelHead(ColwiseParallel):
@@ -54,14 +54,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         del root_plan["norm"]
     # A pipeline stage may lack the embedding or the head.
     root_plan = {name: style for name, style in root_plan.items() if getattr(model, name, None) is not None}
-    emb, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-    tied = emb is not None and head is not None and head.weight is emb.weight
-    if root_plan:
-        parallelize_module(model, tp_mesh, root_plan)
-    if tied:
-        # Each style distributes its module's weight into a parameter of its own (both Shard(0) over the
-        # vocabulary): tie them again, or FSDP2 would gather and reduce the weight twice, once per unit
-        head.weight = emb.weight
+    parallelize_root(model, tp_mesh, root_plan, getattr(model, "tok_embeddings", None),
+                     getattr(model, "output", None))
     for block in model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers:
         plan: dict[str, object] = {
             # Gather the sequence (SP) once per sub-layer; rope (2nd input) is a plain replicated buffer.

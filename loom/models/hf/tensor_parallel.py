@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from loom.parallel.tensor_parallel import ColwiseParallel, RowwiseParallel
+from loom.parallel.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_root
 
 
 def apply_hf_decoder_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -24,12 +24,7 @@ def apply_hf_decoder_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> N
     present = {"model.embed_tokens": model.model.embed_tokens is not None,
                "lm_head": model.lm_head is not None}
     root_plan = {name: style for name, style in root_plan.items() if present[name]}
-    embed, head = model.model.embed_tokens, model.lm_head
-    tied = embed is not None and head is not None and head.weight is embed.weight
-    if root_plan:
-        parallelize_module(model, tp_mesh, root_plan)
-    if tied:  # each style made its module's weight a parameter of its own: tie them again (as for GPT)
-        head.weight = embed.weight
+    parallelize_root(model, tp_mesh, root_plan, model.model.embed_tokens, model.lm_head)
     layers = model.model.layers
     for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         parallelize_module(layer, tp_mesh, {
