@@ -24,6 +24,7 @@ import os
 import platform
 import statistics
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 
@@ -377,9 +378,18 @@ def _rank(ranks: int, threads: int, device_type: str, grid: Grid, deadline: floa
 
 def _spawned(index: int, ranks: int, threads: int, device_type: str, grid: Grid, deadline: float, port: int,
              queue) -> None:
+    from loom.launch import exit_rank
+
     os.environ.update(RANK=str(index), WORLD_SIZE=str(ranks), LOCAL_RANK=str(index),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _rank(ranks, threads, device_type, grid, deadline, queue)
+    try:
+        _rank(ranks, threads, device_type, grid, deadline, queue)
+    except BaseException:
+        traceback.print_exc()
+        exit_rank(1)
+    # past the interpreter's teardown, whose joins of gloo's threads occasionally abort a rank
+    # that finished (rc -6); SimpleQueue.put has already written the result to its pipe
+    exit_rank(0)
 
 
 def rank_counts(quick: bool, cuda: bool) -> list[int]:
