@@ -57,7 +57,15 @@ from loom.config import V_SCHEDULES, rank_stages, stages_per_rank
 from loom.plan import context, experts, lora, muon
 from loom.plan.candidate import stage_fsdp_unit_parts
 from loom.plan.in_flight import cross_rank_sends
-from loom.plan.memory import GRAD_COMM_BYTES, RECIPES, rank_stages_of
+from loom.plan.memory import (
+    GRAD_COMM_BYTES,
+    RECIPES,
+    heaviest_rank,
+    holds_last_stage,
+    rank_lora_params,
+    rank_stages_of,
+    rank_sum,
+)
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num
 
@@ -385,35 +393,32 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
     acc = CommAccount()
     groups = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0}
 
-    # Data parallel over the stage's local (TP-split) parameters: the heaviest stage (or `stage`).
-    heaviest = stage if stage is not None else \
-        max(shape.priced_stages(c.pp), key=lambda s: shape.stage_params(s, c.pp))
-    stage_params = shape.stage_params(heaviest, c.pp)
+    # Data parallel over the rank's local (TP-split) parameters, over its stages: the heaviest rank's
+    # (or pipeline rank `stage`'s)
+    heaviest = stage if stage is not None else heaviest_rank(shape, c)
+    stage_params = rank_sum(c, heaviest, shape.stage_params)
     # the routed experts (under ep) synced apart, over the ranks holding the same experts
-    routed = shape.stage_routed_params(heaviest, c.pp) if c.ep > 1 else 0
+    routed = rank_sum(c, heaviest, shape.stage_routed_params) if c.ep > 1 else 0
     trained = None  # LoRA: what trains of the synced parameters (only its gradients are reduced)
     if w.lora is not None:  # the frozen base gathered with the adapters, a rank's (plan/lora.py)
-        rest, held = lora.stage_params(shape, w.lora, heaviest, c.pp, c.tp, c.ep)
+        rest, held = rank_lora_params(w, c, heaviest)
         rest = rest if routed else rest + held  # at ep = 1 the experts are synced with the rest
         local, trained = rest.total, rest.trainable
         if terms:
             terms.item("Ψ_dp synced per rank", "Ψ_base + Ψ_lora (a rank's, after TP" + (
                 "; the routed experts apart)" if routed else ")"),
                 f"{num(rest.frozen)} + {num(rest.trainable)}", num(local))
-    elif c.tp > 1 and shape.known and shape.moe:
-        start, layers = shape.stage_layers(heaviest, c.pp)
-        moe_layers = shape.moe_layers_in(start, layers)
-        replicated = shape.tp_replicated_params(layers, heaviest == c.pp - 1, moe_layers)
+    elif c.tp > 1 and shape.known:
+        layers = rank_sum(c, heaviest, lambda s, n: layers_of_stage(shape.n_layers, s, n))
+        moe_layers = rank_sum(c, heaviest, shape.stage_moe_layers)
+        replicated = shape.tp_replicated_params(layers, holds_last_stage(c, heaviest), moe_layers)
         rest = replicated - routed
         local = (stage_params - routed - rest) / c.tp + rest
-        if terms:
+        if terms and shape.moe:
             terms.item("Ψ_dp synced per rank", "(Ψ_stage − P_e − R)/tp + R (R: norms, the MoE blocks' "
                        "feed-forward but routed experts under ep, P_e)",
                        f"({num(stage_params - routed)} − {num(rest)})/{c.tp} + {num(rest)}", num(local))
-    elif c.tp > 1 and shape.known:
-        replicated = shape.tp_replicated_params(shape.stage_layers(heaviest, c.pp)[1], heaviest == c.pp - 1)
-        local = (stage_params - replicated) / c.tp + replicated
-        if terms:
+        elif terms:
             terms.item("Ψ_dp synced per rank", "(Ψ_stage − R)/tp + R",
                        f"({num(stage_params)} − {num(replicated)})/{c.tp} + {num(replicated)}", num(local))
     elif routed:
@@ -424,8 +429,10 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
     else:
         local = stage_params / c.tp
         if terms:
-            terms.item("Ψ_dp synced per rank", "Ψ_stage (heaviest stage)" if c.pp > 1 else "Ψ", None,
-                       num(local))
+            several = len(rank_stages_of(c, heaviest)[0]) > 1
+            what = "Ψ" if c.pp == 1 else "Ψ_rank (the heaviest rank's stages)" if several \
+                else "Ψ_stage (heaviest stage)"
+            terms.item("Ψ_dp synced per rank", what, None, num(local))
     gbytes = GRAD_COMM_BYTES[w.recipe]
     grad_bytes = gbytes * (local if trained is None else trained)
     per_param = w.act_bytes if w.recipe == "torch" else RECIPES[w.recipe][0]  # gathered dtype
@@ -487,7 +494,8 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
         # stage's units (one stage a rank, of an untied model; counts unknown otherwise).
         start, layers = (0, shape.n_layers) if c.pp == 1 else shape.stage_layers(heaviest, c.pp)
         last_stage = start + layers == shape.n_layers
-        staged = c.pp == 1 or (c.virtual_stages == 1 and not shape.tie_embeddings)
+        one_stage = stages_per_rank(c.schedule, c.virtual_stages) == 1
+        staged = c.pp == 1 or (one_stage and not shape.tie_embeddings)
         units = c.fsdp_unit_params(shape, layers, start == 0, last_stage, start) if shape.known and staged \
             else None
         # fsdp.py keeps a unit gathered from forward to backward: the head's (norm + head) or the root's;
@@ -595,7 +603,7 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
             acc.issue("all_reduce", c.replicate_size, reduced / n, reduces * reducing if units else None)
     if routed:
         shard_inter = c.shard_size * c.tp > gpus_per_node
-        held = lora.stage_params(shape, w.lora, heaviest, c.pp, c.tp, c.ep)[1] if w.lora is not None else None
+        held = rank_lora_params(w, c, heaviest)[1] if w.lora is not None else None
         link = shard_inter if s.shards_params else dp_inter
         _expert_sync(w, c, routed, micro_steps, link, acc, terms, held)
     groups["dp"] = acc.total
@@ -638,7 +646,7 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
             # the norms run on sequence shards: each TP rank's gradient of a gain is a partial sum,
             # which DTensor all-reduces in backward (fp32), one per norm: each micro-step, or within a
             # pipeline once, in the stage's last backward (measured); the final norm on the last stage
-            final = heaviest == c.pp - 1
+            final = holds_last_stage(c, heaviest)
             norms = round(layers) * shape.layer_norm_params + (shape.d_model if final else 0)
             times = c.grad_accum if c.pp == 1 else 1
             calls = (2 * round(layers) + final) * times

@@ -153,12 +153,33 @@ def rank_sum(c, rank: int, of_stage, zero=0):
     return sum((of_stage(s, total) for s in stages), zero)
 
 
+def priced_ranks(shape, c) -> list[int]:
+    """The pipeline ranks the planner prices: with one stage a rank, ModelShape.priced_stages (the
+    embedding's, the head's, an MoE model's fullest); with several, ranks 0 and p − 1 (a V puts both
+    ends on rank 0), and of an MoE model every rank (its MoE blocks fall where the placement puts them)."""
+    if c.pp == 1 or stages_per_rank(c.schedule, c.virtual_stages) == 1:
+        return shape.priced_stages(c.pp)
+    return list(range(c.pp)) if shape.moe else sorted({0, c.pp - 1})
+
+
+def heaviest_rank(shape, c) -> int:
+    """The pipeline rank holding the most parameters over its stages (0 without a pipeline): the one
+    whose gradients, optimizer step and data-parallel traffic the planner prices."""
+    return max(priced_ranks(shape, c), key=lambda r: rank_sum(c, r, shape.stage_params))
+
+
+def rank_lora_params(w, c, rank: int) -> tuple[lora.Params, lora.Params]:
+    """lora.stage_params summed over the stages pipeline rank `rank` runs: (the rest, the routed
+    experts), a rank's after TP and EP."""
+    stages, total = rank_stages_of(c, rank)
+    parts = [lora.stage_params(w.shape, w.lora, s, total, c.tp, c.ep) for s in stages]
+    return sum((r for r, _ in parts), lora.Params()), sum((e for _, e in parts), lora.Params())
+
+
 def lora_states(w, c, stage: int = 0) -> tuple[ModelStateBytes, ModelStateBytes | None]:
     """A LoRA workload's model states on a rank of pipeline stage `stage`: (the stage but its routed
     experts over N, the routed experts over N_e, or None for a dense model)."""
-    stages, total = rank_stages_of(c, stage)
-    parts = [lora.stage_params(w.shape, w.lora, s, total, c.tp, c.ep) for s in stages]
-    rest, routed = sum((r for r, _ in parts), lora.Params()), sum((e for _, e in parts), lora.Params())
+    rest, routed = rank_lora_params(w, c, stage)
     b = w.lora.base_bytes
     held = lora_state_bytes(c.strategy, routed.frozen, routed.trainable, c.expert_shard_size, b)
     return (lora_state_bytes(c.strategy, rest.frozen, rest.trainable, c.shard_size, b),
@@ -217,13 +238,17 @@ def gpu_memory(w, c, fragmentation: float = 0.10, device: str = "cuda",
                terms: Terms = NO_TERMS) -> MemoryAccount:
     """Per-GPU memory of candidate `c` on workload `w` (see plan/candidate.py), worst stage; the
     worst stage's account recorded in `terms`."""
-    stages = w.shape.priced_stages(c.pp)
+    stages = priced_ranks(w.shape, c)
     accounts = [stage_memory(w, c, s, fragmentation, device) for s in stages]
     worst = max(accounts, key=lambda a: a.total)
     if terms:
         terms.section(f"memory per {'rank' if device == 'cpu' else 'GPU'} (GB = 1e9 bytes)"
                       f"{'' if c.pp == 1 else f', pipeline stage {worst.stage}'}")
-        if c.pp > 1 and len(stages) > 2:
+        if c.pp > 1 and stages_per_rank(c.schedule, c.virtual_stages) > 1:
+            terms.note("pipeline ranks priced, each over its stages: "
+                       + ", ".join(f"rank {a.stage} {gb(a.total)}" for a in accounts)
+                       + f"; the largest, rank {worst.stage}, is the GPU's")
+        elif c.pp > 1 and len(stages) > 2:
             terms.note(f"stages 0, p−1 (the embedding, the head) and {stages[1]} (the most parameters: its "
                        "MoE blocks) priced: " + ", ".join(f"stage {a.stage} {gb(a.total)}" for a in accounts)
                        + f"; the largest, stage {worst.stage}, is the GPU's")

@@ -49,6 +49,7 @@ from loom.plan.comm import DDP_BUCKET, CommAccount, cp_exchange, ep_payload_per_
 from loom.plan.comm import ring as comm_ring
 from loom.plan.efficiency import D0_SCALE, DEFAULT, FAMILY, compute_fraction, link_efficiency
 from loom.plan.in_flight import overlapped_pairs
+from loom.plan.memory import heaviest_rank, rank_lora_params, rank_sum
 from loom.plan.shapes import checkpointed_layers, layers_of_stage
 from loom.plan.terms import NO_TERMS, Terms, gb, num, sec
 
@@ -206,21 +207,20 @@ def micro_steps(c) -> int:
 
 
 def local_params(w, c) -> float:
-    """Parameters a rank steps the optimizer over: its stage's, split by TP and the shard; of an MoE
+    """Parameters a rank steps the optimizer over: its stages', split by TP and the shard; of an MoE
     model's MoE blocks the feed-forward whole over TP and the routed experts split over ep, sharded
-    over N_e (the heaviest stage's). Under LoRA only what trains."""
+    over N_e (the heaviest rank's). Under LoRA only what trains."""
     shape = w.shape
+    heaviest = heaviest_rank(shape, c)
     if w.lora is not None:
-        heaviest = max(shape.priced_stages(c.pp), key=lambda s: shape.stage_params(s, c.pp))
-        rest, routed = lora.stage_params(shape, w.lora, heaviest, c.pp, c.tp, c.ep)
+        rest, routed = rank_lora_params(w, c, heaviest)
         return rest.trainable / c.shard_size + routed.trainable / c.expert_shard_size
+    params = rank_sum(c, heaviest, shape.stage_params)
     if not shape.moe:
-        stage = max(shape.stage_params(s, c.pp) for s in {0, c.pp - 1})
-        return stage / c.tp / c.shard_size
-    heaviest = max(shape.priced_stages(c.pp), key=lambda s: shape.stage_params(s, c.pp))
-    moe = shape.stage_moe_layers(heaviest, c.pp)
-    ffn, routed = moe * shape.moe_ffn_params(), moe * shape.routed_params_per_block
-    rest = shape.stage_params(heaviest, c.pp) - ffn
+        return params / c.tp / c.shard_size
+    ffn = rank_sum(c, heaviest, shape.stage_moe_layers) * shape.moe_ffn_params()
+    routed = rank_sum(c, heaviest, shape.stage_routed_params)
+    rest = params - ffn
     return rest / c.tp / c.shard_size + (ffn - routed) / c.shard_size + routed / c.ep / c.expert_shard_size
 
 
@@ -999,8 +999,7 @@ def _lora_offload(w, c, cluster, terms: Terms = NO_TERMS) -> float:
     """FSDP2's CPU offload under LoRA: the trainable parameters' fp32 gradients out, every parameter in
     (the frozen base in its dtype, what trains in fp32), host Adam over what trains."""
     shape, gpu = w.shape, cluster.gpu
-    heaviest = max(shape.priced_stages(c.pp), key=lambda s: shape.stage_params(s, c.pp))
-    rest, routed = lora.stage_params(shape, w.lora, heaviest, c.pp, c.tp, c.ep)
+    rest, routed = rank_lora_params(w, c, heaviest_rank(shape, c))
     frozen = rest.frozen / c.shard_size + routed.frozen / c.expert_shard_size
     trained = local_params(w, c)
     b = w.lora.base_bytes

@@ -116,12 +116,11 @@ def planned_collectives(cfg: Config, w, c, gpus_per_node: int, trained_tensors: 
                         tp_split: int = 0, ep_split: int = 0, pp_rank: int = 0) -> dict:
     """What a rank can observe of the plan's collectives (payload bytes and counts per collective kind),
     for comparison with the run's CollectiveCounter; comm_bytes_per_step stays the ring model's wire
-    bytes. Within a pipeline, those of pipeline rank `pp_rank`'s stage (one stage a rank), its own
-    loop's among them. The loop's own few-byte collectives (the control plane, of the rank's
+    bytes. Within a pipeline, those of pipeline rank `pp_rank` over its stages, its own loop's among
+    them. The loop's own few-byte collectives (the control plane, of the rank's
     `trained_tensors`) are added to their kinds and listed apart (comm_loop_by_kind), so that measured
     and planned count the same collectives."""
-    stage = pp_rank if c.pp > 1 and c.virtual_stages == 1 else None
-    payload = comm_per_step(w, c, gpus_per_node, stage=stage)[0].payload_dict()
+    payload = comm_per_step(w, c, gpus_per_node, stage=pp_rank if c.pp > 1 else None)[0].payload_dict()
     loop = loop_collectives(w, c, trained_tensors, cfg.parallel.ddp_bucket_mb * 2**20,
                             payload["payload_bytes_by_kind"].get("all_reduce", 0.0), cfg.data.format == "sft",
                             tp_split, ep_split, pp_rank)

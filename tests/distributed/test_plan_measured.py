@@ -64,6 +64,8 @@ CASES = [
     # a V (the embedding and the head on rank 0, the cool-down's deferred W's) and a multi-stage schedule
     # (its sends held to the step's end)
     ("zero3", 2, ZBV), ("zero3", 2, INTERLEAVED),
+    # a V's rank 0 all-reduces the gradients of both ends and of its blocks, the other rank its blocks'
+    ("ddp", 4, (*ZBV, "train.batch_size=16")),
     ("zero2", 2, UNITS), ("zero3", 2, UNITS),
     ("zero3", 2, BLOCKS),
     # a pipeline reduces each stage's units after its last backward, the later units still gathered with
@@ -81,7 +83,7 @@ CASES = [
     ("zero3", 4, ("model.preset=tiny-moe", "parallel.pp=2", "parallel.tp=2")),
 ]
 IDS = ["ddp", "zero1", "zero2", "zero3-accum2", "hsdp-2x2", "tp2-sp", "tp2xddp-ac-accum2", "pp2", "pp2-zbv",
-       "pp2-interleaved", "zero2-units", "zero3-units", "zero3-blocks", "pp2-zero3-units",
+       "pp2-interleaved", "pp2-zbv-ddp2", "zero2-units", "zero3-units", "zero3-blocks", "pp2-zero3-units",
        "pp2-gpipe-zero3-units", "tp2-zero3-units", "tp2-zero3-units-tied", "ep2-moe", "pp2xtp2-moe"]
 # zero3-blocks peaks at 1.11 of the plan (the block-backward moment above); on a loaded 2-core machine
 # (CI), once in several runs, 0.79 MB more is live at that peak (1.22): a timing of gloo's collectives,

@@ -175,7 +175,7 @@ def test_pipeline_interleaved_and_1f1b(plan_8b):
                - (p - 1) / (v * m + p - 1)) < 1e-6  # the interleaved bubble whatever F:B:W is
     assert "min(m·v, (v−1)·R + 2(p−1−r) + 1) warm-up forwards" in text and "⌈L_s/2⌉" in text
     assert "stage 0: " in text and "receive buffers" in text
-    assert "2v·m sends" in text and "stages 0 and p−1 priced" in text
+    assert "2v·m sends" in text and "pipeline ranks priced, each over its stages" in text
     assert_adds_up(text, r)
     j = find(plan_8b, pp_schedule="1f1b", pp=lambda p: p > 1)
     text = explain(plan_8b, j)

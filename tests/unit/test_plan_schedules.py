@@ -15,14 +15,14 @@ from loom.errors import ConfigError
 from loom.parallel.pipeline import stage_layers, validate_pipeline
 from loom.plan import device
 from loom.plan.candidate import Candidate, Workload
-from loom.plan.comm import pp_sends
+from loom.plan.comm import comm_per_step, pp_sends
 from loom.plan.command import emit_all, local_cluster
 from loom.plan.explain import explain
 from loom.plan.hardware import Cluster, lookup
 from loom.plan.memory import deferred_weight_bytes_per_layer, stage_memory
 from loom.plan.search import enumerate_candidates, schedule_runs, search
 from loom.plan.shapes import ModelShape, from_preset, layers_of_stage
-from loom.plan.step import EQUAL_PASSES, Passes, bubble_fraction, bubble_time, passes
+from loom.plan.step import EQUAL_PASSES, Passes, bubble_fraction, bubble_time, local_params, passes
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -125,6 +125,25 @@ def test_a_v_places_the_embedding_and_the_head_on_rank_0():
     ends = shape.embedding_params + shape.head_params  # each rank holds 1/2 of its stages (zero3, dp 2)
     assert v0 - v3 == pytest.approx(4 * ends / 2, rel=1e-3)  # fp32 parameters, sharded over 2
     assert i0 + i3 == pytest.approx(v0 + v3, rel=1e-3)  # the same stages, placed otherwise
+
+
+def test_a_v_rank_0_syncs_and_steps_both_ends():
+    """The data-parallel traffic and the optimizer's parameters are the heaviest rank's over its
+    stages: under a V, rank 0's (the embedding, the head and its blocks), not one stage's."""
+    shape = from_preset("8b")  # untied
+    w = Workload(shape, 1024, 8)
+    ends = shape.embedding_params + shape.head_params
+    blocks = shape.num_params - ends
+
+    def synced(schedule: str, virtual: int) -> tuple[float, float]:
+        c = Candidate("ddp", 2, 1, 2, schedule=schedule, virtual_stages=virtual, grad_accum=8)
+        payload = comm_per_step(w, c, 8)[0].payload_dict()["payload_bytes_by_kind"]
+        return payload["all_reduce"], local_params(w, c)
+
+    (v_bytes, v_params), (f_bytes, f_params) = synced("zbv", 2), synced("1f1b", 1)
+    assert v_params == pytest.approx(blocks / 2 + ends, rel=1e-3)  # rank 0: half the blocks, both ends
+    assert f_params == pytest.approx(blocks / 2 + max(shape.embedding_params, shape.head_params), rel=1e-3)
+    assert v_bytes / f_bytes == pytest.approx(v_params / f_params, rel=1e-3)  # fp32 gradients of those
 
 
 def test_split_backward_replicates_through_fsdp2():
