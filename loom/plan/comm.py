@@ -638,11 +638,21 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
         acc.add("tp", per_micro * c.grad_accum, c.tp > gpus_per_node)
         groups["tp"] = per_micro * c.grad_accum
         # Sequence parallel turns each all-reduce into an all-gather and a reduce-scatter, each
-        # of the whole (sequence-gathered) activation.
+        # of the whole (sequence-gathered) activation; but an MoE block's pair is two all-gathers: its
+        # input's in forward and, in backward, its output's gradient (the output, whole on each TP rank,
+        # split back to the sequence shards; the input's gradient is whole too: no reduction)
         count = round(reductions * c.grad_accum)
-        for kind in ("all_gather", "reduce_scatter") if c.sequence_parallel else ("all_reduce",):
-            acc.issue(kind, c.tp, count * activation, count)
-        if c.sequence_parallel and not shape.moe and (w.lora is None or w.lora.train_norms):
+        if c.sequence_parallel:
+            moe_pairs = round(shape.moe_layers / c.pp * c.grad_accum) if shape.moe else 0
+            # a recomputed MoE block gathers its feed-forward's input again (measured: full, op)
+            moe_pairs_again = round(ckpt * shape.moe_layers / shape.n_layers * c.grad_accum) if shape.moe \
+                else 0
+            gathers = count + moe_pairs + moe_pairs_again
+            acc.issue("all_gather", c.tp, gathers * activation, gathers)
+            acc.issue("reduce_scatter", c.tp, (count - moe_pairs) * activation, count - moe_pairs)
+        else:
+            acc.issue("all_reduce", c.tp, count * activation, count)
+        if c.sequence_parallel and (w.lora is None or w.lora.train_norms):
             # the norms run on sequence shards: each TP rank's gradient of a gain is a partial sum,
             # which DTensor all-reduces in backward (fp32), one per norm: each micro-step, or within a
             # pipeline once, in the stage's last backward (measured); the final norm on the last stage
@@ -657,8 +667,9 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
             acc.add("tp", ring("all_reduce", c.tp, 4 * norms) * times, c.tp > gpus_per_node)
             acc.issue("all_reduce", c.tp, 4 * norms * times, calls)
             groups["tp"] += ring("all_reduce", c.tp, 4 * norms) * times
-        if w.lora is not None and not shape.moe:  # the adapter factors whole on each TP rank
-            calls, synced = lora.tp_synced_grads(shape, w.lora, round(layers))
+        if w.lora is not None:  # the adapter factors whole on each TP rank
+            moe_layers = shape.moe_layers / c.pp if shape.moe else 0
+            calls, synced = lora.tp_synced_grads(shape, w.lora, round(layers), moe_layers)
             if terms:
                 terms.item("LoRA gradients over tp", f"m × Σ 4·r·(a column split A's in, a row split B's "
                            f"out), {calls} adapted linears", f"{c.grad_accum} × {gb(synced)}",
@@ -731,7 +742,7 @@ class LoopCollective:
 
 def loop_collectives(w, c, trained_tensors: int, bucket_bytes: float, grad_bytes: float,
                      sft: bool = False, tp_split_tensors: int = 0, ep_split_tensors: int = 0,
-                     pp_rank: int = 0) -> list[LoopCollective] | None:
+                     pp_rank: int = 0, tp_mesh_tensors: int | None = None) -> list[LoopCollective] | None:
     """The loop's own collectives in a step (loom/train/step.py) on pipeline rank `pp_rank`, as loom runs
     them on the torch engine: the mean loss's all-reduce (an fp32 scalar, over every rank, a world of one
     too); under FSDP2 the gradient norm's over the shard group, which carries one fp32 partial norm per
@@ -747,10 +758,10 @@ def loop_collectives(w, c, trained_tensors: int, bucket_bytes: float, grad_bytes
     blocks), and within a pipeline the stages' sums and the largest imbalance over pp; under expert
     parallelism the `ep_split_tensors` split over ep (the routed experts, and their adapters) add their
     partial norms apart, in one all-reduce over the ranks holding them (ep, with their own shards).
-    None where not planned: expert parallelism beside TP; the deepspeed engine, whose collectives of
-    this kind are theirs."""
+    Beside TP the experts (whole on each TP rank) keep their norm apart too. None where not planned:
+    the deepspeed engine, whose collectives of this kind are theirs."""
     s, shape = c.strategy_info, w.shape
-    if c.engine == "deepspeed" or (c.ep > 1 and c.tp > 1):
+    if c.engine == "deepspeed":
         return None
     stages, total = rank_stages_of(c, pp_rank)
     loop = [LoopCollective("all_reduce", 1, 4, "mean loss")]
@@ -763,14 +774,13 @@ def loop_collectives(w, c, trained_tensors: int, bucket_bytes: float, grad_bytes
             loop.append(LoopCollective("all_reduce", 1, 4 * blocks * (experts + 2), "the router's tally"))
         if c.pp > 1:  # the stages' sums (aux loss, blocks, dropped, each expert's tokens), their imbalance
             loop.append(LoopCollective("all_reduce", 2, 4 * (experts + 3) + 4, "the stages' tallies"))
+    dense = trained_tensors - ep_split_tensors if c.ep > 1 else trained_tensors
     if c.tp > 1:
-        loop += tp_loop_collectives(w, c, trained_tensors, tp_split_tensors, total - 1 in stages)
-    else:
-        dense = trained_tensors - ep_split_tensors if c.ep > 1 else trained_tensors
-        if s.shards_params and c.shard_size > 1 and dense:
-            loop.append(LoopCollective("all_reduce", 1, 4 * dense, "gradient norm"))
-        if c.ep > 1 and ep_split_tensors:
-            loop.append(LoopCollective("all_reduce", 1, 4 * ep_split_tensors, "the experts' gradient norm"))
+        loop += tp_loop_collectives(w, c, dense, tp_split_tensors, total - 1 in stages, tp_mesh_tensors)
+    elif s.shards_params and c.shard_size > 1 and dense:
+        loop.append(LoopCollective("all_reduce", 1, 4 * dense, "gradient norm"))
+    if c.ep > 1 and ep_split_tensors:
+        loop.append(LoopCollective("all_reduce", 1, 4 * ep_split_tensors, "the experts' gradient norm"))
     if c.pp > 1:
         loop.append(LoopCollective("all_reduce", 1, 4, "the stages' gradient norms"))
     elif not s.shards_params and not c.uses_fsdp and c.grad_sync_size > 1:  # DDP's rebuilt bucket order
@@ -779,7 +789,8 @@ def loop_collectives(w, c, trained_tensors: int, bucket_bytes: float, grad_bytes
     return loop
 
 
-def tp_loop_collectives(w, c, trained_tensors: int, split: int, last: bool = True) -> list[LoopCollective]:
+def tp_loop_collectives(w, c, trained_tensors: int, split: int, last: bool = True,
+                        on_mesh: int | None = None) -> list[LoopCollective]:
     """Tensor parallelism's share of the loop's collectives (measured on gloo, torch 2.11 and 2.13):
       loss     the head splits the vocabulary: each token's logsumexp needs the global max and the
                sums of exp (with the target's logit, 0 but on its owner), fp32 over tp: 4 + 8 bytes
@@ -798,9 +809,11 @@ def tp_loop_collectives(w, c, trained_tensors: int, split: int, last: bool = Tru
                            "the loss's vocabulary statistics")] if last else []
     if w.lora is not None or c.sequence_parallel:
         # measured: where the gradients of tensors whole on each TP rank are partial sums reduced in
-        # backward (LoRA's whole factors, sequence parallel's norms), DTensor stacks every tensor's
-        # norm as partial over tp, in one all-reduce over tp and one over the shards
-        split = trained_tensors
+        # backward (LoRA's whole factors, sequence parallel's norms), DTensor stacks the norm of every
+        # tensor on the TP mesh (`on_mesh`; of a dense model every one) as partial over tp, in one
+        # all-reduce over tp and one over the shards; an MoE block's feed-forward, on a mesh without tp,
+        # in one more over the shards
+        split = trained_tensors if on_mesh is None else on_mesh
     count, payload = (1, 4 * split) if split else (0, 0)
     if c.strategy_info.shards_params and c.shard_size > 1:
         whole = trained_tensors - split

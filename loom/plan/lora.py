@@ -172,14 +172,19 @@ def block_adapters(shape: ModelShape, lora: LoRA, moe: bool, tp: int = 1, ep: in
     return rest, routed
 
 
-def tp_synced_grads(shape: ModelShape, lora: LoRA, layers: int) -> tuple[int, float]:
+def tp_synced_grads(shape: ModelShape, lora: LoRA, layers: float, moe_layers: float = 0) -> tuple[int, float]:
     """(all-reduces, bytes) over tp per micro-batch of the adapter factors TP keeps whole on each rank (a
     column-split linear's A, a row-split linear's B): each rank's gradient of one is a partial sum, which
-    DTensor all-reduces in backward (fp32). One per adapted linear of `layers` dense blocks."""
+    DTensor all-reduces in backward (fp32). One per adapted linear TP splits, of `layers` blocks: of the
+    `moe_layers` among them only the attention's (their feed-forward runs whole on each TP rank)."""
     r, shaped = lora.rank, linears(shape)
-    whole = [r * (inp if split == COLUMN else out)
-             for inp, out, split in (shaped[role] for role in lora.targets)]
-    return len(whole) * layers, 4.0 * sum(whole) * layers
+
+    def whole(roles) -> list[int]:
+        return [r * (inp if split == COLUMN else out) for inp, out, split in (shaped[role] for role in roles)]
+
+    dense, attention = whole(lora.targets), whole([role for role in lora.targets if role in ATTENTION])
+    calls = len(dense) * (layers - moe_layers) + len(attention) * moe_layers
+    return round(calls), 4.0 * (sum(dense) * (layers - moe_layers) + sum(attention) * moe_layers)
 
 
 def counted_shape(shape: ModelShape) -> ModelShape:

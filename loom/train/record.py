@@ -86,7 +86,8 @@ def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained: list[torch.Tensor
                                        for s in range(c.pp)}
     record.update(planned_collectives(cfg, w, c, cluster.gpus_per_node, len(trained),
                                       split_tensors(trained, "tp"), split_tensors(trained, "ep"),
-                                      m["pp"].get_local_rank() if c.pp > 1 else 0))
+                                      m["pp"].get_local_rank() if c.pp > 1 else 0,
+                                      mesh_tensors(trained, "tp")))
     record["gpu"] = cluster.gpu.name if cluster.gpu else None
     # what the measured MFU is figured from (loom/train/run_figures.py): the planner's FLOPs per token
     record["peak_tflops"] = cluster.gpu.bf16_tflops if cluster.gpu else None
@@ -107,23 +108,32 @@ def split_tensors(params: list[torch.Tensor], dim: str) -> int:
         for name, placement in zip(q.device_mesh.mesh_dim_names or (), q.placements)))
 
 
+def mesh_tensors(params: list[torch.Tensor], dim: str) -> int:
+    """The parameters on a mesh with dimension `dim`, whatever their placement there ("tp": the matmuls'
+    weights, and under sequence parallel or LoRA the norms' gains and the adapters TP keeps whole; not an
+    MoE block's feed-forward, which TP leaves whole on a mesh of its own)."""
+    return sum(1 for q in params if isinstance(q, DTensor) and dim in (q.device_mesh.mesh_dim_names or ()))
+
+
 # planned_collectives' keys: what a rank observes of the plan's collectives
 PLANNED_COLLECTIVES = ("comm_payload_bytes_per_step", "comm_payload_bytes_by_kind", "comm_count_per_step",
                        "comm_count_by_kind", "comm_loop_by_kind")
 
 
 def planned_collectives(cfg: Config, w, c, gpus_per_node: int, trained_tensors: int,
-                        tp_split: int = 0, ep_split: int = 0, pp_rank: int = 0) -> dict:
+                        tp_split: int = 0, ep_split: int = 0, pp_rank: int = 0,
+                        tp_mesh: int | None = None) -> dict:
     """What a rank can observe of the plan's collectives (payload bytes and counts per collective kind),
     for comparison with the run's CollectiveCounter; comm_bytes_per_step stays the ring model's wire
     bytes. Within a pipeline, those of pipeline rank `pp_rank` over its stages, its own loop's among
     them. The loop's own few-byte collectives (the control plane, of the rank's
-    `trained_tensors`) are added to their kinds and listed apart (comm_loop_by_kind), so that measured
+    `trained_tensors`, `tp_split` and `ep_split` of them split over tp and ep, `tp_mesh` on a TP mesh:
+    mesh_tensors) are added to their kinds and listed apart (comm_loop_by_kind), so that measured
     and planned count the same collectives."""
     payload = comm_per_step(w, c, gpus_per_node, stage=pp_rank if c.pp > 1 else None)[0].payload_dict()
     loop = loop_collectives(w, c, trained_tensors, cfg.parallel.ddp_bucket_mb * 2**20,
                             payload["payload_bytes_by_kind"].get("all_reduce", 0.0), cfg.data.format == "sft",
-                            tp_split, ep_split, pp_rank)
+                            tp_split, ep_split, pp_rank, tp_mesh)
     payload = with_loop(payload, loop)
     return {"comm_payload_bytes_per_step": payload["payload_bytes"],
             "comm_payload_bytes_by_kind": payload["payload_bytes_by_kind"],

@@ -17,7 +17,7 @@ here.
 The plan counts the loop's few-byte collectives (mean loss, gradient norm: all-reduces; DDP's
 rebuilt bucket order in step 2: broadcasts; under tensor parallelism the vocabulary-split loss's
 statistics) where it knows them (plan.json's comm_loop_by_kind): there every kind must match exactly.
-Where it does not (TP within a pipeline, a mixture of experts, DeepSpeed), all-gather, reduce-scatter,
+Where it does not (DeepSpeed), all-gather, reduce-scatter,
 send and recv must match exactly, all-reduce and broadcast may exceed the plan by those bytes: at most
 0.5% of the rank's planned payload.
 """

@@ -12,6 +12,7 @@ TP = f"{TESTS}::test_tensor_parallel_collectives_are_the_measured_ones"
 MOE = f"{TESTS}::test_a_mixture_of_experts_loop_collectives_are_the_measured_ones"
 MEASURED_RUN = "tests/distributed/test_plan_measured.py::test_measured_matches_plan"
 PP = f"{TESTS}::test_each_pipeline_rank_is_planned_its_own_collectives"
+TP_MOE = f"{TESTS}::test_a_mixture_of_experts_under_tp_plans_the_measured_collectives"
 
 BUGS = [
     Bug("loop-counts-not-in-kinds", "the loop's collectives are listed apart but not counted in their kinds",
@@ -75,7 +76,7 @@ BUGS += [
         (f"{TESTS}::test_the_tensors_split_over_a_dimension_are_those_sharded_on_it",)),
     Bug("lora-tp-grads-unplanned", "LoRA's adapter factors whole on each TP rank: their gradients' "
         "all-reduce over tp left out", "loom/plan/comm.py",
-        "        if w.lora is not None and not shape.moe:  # the adapter factors whole on each TP rank",
+        "        if w.lora is not None:  # the adapter factors whole on each TP rank",
         "        if False:",
         (f"{TP}[zero3-1-2-2-4-lora.rank=4]",)),
     Bug("lora-tp-frozen-embedding-reduced", "LoRA's frozen embedding priced with its input gradient's "
@@ -85,7 +86,7 @@ BUGS += [
         (f"{TP}[zero3-1-2-2-4-lora.rank=4]",)),
     Bug("sp-norm-grads-unplanned", "sequence parallel's norm gradients, all-reduced over tp, left out",
         "loom/plan/comm.py",
-        "if c.sequence_parallel and not shape.moe and (w.lora is None or w.lora.train_norms):",
+        "if c.sequence_parallel and (w.lora is None or w.lora.train_norms):",
         "if False:",
         (f"{TP}[zero3-1-2-2-4-parallel.sequence_parallel=true]",)),
     Bug("tp-kept-unit-split-whole", "zero3's unit kept gathered priced as split over tp, its norms too",
@@ -105,8 +106,8 @@ BUGS += [
         (f"{TESTS}::test_a_mixture_of_experts_loop_collectives_are_the_measured_ones",)),
     Bug("pp-loss-statistics-on-every-stage", "within a pipeline, the vocabulary-split loss's statistics "
         "planned on every stage, not the last alone", "loom/plan/comm.py",
-        "loop += tp_loop_collectives(w, c, trained_tensors, tp_split_tensors, total - 1 in stages)",
-        "loop += tp_loop_collectives(w, c, trained_tensors, tp_split_tensors)",
+        "loop += tp_loop_collectives(w, c, dense, tp_split_tensors, total - 1 in stages, tp_mesh_tensors)",
+        "loop += tp_loop_collectives(w, c, dense, tp_split_tensors, True, tp_mesh_tensors)",
         (f"{PP}[tiny-zero3-1-1-2]", f"{MEASURED_RUN}[pp2xtp2-moe]")),
     Bug("pp-tally-of-every-block", "within a pipeline, each stage's router tally planned over every MoE "
         "block of the model", "loom/plan/comm.py",
@@ -135,13 +136,13 @@ BUGS += [
         (f"{MEASURED_RUN}[pp2xtp2-moe]",)),
     Bug("rank-plan-of-the-heaviest-stage", "a pipeline rank's collectives planned for the heaviest stage, "
         "not its own", "loom/train/record.py",
-        "stage = pp_rank if c.pp > 1 and c.virtual_stages == 1 else None",
-        "stage = None",
+        "stage=pp_rank if c.pp > 1 else None",
+        "stage=None",
         (f"{PP}[tiny-ddp-1-1-2]", f"{PP}[tiny-zero3-1-2-1-parallel.fsdp_unit_mb=0]")),
     Bug("tp-stage-keeps-the-final-norm", "every pipeline stage planned with the final norm whole on each TP "
         "rank", "loom/plan/comm.py",
-        "shape.tp_replicated_params(shape.stage_layers(heaviest, c.pp)[1], heaviest == c.pp - 1)",
-        "shape.tp_replicated_params(shape.stage_layers(heaviest, c.pp)[1], True)",
+        "shape.tp_replicated_params(layers, holds_last_stage(c, heaviest), moe_layers)",
+        "shape.tp_replicated_params(layers, True, moe_layers)",
         (f"{PP}[tiny-ddp-1-1-2]",)),
     Bug("pp-zero3-gathers-twice", "zero3 within a pipeline planned as gathering each unit twice a step, "
         "not in each micro-batch's forward and once in backward", "loom/plan/comm.py",
@@ -203,4 +204,42 @@ BUGS += [
         "elif not s.shards_params and not c.uses_fsdp and c.grad_sync_size > 1:",
         "elif not s.shards_params and c.grad_sync_size > 1:",
         (f"{MOE}[ddp-2-1-1-2-parallel.ep=2]",)),
+    Bug("ep-beside-tp-loop-unplanned", "the loop's collectives left unplanned under EP beside TP",
+        "loom/plan/comm.py", "    if c.engine == \"deepspeed\":\n        return None",
+        "    if c.engine == \"deepspeed\" or (c.ep > 1 and c.tp > 1):\n        return None",
+        (f"{TP_MOE}[zero3-1-2-2-4-parallel.ep=2]",)),
+    Bug("ep-beside-tp-experts-norm-with-tp", "beside TP the experts' partial norms planned with the TP "
+        "mesh's, not apart", "loom/plan/comm.py",
+        "    dense = trained_tensors - ep_split_tensors if c.ep > 1 else trained_tensors\n    if c.tp > 1:",
+        "    dense = trained_tensors - ep_split_tensors if c.ep > 1 and c.tp == 1 else trained_tensors\n"
+        "    if c.tp > 1:",
+        (f"{TP_MOE}[zero3-1-2-2-4-parallel.ep=2]",)),
+    Bug("sp-moe-pair-as-reduction", "under sequence parallel an MoE block's two all-gathers planned as an "
+        "all-gather and a reduce-scatter", "loom/plan/comm.py",
+        "            gathers = count + moe_pairs + moe_pairs_again\n",
+        "            gathers = count + moe_pairs_again\n            moe_pairs = 0\n",
+        (f"{TP_MOE}[zero3-1-2-2-4-parallel.sequence_parallel=true]",)),
+    Bug("sp-moe-recompute-gathers-once", "a recomputed MoE block's second gather of its input left out",
+        "loom/plan/comm.py", "            gathers = count + moe_pairs + moe_pairs_again\n",
+        "            gathers = count + moe_pairs\n",
+        (f"{TP_MOE}[zero3-1-2-2-4-parallel.ep=2-parallel.sequence_parallel=true-"
+         "parallel.activation_checkpointing=full]",)),
+    Bug("sp-moe-norms-unreduced", "sequence parallel's norm-gain gradients left unplanned in an MoE model",
+        "loom/plan/comm.py", "        if c.sequence_parallel and (w.lora is None or w.lora.train_norms):",
+        "        if c.sequence_parallel and not shape.moe and (w.lora is None or w.lora.train_norms):",
+        (f"{TP_MOE}[zero3-1-2-2-4-parallel.sequence_parallel=true]",)),
+    Bug("lora-moe-adapters-unreduced-over-tp", "an MoE model's attention adapters' gradients over tp left "
+        "unplanned", "loom/plan/comm.py", "        if w.lora is not None:  # the adapter factors whole",
+        "        if w.lora is not None and not shape.moe:  # the adapter factors whole",
+        (f"{TP_MOE}[zero3-1-2-2-4-parallel.ep=2-lora.rank=4]",)),
+    Bug("lora-moe-ffn-adapters-over-tp", "an MoE block's feed-forward adapters planned as reduced over tp",
+        "loom/plan/lora.py",
+        "dense, attention = whole(lora.targets), whole([role for role in lora.targets if role in ATTENTION])",
+        "dense = attention = whole(lora.targets)",
+        (f"{TP_MOE}[zero3-1-2-2-4-parallel.ep=2-lora.rank=4]",)),
+    Bug("sp-norm-over-every-tensor", "the gradient norm under sequence parallel planned as stacking every "
+        "tensor on the TP mesh, an MoE's feed-forward too", "loom/plan/comm.py",
+        "        split = trained_tensors if on_mesh is None else on_mesh",
+        "        split = trained_tensors",
+        (f"{TP_MOE}[zero3-1-2-2-4-parallel.sequence_parallel=true]",)),
 ]

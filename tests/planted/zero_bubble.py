@@ -70,4 +70,15 @@ BUGS += [
         '    return p.pp_schedule == "dualpipev" and p.ep > 1\n',
         (f"{OVERLAP_UNIT}::test_overlap_is_for_dualpipev_under_ep",
          f"{OVERLAP}::test_overlap_changes_no_bit[ep2-free-and-ac]")),
+    Bug("rank-synced-as-one-stage", "a rank of several pipeline stages priced as one stage for its gradient "
+        "sync (a V's rank 0 without one end)", "loom/plan/comm.py",
+        "    stage_params = rank_sum(c, heaviest, shape.stage_params)\n",
+        "    stage_params = shape.stage_params(heaviest, c.pp)\n",
+        ("tests/unit/test_plan_schedules.py::test_a_v_rank_0_syncs_and_steps_both_ends",
+         "tests/distributed/test_plan_measured.py::test_measured_matches_plan[pp2-zbv-ddp2]")),
+    Bug("rank-steps-one-stage", "a rank of several pipeline stages priced as one stage for its optimizer "
+        "step",
+        "loom/plan/step.py", "    params = rank_sum(c, heaviest, shape.stage_params)\n",
+        "    params = shape.stage_params(heaviest, c.pp)\n",
+        ("tests/unit/test_plan_schedules.py::test_a_v_rank_0_syncs_and_steps_both_ends",)),
 ]

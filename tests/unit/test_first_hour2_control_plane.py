@@ -125,15 +125,12 @@ def test_each_pipeline_rank_is_planned_its_own_sends():
     assert rows[1]["comm_payload_bytes"][1] == plan["comm_payload_bytes_per_step"]
 
 
-@pytest.mark.parametrize("sets", [("model.preset=tiny-moe", "parallel.tp=2", "parallel.ep=2"),
-                                  ('parallel.engine="deepspeed"',)], ids=["ep-beside-tp", "deepspeed"])
-def test_layouts_whose_loop_collectives_are_not_planned_say_so(sets):
-    """EP beside TP (the experts' norm over both), DeepSpeed's own: not planned (None), and then nothing
-    of the loop's is added to the kinds (measured may exceed planned there, by a few bytes)."""
-    cfg = load_config(None, ["parallel.strategy=zero3", *sets])
+def test_layouts_whose_loop_collectives_are_not_planned_say_so():
+    """DeepSpeed's own: not planned (None), and then nothing of the loop's is added to the kinds
+    (measured may exceed planned there, by a few bytes)."""
+    cfg = load_config(None, ["parallel.strategy=zero3", 'parallel.engine="deepspeed"'])
     gpt = model_config(cfg, 256)
-    tp = 2 if "parallel.tp=2" in sets else 1
-    c = config_candidate(cfg, 1, 2, tp, 1)
+    c = config_candidate(cfg, 1, 2, 1, 1)
     plan = record.planned_collectives(cfg, config_workload(cfg, from_gpt_config(gpt, "default")), c, 8, 39)
     assert plan["comm_loop_by_kind"] is None
 
@@ -406,6 +403,62 @@ def test_a_mixture_of_experts_loop_collectives_are_the_measured_ones(layout):
         assert plan["comm_count_by_kind"][kind] in (count, None), kind
     if layout[0] != "ddp":  # (DDP's buckets: counted by the engine; under EP FSDP2's, not yet planned)
         assert plan["comm_count_by_kind"]["all_reduce"] == seen["all_reduce"][0]
+
+
+# An MoE under TP, and beside EP (`loom train --nproc 4 --set model.preset=tiny-moe --set train.steps=2
+# --set parallel.tp=2 ...`, step 2, rank 0, gloo; the experts' all-to-alls left out). Each TP rank runs an
+# MoE block's feed-forward whole, on a mesh without tp: under sequence parallel its input is gathered in
+# forward and its output's gradient gathered in backward (two all-gathers, no reduce-scatter), and a
+# recomputed block gathers its input again; the gradient norm stacks the tensors on the TP mesh (the
+# matmuls' weights, and under sequence parallel or LoRA the norms' gains and the adapters TP keeps whole)
+# over tp and the shards, the feed-forward's over the shards, the experts' apart over ep; LoRA's
+# attention adapters TP keeps whole all-reduce their gradients over tp, the feed-forward's do not. Per
+# layout ((trained tensors, split over tp, over ep, on the TP mesh), {kind: (count, payload)} measured).
+SP = ("parallel.sequence_parallel=true",)
+TP_MOE_MEASURED = {
+    ("zero3", 1, 2, 2, 4, EP2): ((29, 10, 6, 10), {
+        "all_gather": (1, 169216), "all_reduce": (16, 1585392), "reduce_scatter": (1, 169216)}),
+    ("zero2", 1, 2, 2, 4, EP2): ((29, 10, 6, 10), {
+        "all_gather": (1, 169216), "all_reduce": (16, 1585392), "reduce_scatter": (1, 169216)}),
+    ("zero3", 1, 2, 2, 4, (*EP2, "train.grad_accum=2")): ((29, 10, 6, 10), {
+        "all_gather": (2, 338432), "all_reduce": (22, 1585392), "reduce_scatter": (2, 338432)}),
+    ("zero3", 1, 2, 2, 4, (*EP2, "parallel.activation_checkpointing=full")): ((29, 10, 6, 10), {
+        "all_gather": (1, 169216), "all_reduce": (18, 2109680), "reduce_scatter": (1, 169216)}),
+    ("zero3", 1, 2, 2, 4, (*EP2, *SP)): ((29, 10, 6, 15), {
+        "all_gather": (11, 2790656), "all_reduce": (15, 13828), "reduce_scatter": (7, 1742080)}),
+    ("zero3", 1, 2, 2, 4, SP): ((29, 10, 0, 15), {
+        "all_gather": (11, 3183872), "all_reduce": (14, 13828), "reduce_scatter": (7, 2135296)}),
+    ("zero3", 1, 2, 2, 4, (*EP2, *SP, "parallel.activation_checkpointing=full")): ((29, 10, 6, 15), {
+        "all_gather": (15, 3839232), "all_reduce": (15, 13828), "reduce_scatter": (9, 2266368)}),
+    ("zero3", 1, 2, 2, 4, (*EP2, *SP, "parallel.activation_checkpointing=selective", "parallel.ac_every=2")):
+        ((29, 10, 6, 15), {"all_gather": (13, 3314944), "all_reduce": (15, 13828),
+                           "reduce_scatter": (8, 2004224)}),
+    ("zero3", 1, 2, 2, 4, (*EP2, *SP, "train.grad_accum=2")): ((29, 10, 6, 15), {
+        "all_gather": (22, 2959872), "all_reduce": (20, 15108), "reduce_scatter": (14, 1911296)}),
+    ("zero3", 1, 2, 2, 4, (*EP2, "lora.rank=4")): ((40, 8, 12, 16), {
+        "all_gather": (1, 189696), "all_reduce": (23, 1331508), "reduce_scatter": (1, 20480)}),
+    ("zero3", 1, 2, 2, 4, (*EP2, "lora.rank=4", *SP)): ((40, 8, 12, 16), {
+        "all_gather": (10, 2548992), "all_reduce": (18, 20788), "reduce_scatter": (6, 1331200)}),
+    ("ddp", 2, 1, 2, 4, EP2): ((29, 10, 6, 10), {"all_reduce": (17, 1951124)}),
+}
+
+
+@pytest.mark.parametrize("layout", TP_MOE_MEASURED,
+                         ids=["-".join(map(str, [*k[:5], *k[5]])) for k in TP_MOE_MEASURED])
+def test_a_mixture_of_experts_under_tp_plans_the_measured_collectives(layout):
+    strategy, replicate, shard, tp, _, sets = layout
+    (trained, tp_split, ep_split, tp_mesh), seen = TP_MOE_MEASURED[layout]
+    cfg = load_config(None, ["model.preset=tiny-moe", f"parallel.strategy={strategy}", f"parallel.tp={tp}",
+                             *sets])
+    shape = from_gpt_config(model_config(cfg, 256), "tiny-moe")
+    c = config_candidate(cfg, replicate, shard, tp, 1)
+    plan = record.planned_collectives(cfg, config_workload(cfg, shape), c, 8, trained, tp_split, ep_split,
+                                      tp_mesh=tp_mesh)
+    assert plan["comm_loop_by_kind"] is not None
+    assert set(plan["comm_payload_bytes_by_kind"]) - {"ep_alltoall"} == set(seen)
+    for kind, (count, payload) in seen.items():
+        assert plan["comm_payload_bytes_by_kind"][kind] == payload, kind
+        assert plan["comm_count_by_kind"][kind] in ((count, None) if strategy == "ddp" else (count,)), kind
 
 
 def test_the_experts_norm_is_reduced_apart():
