@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,46 @@ def test_each_piece_computes_the_references_forward_bit_for_bit(dtype):
         theirs = torch.autograd.grad(ref(*inputs), inputs, cotangent)
         for m, t, e in zip(mine, theirs, exact):
             assert _rel(m.double(), e) <= 1.1 * _rel(t.double(), e) + 1e-7, name
+
+
+class _OwnPeak(TorchDispatchMode):
+    """The most bytes that ops run under it hold at once in storages of their own (their outputs,
+    while alive): a backward's own tensors, beside its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.seen = 0, 0, set()
+
+    def _freed(self, key, nbytes):
+        self.seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                self.seen.add(key)
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, key, nbytes)
+        return out
+
+
+def test_swiglu_backward_is_autograds_with_two_wide_tensors_of_its_own():
+    """Under TP (w2 row-parallel) the block runs swiglu, whose backward the planner prices as two
+    f-wide tensors beside the incoming gradient (its rebuilt block's peak under checkpointing): the
+    gradients, silu's backward in place; bit for bit autograd's backward of silu(gate) * up."""
+    g = torch.Generator().manual_seed(5)
+    gate, up = ((2 * torch.randn(2, 64, 96, generator=g)).requires_grad_(True) for _ in range(2))
+    cotangent = torch.randn(2, 64, 96, generator=g)
+    theirs = torch.autograd.grad(F.silu(gate) * up, (gate, up), cotangent)
+    out = swiglu(gate, up)
+    with _OwnPeak() as peak:
+        mine = torch.autograd.grad(out, (gate, up), cotangent)
+    assert all(torch.equal(m, t) for m, t in zip(mine, theirs))
+    assert peak.peak == 2 * cotangent.numel() * 4
 
 
 # ---- SwiGLU fused with the down projection ----

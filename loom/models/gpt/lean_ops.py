@@ -104,9 +104,11 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
         # silu(gate) recomputed: one f-wide pass instead of keeping it. The same kernels (and so
-        # the same rounding) as autograd's own backward of silu(gate) * up.
-        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
-        return grad_gate, grad * F.silu(gate)
+        # the same rounding) as autograd's own backward of silu(gate) * up, with two f-wide tensors of
+        # its own beside `grad` (the gradients; silu's backward in place), not three.
+        grad_up = F.silu(gate).mul_(grad)
+        grad_gate = grad * up
+        return torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate), grad_up
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
