@@ -649,6 +649,14 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
                 else 0
             gathers = count + moe_pairs + moe_pairs_again
             acc.issue("all_gather", c.tp, gathers * activation, gathers)
+            if moe_pairs_again:  # on the wire too (the reductions count a recomputed block's pair once)
+                again = ring("all_gather", c.tp, activation) * moe_pairs_again
+                if terms:
+                    terms.item("recomputed MoE inputs", "MoE blocks recomputed × (tp−1)/tp·Φ_a (gathered "
+                               "again)",
+                               f"{moe_pairs_again} × ({c.tp}−1)/{c.tp} × {gb(activation)}", gb(again))
+                acc.add("tp", again, c.tp > gpus_per_node)
+                groups["tp"] += again
             acc.issue("reduce_scatter", c.tp, (count - moe_pairs) * activation, count - moe_pairs)
         else:
             acc.issue("all_reduce", c.tp, count * activation, count)
