@@ -156,10 +156,17 @@ def rank_sum(c, rank: int, of_stage, zero=0):
 def priced_ranks(shape, c) -> list[int]:
     """The pipeline ranks the planner prices: with one stage a rank, ModelShape.priced_stages (the
     embedding's, the head's, an MoE model's fullest); with several, ranks 0 and p − 1 (a V puts both
-    ends on rank 0), and of an MoE model every rank (its MoE blocks fall where the placement puts them)."""
+    ends on rank 0), and of an MoE model the ranks whose stages hold the most parameters and the most MoE
+    blocks (those fall where the placement puts them)."""
     if c.pp == 1 or stages_per_rank(c.schedule, c.virtual_stages) == 1:
         return shape.priced_stages(c.pp)
-    return list(range(c.pp)) if shape.moe else sorted({0, c.pp - 1})
+    ends = {0, c.pp - 1}
+    if not shape.moe:
+        return sorted(ends)
+    # the earliest of equals: an earlier rank holds more micro-batches in flight
+    fullest = max(range(c.pp), key=lambda r: (rank_sum(c, r, shape.stage_params), -r))
+    most_moe = max(range(c.pp), key=lambda r: (rank_sum(c, r, shape.stage_moe_layers), -r))
+    return sorted(ends | {fullest, most_moe})
 
 
 def heaviest_rank(shape, c) -> int:

@@ -81,4 +81,9 @@ BUGS += [
         "loom/plan/step.py", "    params = rank_sum(c, heaviest, shape.stage_params)\n",
         "    params = shape.stage_params(heaviest, c.pp)\n",
         ("tests/unit/test_plan_schedules.py::test_a_v_rank_0_syncs_and_steps_both_ends",)),
+    Bug("moe-rank-of-most-blocks-unpriced", "an MoE model's multi-stage ranks priced at the ends and the "
+        "fullest only, not the rank with the most MoE blocks", "loom/plan/memory.py",
+        "    return sorted(ends | {fullest, most_moe})\n", "    return sorted(ends | {fullest})\n",
+        ("tests/unit/test_plan_schedules.py::test_a_rank_of_several_stages_is_priced_near_the_worst_rank"
+         "[interleaved-deepseek-v3]",)),
 ]
