@@ -631,6 +631,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     first = args.gpu == "local" and not default_path().is_file()
     if args.calibrate or first:  # measuring needs torch; planning after it does not
+        from loom.plan.command import plan_inputs
+
+        plan_inputs(args)  # a bad --model or --set is told at once, not after the calibration
         from loom.observe.calibrate import calibrate, calibration_notice
         from loom.plan.device import save
 

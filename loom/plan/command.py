@@ -154,9 +154,9 @@ def planned_precision(cfg: Config, local: bool) -> str:
     return base if base in ("bf16", "fp16") else "bf16"
 
 
-def run(args) -> tuple[Config, Plan, str | None]:
-    """Search and print (and --emit); returns (config, plan, model) for `loom plan --trace`, which
-    the CLI runs from loom/train/trace.py (it needs torch and the training code)."""
+def plan_inputs(args) -> tuple[Config, str | None, ModelShape]:
+    """The config, the model named and its shape: all that can be wrong without the machine's profile,
+    checked before a first `loom plan` spends minutes calibrating (the CLI calls this first)."""
     config, model = args.config, args.model
     if config is not None and str(config).endswith(".json"):  # a Hugging Face config.json in place of a TOML
         config, model = None, model or str(config)
@@ -166,11 +166,17 @@ def run(args) -> tuple[Config, Plan, str | None]:
     cfg = load_config(config, args.set)
     if args.recipe not in RECIPES:
         raise ConfigError(f"--recipe {args.recipe!r} is not one of {', '.join(RECIPES)}")
+    return cfg, model, model_shape(cfg, model, args.params)
+
+
+def run(args) -> tuple[Config, Plan, str | None]:
+    """Search and print (and --emit); returns (config, plan, model) for `loom plan --trace`, which
+    the CLI runs from loom/train/trace.py (it needs torch and the training code)."""
+    cfg, model, shape = plan_inputs(args)
     cluster = cluster_of(args, cfg)
     local = cluster.profile is not None
     precision = planned_precision(cfg, local)
     dims = checked_config(cfg, cluster, precision if cfg.lora.rank is not None else None)
-    shape = model_shape(cfg, model, args.params)
     workload, origin = workload_of(args, cfg, shape, model, cluster.world_size, precision)
     if args.emit:  # a model --emit cannot write is refused before anything is printed
         planned_model(cfg, shape, model, workload.seq_len)

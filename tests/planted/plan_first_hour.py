@@ -157,4 +157,10 @@ BUGS = [
         "reduces = micro_steps if w.reduce_every_micro_step else 1  # the gradients kept sharded",
         "reduces = 1  # the gradients kept sharded",
         ("tests/distributed/test_plan_measured.py::test_measured_matches_plan[zero3-accum2]",)),
+    Bug("plan-calibrates-before-its-arguments", "a first `loom plan` calibrates the machine for minutes "
+        "before it reads its own --model and --set",
+        "loom/cli.py",
+        "        plan_inputs(args)  # a bad --model or --set is told at once, not after the calibration\n",
+        "",
+        (f"{HOUR}::test_a_bad_first_plan_is_told_before_the_calibration",)),
 ]

@@ -208,6 +208,26 @@ def test_the_first_calibration_says_how_long_before_it_starts(tmp_path, monkeypa
     assert calibrate.QUICK_BUDGET_S <= 30
 
 
+@pytest.mark.parametrize("argv, words", [(["--model", "nope"], "unknown model preset 'nope'"),
+                                          (["--set", "train.lr=x"], "train.lr must be float"),
+                                          (["--recipe", "nope"], "--recipe 'nope' is not one of")])
+def test_a_bad_first_plan_is_told_before_the_calibration(tmp_path, monkeypatch, capsys, argv, words):
+    """A first `loom plan` with a bad model, key or recipe says so at once: it does not calibrate
+    the machine for minutes (and write its profile) before reading its own arguments."""
+    import loom.observe.calibrate as calibrate
+
+    monkeypatch.setenv("LOOM_DEVICE_PROFILE", str(tmp_path / "device.json"))
+
+    def fake(quick=False, say=print):
+        raise AssertionError("calibrated before the arguments were checked")
+
+    monkeypatch.setattr(calibrate, "calibrate", fake)
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "calibrating" not in err, err
+    assert not (tmp_path / "device.json").exists()
+
+
 def test_calibration_medians_ride_over_a_burst_of_load():
     """Each probe's windows are one per pass, and its rate is their median: a pass slowed by a burst
     of load from another process moves no rate."""
