@@ -162,5 +162,6 @@ BUGS = [
         "loom/cli.py",
         "        plan_inputs(args)  # a bad --model or --set is told at once, not after the calibration\n",
         "",
-        (f"{HOUR}::test_a_bad_first_plan_is_told_before_the_calibration",)),
+        (f"{HOUR}::test_a_bad_first_plan_is_told_before_the_calibration",
+         "tests/unit/test_bad_input.py::test_bad_input[plan-first-preset-unknown]")),
 ]

@@ -40,6 +40,21 @@ def _(c: Ctx) -> str:
     return message
 
 
+@case("plan-first-preset-unknown")
+def _(c: Ctx) -> str:
+    import loom.observe.calibrate as calibrate
+
+    def work(*args, **kwargs):  # the first plan's calibration comes after its own arguments are read
+        raise AssertionError("loom plan calibrated before checking --model")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOOM_DEVICE_PROFILE", str(c.tmp / "device.json"))
+        patch.setattr(calibrate, "calibrate", work)
+        message = cli("plan", "--model", "llama-70b", capsys=c.capsys)
+    assert not (c.tmp / "device.json").exists()
+    return message
+
+
 @case("config-source-beside-mix")
 def _(c: Ctx) -> str:
     return c.config(f"data.source={c.corpus}", f'data.mix=[{{source = "{c.corpus}", weight = 1}}]')
