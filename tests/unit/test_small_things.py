@@ -74,7 +74,8 @@ def _future_warnings(silenced: bool) -> list[str]:
 
 
 def test_deepspeeds_collective_names_are_silenced_and_nothing_else(gloo_world_of_one):
-    assert len(_future_warnings(silenced=False)) == 3  # torch still warns so: the filter is not stale
+    # torch 2.13 warns so (the filter is not stale); 2.11, the GPU machine's, did not yet
+    assert len(_future_warnings(silenced=False)) == (3 if torch.__version__ >= "2.13" else 1)
     assert _future_warnings(silenced=True) == ["another FutureWarning"]
 
 
