@@ -402,8 +402,13 @@ MOMENTS = {
     "block backward": "the topmost block's unit all-gathered again for its backward, the next prefetched",
     "recompute": "the topmost checkpointed block rebuilt, with its backward's first gradients (SwiGLU "
                  "gate and up); its unit gathered again",
-    "pipeline steady": "as many micro-batches as at the peak, under FSDP2 every unit gathered, the sends "
-                       "and input gradients torch holds to the step's end",
+    "pipeline steady": "as many micro-batches as at the peak, under FSDP2 every unit gathered (zero3 "
+                       "under 1F1B: only the last, a forward resharded the rest), the sends and input "
+                       "gradients torch holds to the step's end",
+    "pipeline embedding grad": "the first stage's last backward op: the embedding's new gradient beside "
+                                   "the one accumulated, every unit gathered",
+    "pipeline backward's end": "zero3 under 1F1B: a backward's micro-batch consumed, every unit gathered "
+                               "again, each unsharded gradient held",
     "reduce-scatter": "the end of backward: the last unit's reduce-scatter",
     "gpipe head backward": "GPipe's last micro-batch: every unit gathered since the first backward",
     "pipeline reduce-scatter": "after the last backward: the stage's units reduced one by one, those after "
@@ -1015,7 +1020,29 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         # from the first backward to the step's last, and each unit's unsharded gradient (held); the
         # split schedules' input gradients and the multi-stage schedules' sends, held to the step's end.
         gathered = e * sum(units) if fsdp else 0.0
-        moments.append(("pipeline steady", saved, gathered + held + peak.input_grads + peak.sent))
+        pending = held + peak.input_grads + peak.sent
+        if reshards and c.schedule != "gpipe":
+            # 1F1B runs a forward between two backwards of a stage, and under zero3 that forward
+            # reshards each unit again: a backward begins with its units sharded and gathers them as it
+            # consumes its micro-batch (measured on gloo, pp 2 with a unit per block: 0.84 of the plan
+            # that held both at once); its start is "backward's start" (or the loss) unless torch holds
+            # sends or input gradients as well.
+            if peak.input_grads + peak.sent > 0:
+                moments.append(("pipeline steady", saved, kept + pending))
+            # ... and peaks in its bottom block's SwiGLU backward: that block's activations, the gradient
+            # arriving at it, its product's and the gate's and up's gradients, beside the other
+            # micro-batches, every unit gathered again (measured on gloo: 1.02 of this at pp 2 and 4)
+            bottom_moe = moe and shape.is_moe(start)
+            bottom = (per_moe if bottom_moe else per_layer) + seq * mb * e * (shape.d_model + 3 * (
+                imbalance * shape.moe_top_k * shape.moe_hidden if bottom_moe else shape.ffn_hidden / tp))
+            moments.append(("pipeline backward's end", others + bottom, gathered + pending))
+        else:
+            moments.append(("pipeline steady", saved, gathered + pending))
+        if fsdp and stage == 0 and trains_embeddings:
+            # the embedding's backward, the stage's last: its new gradient, as large as its weight, beside
+            # the one accumulated over the earlier micro-batches (measured on gloo, zero3 pp 2 on one rank
+            # with an 8,192-row vocabulary: 1.37 of the plan without it)
+            moments.append(("pipeline embedding grad", others, gathered + pending + e * vh_grad))
     if fsdp and pipelined:
         last_params = _units_last_params(shape, grad_units, tp, stage == 0, last, tied_root, own_head,
                                          vh_grad)
