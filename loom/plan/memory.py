@@ -936,6 +936,11 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     own_head = fsdp and last and not shape.tie_embeddings and len(units) > 1  # head + norm: one unit
     others = saved - one_micro  # other micro-batches in flight (pipeline)
     moments = [] if named is None else named  # (name, activations, buffers)
+
+    def ffn_width(moe_block: bool) -> float:
+        """A block's SwiGLU width per token on this rank (an MoE block: the busiest rank's experts)."""
+        return imbalance * shape.moe_top_k * shape.moe_hidden if moe_block else shape.ffn_hidden / tp
+
     if last:
         # Forward's end, in the loss: the logits (and their fp32 copy under 16-bit) beside the
         # log-softmax; FSDP2 frees the latest all-gather's flat buffer only after the root's forward
@@ -999,8 +1004,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                 shared = op_shared_bytes_per_layer(shape, seq, mb, e, tp)
                 rebuilt -= shared - dense_ffn * 2 / mlp_saved_widths(tp) + moe_ffn if kinds[0] else shared
             # the MoE's backward begins with its experts' gate and up gradients (the busiest rank's)
-            rebuilt += 2 * seq * mb * (imbalance * shape.moe_top_k * shape.moe_hidden if kinds[0]
-                                       else shape.ffn_hidden / tp) * e
+            rebuilt += 2 * seq * mb * ffn_width(kinds[0]) * e
             top_local = moe_local if kinds[0] else block_local
         else:
             rebuilt = one_micro - head - (layers - 1 - top) * per_layer + per_layer
@@ -1008,7 +1012,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                 rebuilt -= op_shared_bytes_per_layer(shape, seq, mb, e, tp)
             # its backward then begins with the SwiGLU's two hidden-sized gradients (gate and up) beside
             # the rebuilt activations (measured on the small preset: the 1.23 of the plan without them)
-            rebuilt += 2 * seq * mb * shape.ffn_hidden / tp * e
+            rebuilt += 2 * seq * mb * ffn_width(False) * e
             top_local = block_local
         gathered = e * (units[-1] + vh_grad) if tied_root else 0.0
         gathered += e * top_local if len(units) > 1 else 0.0
@@ -1033,8 +1037,8 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             # arriving at it, its product's and the gate's and up's gradients, beside the other
             # micro-batches, every unit gathered again (measured on gloo: 1.02 of this at pp 2 and 4)
             bottom_moe = moe and shape.is_moe(start)
-            bottom = (per_moe if bottom_moe else per_layer) + seq * mb * e * (shape.d_model + 3 * (
-                imbalance * shape.moe_top_k * shape.moe_hidden if bottom_moe else shape.ffn_hidden / tp))
+            bottom = (per_moe if bottom_moe else per_layer) + seq * mb * e * (shape.d_model
+                                                                             + 3 * ffn_width(bottom_moe))
             moments.append(("pipeline backward's end", others + bottom, gathered + pending))
         else:
             moments.append(("pipeline steady", saved, gathered + pending))
