@@ -39,6 +39,9 @@ class Workload:
     muon: Muon | None = None
     # data.packing = "documents": attention under a document mask (on CUDA no flash kernel; sdpa.py)
     documents: bool = False
+    # Whether the training torch's split backward takes loom's autograd Functions (torch 2.13 does, 2.11
+    # does not: loom/parallel/pipeline.py weight_pass_takes_functions); see plain_ops below.
+    weight_pass_takes_functions: bool = True
 
     @property
     def act_bytes(self) -> int:
@@ -49,11 +52,24 @@ class Workload:
         return self.global_batch * self.seq_len
 
 
+def plain_ops(w: Workload, c: Candidate) -> bool:
+    """Whether the candidate's GPT runs plain autograd ops for its Functions that take a parameter
+    (loom/models/gpt/lean_ops.py: its norms and SwiGLU keep more) and its last stage the full logits:
+    under a split-backward schedule on a torch whose weight pass cannot start at such a Function."""
+    return c.split_backward and not w.weight_pass_takes_functions
+
+
+def loss_chunk(w: Workload, c: Candidate) -> int:
+    """The loss chunk the candidate runs: the workload's (train.loss_chunk), 0 (the full logits) under
+    plain_ops."""
+    return 0 if plain_ops(w, c) else w.loss_chunk
+
+
 def head_recomputed(w: Workload, c: Candidate) -> bool:
     """Whether the chunked loss runs each chunk's head matmul again in backward: under GPipe and the
     split-backward schedules, whose loss cannot make its gradients in forward (loom/train/step.py);
     everywhere else a chunk costs no recompute, so loom chunks."""
-    return w.loss_chunk > 0 and c.pp > 1 and (c.schedule == "gpipe" or c.split_backward)
+    return loss_chunk(w, c) > 0 and c.pp > 1 and (c.schedule == "gpipe" or c.split_backward)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from loom.config import V_SCHEDULES, rank_stages, stages_per_rank
 from loom.plan import context, experts, lora, muon
-from loom.plan.candidate import stage_fsdp_unit_parts
+from loom.plan.candidate import loss_chunk, stage_fsdp_unit_parts
 from loom.plan.in_flight import cross_rank_sends
 from loom.plan.memory import (
     GRAD_COMM_BYTES,
@@ -811,7 +811,7 @@ def tp_loop_collectives(w, c, trained_tensors: int, split: int, last: bool = Tru
                FSDP2 over the replicas there (apply.uses_fsdp), their gradients whole: over tp only.
     Per micro-step the loss's, on its micro-batch's s·b tokens (s/cp under context parallelism)."""
     tokens, steps = c.micro_batch * c.local_seq(w.seq_len), c.grad_accum
-    chunk = w.loss_chunk
+    chunk = loss_chunk(w, c)  # (the full logits under plain_ops)
     calls = 2 * math.ceil(tokens / chunk) if chunk > 0 else 3
     loop = [LoopCollective("all_reduce", calls * steps, 12 * tokens * steps,
                            "the loss's vocabulary statistics")] if last else []

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from loom import strategies
 from loom.config import rank_stages, stages_per_rank
 from loom.plan import context, experts, in_flight, lora, muon
-from loom.plan.candidate import head_recomputed, stage_fsdp_unit_parts
+from loom.plan.candidate import head_recomputed, loss_chunk, plain_ops, stage_fsdp_unit_parts
 from loom.plan.shapes import (
     activation_bytes_per_layer,
     attention_kv_width,
@@ -30,6 +30,7 @@ from loom.plan.shapes import (
     moe_ffn_saved_bytes,
     op_saved_bytes_per_layer,
     op_shared_bytes_per_layer,
+    plain_ops_bytes_per_layer,
     residual_bytes,
 )
 from loom.plan.terms import NO_TERMS, Terms, gb, num
@@ -735,7 +736,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     """
     shape, tp, e = w.shape, c.tp, w.act_bytes
     last, pipelined = holds_last_stage(c, stage), c.pp > 1
-    chunk = w.loss_chunk  # every layout chunks (TP: each rank's vocabulary shard; PP: the last stage)
+    # every layout chunks (TP: each rank's vocabulary shard; PP: the last stage), but under plain_ops
+    chunk = loss_chunk(w, c)
+    plain = plain_ops(w, c)
     deepspeed = c.engine == "deepspeed"
     strategy = c.strategy_info
     fsdp = not deepspeed and c.uses_fsdp and w.recipe == "torch"
@@ -774,6 +777,17 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             terms.item("per block under cp", "block + wo's input", f"{gb(per_layer)} + {gb(copy)}",
                        gb(per_layer + copy))
         per_layer += copy
+    plain_norms, plain_ffn = plain_ops_bytes_per_layer(shape, seq, mb, e, tp, sp) if plain \
+        else (0.0, 0.0)
+    if plain:
+        if terms:
+            terms.note(f"plain ops: under {c.schedule}, this torch's weight pass takes no autograd Function "
+                       "(loom/parallel/pipeline.py weight_pass_takes_functions): each norm keeps its fp32 "
+                       "input and normalized tensor, the SwiGLU silu(gate) and the product; the full logits")
+            terms.item("plain ops per block", "2·4·s·b·h" + ("/tp" if sp else "") + " (norms)"
+                       + (" + 2·s·b·f·e (SwiGLU)" if plain_ffn else ""),
+                       None, gb(plain_norms + plain_ffn))
+        per_layer += plain_norms + plain_ffn
     residual = residual_bytes(shape, seq, mb, e, autocast)
     ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
     start = shape.stage_layers(stage, c.pp)[0] if shape.moe else 0
@@ -782,9 +796,10 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     if moe:
         moe_ffn = moe_ffn_saved_bytes(shape, seq, mb, e, imbalance, terms,
                                       grouped_experts(shape, w.precision, device, c.ep,
-                                                      spec.rank if spec and spec.expert_targets else 0))
+                                                      spec.rank if spec and spec.expert_targets else 0),
+                                      plain)
         dense_ffn = dense_mlp_saved_bytes(shape, seq, mb, e, tp)
-        per_moe = per_layer - dense_ffn + moe_ffn
+        per_moe = per_layer - dense_ffn - plain_ffn + moe_ffn
         if terms:
             terms.item("per MoE block", "block − dense SwiGLU + MoE feed-forward",
                        f"{gb(per_layer)} − {gb(dense_ffn)} + {gb(moe_ffn)}", gb(per_moe))
@@ -840,11 +855,13 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     in_forward = bool(chunk) and not head_recomputed(w, c)
     head = head_saved_bytes(shape, seq, mb, e, tp, pipelined, sp, autocast, chunk, terms,
                             grad_in_forward=in_forward) if last else 0.0
+    head += plain_norms / 2 if last else 0.0  # the final norm's plain ops: as a block's one norm
     if pipelined and terms:
         terms.item("stage output", f"s·b·h·{'4' if autocast else 'e'} (kept for its backward; each stage "
                    "but the last)", f"{sb}·{h}·{ne}", gb(residual))
     # zb, zbv, dualpipev: each deferred W keeps its linears' output gradients beside its saved tensors
     per_w = deferred_weight_bytes_per_layer(shape, seq, mb, e, tp) if c.split_backward else 0.0
+    per_w += 2 * sb * h * e / (tp if sp else 1) if plain else 0.0  # plain norms: their product's gradient
     boundary = residual / (tp if sp else 1)  # what crosses between stages: sequence parallel's split
     peak = _held_micro_batches(c, stage, shape.n_layers, layers, blocks, head, residual, boundary, per_w,
                                terms)

@@ -9,8 +9,10 @@ engine only: loom's deepspeed engine refuses it). Pure Python: thousands of cand
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import multiprocessing
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -787,12 +789,35 @@ def loss_chunk_of(cfg, model: str | None = None) -> int:
     return cfg.train.loss_chunk
 
 
-def config_workload(cfg, shape, recipe: str = "torch", moe_imbalance: float = 1.0) -> Workload:
+def config_workload(cfg, shape, recipe: str = "torch", moe_imbalance: float = 1.0,
+                    weight_pass_takes_functions: bool | None = None) -> Workload:
     """The workload a loom config trains (`moe_imbalance`: an MoE model's busiest expert's tokens over
-    the mean, e.g. measured by a run; 1 is ideal routing), its LoRA (lora.*) included."""
+    the mean, e.g. measured by a run; 1 is ideal routing), its LoRA (lora.*) included.
+    `weight_pass_takes_functions` (Workload's field): a run's torch's own answer
+    (loom/parallel/pipeline.py tries it; loom/train/record.py passes it); by default, as `loom plan`
+    imports no torch, read off the installed version (installed_torch_takes_functions)."""
+    if weight_pass_takes_functions is None:
+        weight_pass_takes_functions = installed_torch_takes_functions()
     return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe,
                     loss_chunk_of(cfg), cfg.parallel.reduce_every_micro_step, moe_imbalance,
-                    lora.from_config(cfg), muon.from_config(cfg), cfg.data.packing == "documents")
+                    lora.from_config(cfg), muon.from_config(cfg), cfg.data.packing == "documents",
+                    weight_pass_takes_functions)
+
+
+def installed_torch_takes_functions() -> bool:
+    """Whether the installed torch's split backward takes loom's autograd Functions, by its version
+    (version_takes_functions); without torch, the pin's (it does)."""
+    try:
+        return version_takes_functions(importlib.metadata.version("torch"))
+    except importlib.metadata.PackageNotFoundError:
+        return True
+
+
+def version_takes_functions(version: str) -> bool:
+    """Whether torch `version` ("2.11.0+cu130") takes them: 2.13 and later do, 2.11 does not (2.12, not
+    tried, is taken as 2.11: its plan prices the larger memory)."""
+    numbers = re.match(r"(\d+)\.(\d+)", version)
+    return numbers is None or (int(numbers[1]), int(numbers[2])) >= (2, 13)
 
 
 def config_candidate(cfg, dp_replicate: int, dp_shard: int, tp: int, pp: int,

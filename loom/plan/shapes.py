@@ -324,6 +324,21 @@ def activation_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, el
     return per_layer
 
 
+def plain_ops_bytes_per_layer(shape: ModelShape, seq: int, micro_batch: int, elem: int, tp: int = 1,
+                              sequence_parallel: bool = False) -> tuple[float, float]:
+    """What a block keeps beyond activation_bytes_per_layer where loom's GPT runs plain autograd ops
+    (candidate.plain_ops: a split backward on a torch whose weight pass cannot start at a Function),
+    as (its norms', its dense SwiGLU's), for one micro-batch:
+      each norm (2)  its fp32 input (or x itself, fp32) and its normalized tensor in x's dtype, where
+                     the lean norm keeps x alone                                        4·h a token
+      SwiGLU         silu(gate) and the product (w2's input) beside gate and up         2·e·f a token
+    Under TP the SwiGLU is torch's module and the lean product Function (no parameter): unchanged.
+    (No autocast: a split backward runs every strategy through FSDP2, its weights cast.)"""
+    sb, h, f = seq * micro_batch, shape.d_model, shape.ffn_hidden
+    norms = 2 * sb * 4 * h / (tp if sequence_parallel and tp > 1 else 1)
+    return norms, 0.0 if tp > 1 else 2 * sb * f * elem
+
+
 GROUP_ROWS = 8  # the grouped GEMM's row alignment per expert (loom/models/gpt/moe.py GROUP_ROWS)
 
 
@@ -339,7 +354,7 @@ def grouped_experts(shape: ModelShape, precision: str, device: str = "cpu", ep: 
 
 
 def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, imbalance: float = 1.0,
-                        terms: Terms = NO_TERMS, grouped_experts: int = 0) -> float:
+                        terms: Terms = NO_TERMS, grouped_experts: int = 0, plain: bool = False) -> float:
     """Bytes an MoE block's feed-forward keeps for backward, for one micro-batch of T = s·b tokens
     on a rank (loom/models/gpt/moe.py; not split by TP: each TP rank runs it on the whole gathered
     sequence), e = the compute dtype's bytes, k = top_k, h_e = the experts' width:
@@ -358,8 +373,9 @@ def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int
     dispatched and experts become                                                L·(h + 2h_e)·e
     The router's input is the block's ffn_norm output, already among the linear inputs
     (activation_bytes_per_layer). `imbalance` (the busiest expert's tokens over the mean) scales
-    what the experts hold: the busiest rank's. Not counted: the routing's small int64 indices and
-    fp32 weights (T·k each)."""
+    what the experts hold: the busiest rank's. `plain` (plain_ops_bytes_per_layer): each SwiGLU,
+    the experts' and the shared, keeps silu(gate) and the product too (2·h_e wider per row). Not
+    counted: the routing's small int64 indices and fp32 weights (T·k each)."""
     t, k, d, he = seq * micro_batch, shape.moe_top_k, shape.d_model, shape.moe_hidden
     router = 4 * t * shape.moe_experts
     routed = imbalance * t * k * (d + 2 * he) * elem
@@ -369,6 +385,8 @@ def moe_ffn_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int
     combined = t * k * d * elem
     shared = 2 * t * shape.moe_shared_hidden * elem
     total = router + routed + combined + shared
+    if plain:
+        total += 2 * he * elem * (rows if grouped_experts else imbalance * t * k) + shared
     if terms and grouped_experts:
         terms.item("grouped rows L", f"imb·T·k + E_r·{GROUP_ROWS - 1} (padded per expert)",
                    f"{imbalance:g}·{t}·{k} + {grouped_experts}·{GROUP_ROWS - 1}", num(rows))

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from loom.config import Config, to_toml
 from loom.files import atomic_write
 from loom.parallel.mesh import Dist
+from loom.parallel.pipeline import weight_pass_takes_functions
 from loom.plan import device
 from loom.plan.comm import comm_per_step, loop_collectives, rank_sends, with_loop
 from loom.plan.command import local_cluster
@@ -79,7 +80,7 @@ def plan_run(cfg: Config, shape: ModelShape, d: Dist, trained: list[torch.Tensor
         cluster = Cluster(gpu, per_node, nodes)
     m = d.mesh
     c = config_candidate(cfg, m["dp_replicate"].size(), m["dp_shard"].size(), m["tp"].size(), m["pp"].size())
-    w = config_workload(cfg, shape)
+    w = config_workload(cfg, shape, weight_pass_takes_functions=weight_pass_takes_functions())
     record = estimate(w, c, cluster)
     record["memory_bytes_by_stage"] = {s: stage_memory(w, c, s, cluster.fragmentation,
                                                        device=d.device.type).to_dict()

@@ -94,4 +94,16 @@ BUGS += [
         "one a pipeline stage accumulates over its micro-batches",
         "loom/plan/memory.py", "if fsdp and stage == 0 and trains_embeddings:\n", "if False:\n",
         ("tests/distributed/test_plan_measured.py::test_measured_matches_plan[pp2-zero3-units-one-rank]",)),
+    Bug("plain-ops-unpriced", "the plan prices the lean ops where a torch whose weight pass takes no "
+        "autograd Function (2.11) runs plain ones under a split backward", "loom/plan/candidate.py",
+        "    return c.split_backward and not w.weight_pass_takes_functions\n", "    return False\n",
+        ("tests/unit/test_plan_schedules.py::test_plain_ops_are_priced_where_the_weight_pass_takes_no_function",)),
+    Bug("plain-norms-unpriced", "a plain norm's fp32 input and normalized tensor left out of the plan",
+        "loom/plan/shapes.py", "    norms = 2 * sb * 4 * h / (tp if sequence_parallel and tp > 1 else 1)\n",
+        "    norms = 0\n",
+        ("tests/unit/test_lean_block.py::test_plain_ops_keep_the_planners_formula[shape0-fp32]",)),
+    Bug("installed-version-misread", "`loom plan` takes torch 2.11 for one whose weight pass takes Functions",
+        "loom/plan/search.py", "(int(numbers[1]), int(numbers[2])) >= (2, 13)",
+        "(int(numbers[1]), int(numbers[2])) >= (2, 11)",
+        ("tests/unit/test_plan_schedules.py::test_the_installed_torch_says_whether_plain_ops_run",)),
 ]

@@ -18,10 +18,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loom.models.gpt.config import GPTConfig, preset
-from loom.models.gpt.lean_ops import apply_rope, swiglu, swiglu_down
+from loom.models.gpt.lean_ops import apply_rope, swiglu, swiglu_down, use_plain_ops
 from loom.models.gpt.model import Block, RMSNorm, rope_tables
 from loom.parallel.activation_checkpointing import apply_activation_checkpointing
-from loom.plan.shapes import ModelShape, activation_bytes_per_layer, mlp_saved_widths
+from loom.plan.shapes import (
+    ModelShape,
+    activation_bytes_per_layer,
+    mlp_saved_widths,
+    plain_ops_bytes_per_layer,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from reference_block import RefBlock, RefRMSNorm, ref_apply_rope  # noqa: E402  (the block before issue 26)
@@ -343,6 +348,35 @@ def test_saved_bytes_are_the_planners_formula(shape, mode):
     elem = 4 if mode == "fp32" else 2
     planned = activation_bytes_per_layer(model_shape, SEQ, BATCH, elem, autocast=mode == "autocast")
     assert measured == planned, (measured, planned)  # byte for byte
+
+
+@pytest.fixture
+def plain_ops():
+    use_plain_ops(True)
+    yield
+    use_plain_ops(False)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_plain_ops_keep_the_planners_formula(shape, mode, plain_ops):
+    """Under a split backward on a torch whose weight pass takes no Function (torch 2.11), the block's
+    plain ops keep what plain_ops_bytes_per_layer adds to the lean block's bytes (byte for byte). No
+    autocast: a split backward runs every strategy through FSDP2."""
+    d, f, heads, kv = shape
+    model_shape = ModelShape("m", 100, d, 1, heads, kv, f)
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    cfg = _cfg(*shape)
+    block = Block(cfg).to(dtype)
+    x = torch.randn(BATCH, SEQ, d, dtype=dtype, requires_grad=True)
+    rope = rope_tables(cfg.head_dim, SEQ, 10000.0).to(dtype)
+    kept = _saved(block, x, rope, contextlib.nullcontext())
+    measured = sum(t.untyped_storage().nbytes() for t in kept.values())
+    elem = 4 if mode == "fp32" else 2
+    if mode == "bf16":
+        measured += rope.untyped_storage().nbytes()  # (as above: FSDP2's per-block cast of the table)
+    planned = activation_bytes_per_layer(model_shape, SEQ, BATCH, elem)
+    assert measured == planned + sum(plain_ops_bytes_per_layer(model_shape, SEQ, BATCH, elem))
 
 
 def test_the_125m_block_keeps_under_065_of_what_it_kept():

@@ -4,6 +4,7 @@ F:B:W split from the model's FLOPs, the memory each holds, and the search's choi
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -14,15 +15,23 @@ from loom.config import load_config, stages_per_rank
 from loom.errors import ConfigError
 from loom.parallel.pipeline import stage_layers, validate_pipeline
 from loom.plan import device
-from loom.plan.candidate import Candidate, Workload
+from loom.plan.candidate import Candidate, Workload, head_recomputed, loss_chunk, plain_ops
 from loom.plan.comm import comm_per_step, pp_sends
 from loom.plan.command import emit_all, local_cluster
 from loom.plan.explain import explain
 from loom.plan.hardware import Cluster, lookup
 from loom.plan.memory import deferred_weight_bytes_per_layer, gpu_memory, stage_memory
-from loom.plan.search import enumerate_candidates, schedule_runs, search
-from loom.plan.shapes import ModelShape, from_preset, layers_of_stage
+from loom.plan.search import (
+    config_workload,
+    enumerate_candidates,
+    installed_torch_takes_functions,
+    schedule_runs,
+    search,
+    version_takes_functions,
+)
+from loom.plan.shapes import ModelShape, from_preset, layers_of_stage, plain_ops_bytes_per_layer
 from loom.plan.step import EQUAL_PASSES, Passes, bubble_fraction, bubble_time, local_params, passes
+from loom.plan.terms import Terms
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -239,3 +248,37 @@ def test_v_sends_per_micro_batch():
     for schedule, pp, sends in (("zbv", 2, 2), ("dualpipev", 4, 4), ("interleaved", 2, 3), ("zb", 4, 4)):
         c = Candidate("ddp", 1, pp=pp, schedule=schedule, virtual_stages=2, grad_accum=8)
         assert pp_sends(w, c)[1] == sends, schedule
+
+
+def test_plain_ops_are_priced_where_the_weight_pass_takes_no_function():
+    """On a torch whose split backward takes no autograd Function (2.11: weight_pass_takes_functions),
+    loom's GPT runs plain ops and the full logits under zb, zbv and dualpipev, and only there: the plan
+    prices each block's plain_ops_bytes_per_layer (measured on 2.11 by test_plan_measured's zbv cases:
+    1.38 of the plan before it did) and the unchunked loss."""
+    shape = from_preset("small")
+    lean = Workload(shape, 256, 16, "bf16", loss_chunk=1024)
+    plain = dataclasses.replace(lean, weight_pass_takes_functions=False)
+    one_f_one_b = Candidate("zero3", 1, pp=2, schedule="1f1b", grad_accum=8)
+    assert gpu_memory(plain, one_f_one_b) == gpu_memory(lean, one_f_one_b)
+    assert (loss_chunk(plain, one_f_one_b), head_recomputed(plain, one_f_one_b)) == (1024, False)
+    per_micro_batch = sum(plain_ops_bytes_per_layer(shape, 256, 1, 2))
+    for schedule in ("zb", "zbv", "dualpipev"):
+        c = Candidate("zero3", 1, pp=2, schedule=schedule, virtual_stages=2, grad_accum=8)
+        assert plain_ops(plain, c) and not plain_ops(lean, c)
+        assert (loss_chunk(plain, c), head_recomputed(plain, c), head_recomputed(lean, c)) == (0, False, True)
+        for rank in range(2):  # every rank keeps its blocks' plain tensors for each live micro-batch
+            more = stage_memory(plain, c, rank).activations - stage_memory(lean, c, rank).activations
+            assert more >= per_micro_batch * shape.n_layers / 4, (schedule, rank, more)
+        terms = Terms()
+        stage_memory(plain, c, 0, terms=terms)
+        assert any("plain ops per block" in line for line in terms.lines), schedule
+
+
+def test_the_installed_torch_says_whether_plain_ops_run():
+    """`loom plan` (no torch imported) reads the installed version; a run's plan asks torch itself
+    (loom/train/record.py): on the torches CI runs (2.11, 2.13) the two agree."""
+    assert [version_takes_functions(v) for v in ("2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.0", "3.0.0",
+                                                 "nightly")] == [False, False, True, True, True, True]
+    from loom.parallel.pipeline import weight_pass_takes_functions as tried
+    assert config_workload(load_config(None, []), from_preset("tiny")).weight_pass_takes_functions == tried()
+    assert installed_torch_takes_functions() == tried()
