@@ -20,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from loom.config import ProfileConfig
+from loom.parallel.known_warnings import silence_profiler_cycles
 
 # Kineto's bookkeeping lines ("USDT:2026-… SyncActivityProfilerHandler.cpp:52] profiler_start", "STAGE:…
 # Completed Stage: …"), written to fd 2 where a trace starts and stops, into the progress line.
@@ -70,6 +71,7 @@ class StepProfiler:
         self.dir = run_dir / "traces"
         self.dir.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        silence_profiler_cycles()
         self.prof = profile(activities=activities,
                             schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
                             on_trace_ready=self._write, record_shapes=cfg.record_shapes,

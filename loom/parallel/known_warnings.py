@@ -15,6 +15,8 @@ them is set up, each by its precise message: every other warning still shows.
   - ModTracker (under MemTracker, loom's CPU peak-memory meter) warns that "the module hierarchy
     tracking maybe be messed up" when a module runs inside itself (HF Llama's rotary embedding):
     the peak is counted per storage, and loom reads no module hierarchy (rank_memory.py).
+  - torch.profiler (2.11 at a trace's first cycle, 2.13 at a later one) warns that it "clears events
+    at the end of each cycle": loom writes each cycle's trace as it ends (loom/observe/profiler.py).
 
 (DDP under a pipeline needs no find_unused_parameters, and so prints no note about it: see
 loom/parallel/ddp.py.)
@@ -34,6 +36,7 @@ RENAMED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scat
 DTENSOR_LOGGER = "torch.distributed.tensor._redistribute"
 FLATTENED_DIM_SLICING = r"Slicing a flattened dim from root mesh will be deprecated"
 MODULE_HIERARCHY = r"The module hierarchy tracking maybe be messed up"
+PROFILER_CYCLES = r"Warning: Profiler clears events at the end of each cycle"
 DEEPSPEED_BUILT = re.compile(r"^DeepSpeed \S+ built successfully$")
 SEQUENTIAL_REDISTRIBUTE = "While redistributing from %s to %s, %d sequential %s operations will be performed"
 
@@ -65,6 +68,10 @@ def silence_flattened_dim_slicing() -> None:
 
 def silence_module_hierarchy() -> None:
     warnings.filterwarnings("ignore", message=MODULE_HIERARCHY, category=UserWarning)
+
+
+def silence_profiler_cycles() -> None:
+    warnings.filterwarnings("ignore", message=PROFILER_CYCLES, category=UserWarning)
 
 
 @contextlib.contextmanager

@@ -65,7 +65,12 @@ class Dist:
         if not replicated:
             return self.mesh["dp_shard_cp" if cp else "dp_shard"]
         if cp and self.mesh["dp_shard"].size() == 1 and self.mesh["dp_replicate"].size() > 1:
-            return self.mesh[("dp_replicate_cp", "dp_shard")]  # replication: no sharding over cp either
+            # replication: no sharding over cp either. Built from the two dims' groups (no new group):
+            # torch 2.11 slices no flattened dim with a root dim of a larger stride after it
+            replicate, shard = self.mesh["dp_replicate_cp"], self.mesh["dp_shard"]
+            return DeviceMesh.from_group([replicate.get_group(), shard.get_group()], self.device.type,
+                                         replicate.mesh.reshape(-1, 1),
+                                         mesh_dim_names=("dp_replicate_cp", "dp_shard"))
         return self.mesh[("dp_replicate", "dp_shard_cp" if cp else "dp_shard")]
 
     def expert_fsdp_mesh(self, replicated: bool) -> DeviceMesh:

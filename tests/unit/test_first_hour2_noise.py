@@ -62,6 +62,10 @@ def test_the_known_third_party_lines_are_dropped_each_by_its_message(capsys, mon
         warnings.simplefilter("always")
         kw.silence_flattened_dim_slicing()
         kw.silence_module_hierarchy()
+        kw.silence_profiler_cycles()
+        warnings.warn("Warning: Profiler clears events at the end of each cycle.Only events from the "
+                      "current cycle will be reported.To keep events across cycles, set acc_events=True.",
+                      UserWarning)
         warnings.warn("Slicing a flattened dim from root mesh will be deprecated in PT 2.11. Users need to "
                       "bookkeep the flattened mesh directly. ", UserWarning)
         warnings.warn("The module hierarchy tracking maybe be messed up. Please file a bug to PyTorch, if "
