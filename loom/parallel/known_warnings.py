@@ -8,7 +8,8 @@ them is set up, each by its precise message: every other warning still shows.
     scalar per step, and every rank gets the same sum.
   - DeepSpeed, imported without DS_ACCELERATOR, probes for accelerators and warns when it settles
     on the CPU (loom.config.choose_deepspeed_accelerator names it first); its CPU communication
-    backend prints "DeepSpeed … built successfully" on every rank.
+    backend prints "DeepSpeed … built successfully" on every rank where it builds its shared-memory
+    op (loom marks that op unavailable: deepspeed_engine.join_process_group).
   - DeviceMesh warns that slicing a flattened dim (dp_shard_cp, and dp_shard under ep) from the
     root mesh "will be deprecated": FSDP2's 2-D meshes that pair a flattened dim with another
     (dp_replicate × dp_shard_cp) have no other construction in its API.
