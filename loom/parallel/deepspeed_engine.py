@@ -127,9 +127,7 @@ def join_process_group() -> None:
     # Its CPU backend compiles a shared-memory all-reduce on first use (about a minute on 2 cores) that
     # only its inference all-reduce calls, falling back to the process group's without it: loom never
     # calls it, so the op is marked unavailable (DeepSpeed keeps this table for such edits).
-    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
-    if isinstance(compatible, dict):
-        compatible["deepspeed_shm_comm"] = False
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     with deepspeed_build_notes_dropped():  # should a DeepSpeed version build that op anyway
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
 
