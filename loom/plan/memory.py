@@ -157,11 +157,12 @@ def rank_sum(c, rank: int, of_stage, zero=0):
 def priced_ranks(shape, c) -> list[int]:
     """The pipeline ranks the planner prices: with one stage a rank, ModelShape.priced_stages (the
     embedding's, the head's, an MoE model's fullest); with several, ranks 0 and p − 1 (a V puts both
-    ends on rank 0), and of an MoE model the ranks whose stages hold the most parameters and the most MoE
+    ends on rank 0, and its turn on rank p − 1, which sends nothing between its two stages: under a V
+    rank 1 too), and of an MoE model the ranks whose stages hold the most parameters and the most MoE
     blocks (those fall where the placement puts them)."""
     if c.pp == 1 or stages_per_rank(c.schedule, c.virtual_stages) == 1:
         return shape.priced_stages(c.pp)
-    ends = {0, c.pp - 1}
+    ends = {0, c.pp - 1} | ({1} if c.schedule in ("zbv", "dualpipev") else set())
     if not shape.moe:
         return sorted(ends)
     # the earliest of equals: an earlier rank holds more micro-batches in flight
@@ -406,6 +407,10 @@ MOMENTS = {
     "pipeline steady": "as many micro-batches as at the peak, under FSDP2 every unit gathered (zero3 "
                        "under 1F1B: only the last, a forward resharded the rest), the sends and input "
                        "gradients torch holds to the step's end",
+    "pipeline input backward": "a split schedule's input pass (B), the graph retained: its bottom "
+                               "attention norm's backward temporaries beside every saved tensor",
+    "pipeline top block backward": "a stage's whole backward in its top block: the SwiGLU's gradients, "
+                                   "then (FSDP2, 16-bit) the block's weight gradients beside its ffn norm's",
     "pipeline embedding grad": "the first stage's last backward op: the embedding's new gradient beside "
                                    "the one accumulated, every unit gathered",
     "pipeline backward's end": "zero3 under 1F1B: a backward's micro-batch consumed, every unit gathered "
@@ -863,8 +868,23 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     per_w = deferred_weight_bytes_per_layer(shape, seq, mb, e, tp) if c.split_backward else 0.0
     per_w += 2 * sb * h * e / (tp if sp else 1) if plain else 0.0  # plain norms: their product's gradient
     boundary = residual / (tp if sp else 1)  # what crosses between stages: sequence parallel's split
+    # FSDP2 in 16-bit under zb and zbv: a stage's W writes its unsharded gradients in the compute dtype, and
+    # only its next B's post-backward adds them to the fp32 ones (torch's first stage runs its whole
+    # backward in W, adding them at once; the last stage's W runs the chunked loss's backward again,
+    # which adds all but the head's; zb's last stage peaks in a W, its earlier ones added by the B's
+    # between: the head's, as it writes first; DualPipeV's steady phase runs whole backwards). Measured
+    # on gloo, pp 2 in bf16: the stages' 1.06-1.10 of the plan without them.
+    held_grads = {}
+    if fsdp and e < 4 and spec is None and c.schedule in ("zb", "zbv"):
+        stages, total = rank_stages_of(c, stage)
+        for s in stages:
+            if s == total - 1 and (chunk or c.schedule == "zb"):
+                held_grads[s] = e * shape.vocab_size * h / tp
+            elif s > 0:
+                routed_s = shape.stage_routed_params(s, total)
+                held_grads[s] = e * ((shape.stage_params(s, total) - routed_s) / tp + routed_s / c.ep)
     peak = _held_micro_batches(c, stage, shape.n_layers, layers, blocks, head, residual, boundary, per_w,
-                               terms)
+                               held_grads, terms)
     saved, one_micro = peak.saved, peak.one_micro
     transient = head_transient_bytes(shape, seq, mb, tp, chunk, e, terms) if last else 0.0
     # the fp32 log-softmax, or chunked each token's fp32 logsumexp (none: the gradients from forward)
@@ -958,6 +978,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         """A block's SwiGLU width per token on this rank (an MoE block: the busiest rank's experts)."""
         return imbalance * shape.moe_top_k * shape.moe_hidden if moe_block else shape.ffn_hidden / tp
 
+    top_block = 0.0  # a stage's whole backward in its top block, beyond its saved tensors (not the last's)
     if last:
         # Forward's end, in the loss: the logits (and their fp32 copy under 16-bit) beside the
         # log-softmax; FSDP2 frees the latest all-gather's flat buffer only after the root's forward
@@ -1007,6 +1028,16 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     else:
         head = 0.0
         moments.append(("backward's start", saved, kept + held))
+        if pipelined and not c.split_backward and not ckpt and not (moe and shape.is_moe(start + layers - 1)):
+            # A stage's whole backward begins in its top block's SwiGLU (swiglu_down): two f-wide gradients
+            # beside w2's; then, FSDP2 in 16-bit keeping the block's weight gradients in the compute dtype
+            # to its unit's post-backward, its ffn norm's (as the final norm's), gate and up released.
+            # Measured on gloo, 1F1B pp 2, small at 4 layers: 1.12 (fp32) and 1.16 (bf16) without it.
+            wide, weights = seq * mb * shape.ffn_hidden / tp, h * shape.ffn_hidden / tp
+            swiglu = e * (2 * wide + weights) if fsdp else 2 * wide * e + 4 * weights
+            norm = 3 * e * weights + seq * mb * h / (tp if sp else 1) * (16 + e) - 2 * wide * e \
+                if fsdp and e < 4 else 0.0
+            top_block = max(swiglu, norm)  # (its moment below, beside what the pipeline holds then)
     if ckpt:
         # The topmost checkpointed block is rebuilt first, once the head and the blocks above it
         # (not checkpointed under selective) have run backward: its unit is gathered again, the
@@ -1041,7 +1072,11 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         # from the first backward to the step's last, and each unit's unsharded gradient (held); the
         # split schedules' input gradients and the multi-stage schedules' sends, held to the step's end.
         gathered = e * sum(units) if fsdp else 0.0
-        pending = held + peak.input_grads + peak.sent
+        pending = held + peak.input_grads + peak.sent + peak.held_grads
+        if top_block:
+            resharded = reshards and c.schedule != "gpipe"
+            moments.append(("pipeline top block backward", saved + top_block,
+                            (kept if resharded else gathered) + pending))
         if reshards and c.schedule != "gpipe":
             # 1F1B runs a forward between two backwards of a stage, and under zero3 that forward
             # reshards each unit again: a backward begins with its units sharded and gathers them as it
@@ -1059,6 +1094,13 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             moments.append(("pipeline backward's end", others + bottom, gathered + pending))
         else:
             moments.append(("pipeline steady", saved, gathered + pending))
+        if c.split_backward:
+            # torch's input pass (B) retains the graph: it frees none of the micro-batch's saved tensors as
+            # it goes, and ends in the stage's bottom attention norm, whose backward holds its input's
+            # gradient and four fp32 [s·b, h] temporaries beside them, as the final norm's (lean or plain
+            # alike; measured on gloo, zbv pp 2 in bf16: 1.05-1.10 of the plan without this moment)
+            rows = seq * mb * shape.d_model / (tp if sp else 1)
+            moments.append(("pipeline input backward", saved + rows * (16 + e), gathered + pending))
         if fsdp and stage == 0 and trains_embeddings:
             # the embedding's backward, the stage's last: its new gradient, as large as its weight, beside
             # the one accumulated over the earlier micro-batches (measured on gloo, zero3 pp 2 on one rank
@@ -1144,6 +1186,7 @@ class HeldMicroBatches:
     receive: float  # the receive buffers: a micro-batch's input and output gradient, per stage
     input_grads: float  # split schedules: each micro-batch's input gradient, left on its receive buffer
     sent: float  # the multi-stage schedules' sends, each tensor held to the step's end
+    held_grads: float = 0.0  # zb, zbv: the stages' 16-bit gradients from their W to their next B (steady)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1157,12 +1200,14 @@ def _tp_local_units(shape, experts_apart: bool, unit_mb: float, layers: int, fir
 
 
 def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float, head: float,
-                        residual: float, boundary: float, per_w: float,
+                        residual: float, boundary: float, per_w: float, held_grads: dict | None = None,
                         terms: Terms = NO_TERMS) -> HeldMicroBatches:
     """Pipeline rank `rank`, whose stages hold `layers` blocks keeping `blocks` of one micro-batch (split
     by their layers), the last stage also `head`, every other its output (`residual`), at the largest
     of the moments loom/plan/in_flight.py gives; per_w: what a deferred W keeps of one block beside its
-    saved tensors; `boundary`: one micro-batch's tensor between stages, as received and sent. Without a
+    saved tensors; `boundary`: one micro-batch's tensor between stages, as received and sent;
+    `held_grads`: a zb or zbv stage's gradients in the compute dtype, held from its W to its next B, so in
+    its steady phase (the first moment, once a W has run) and not in its cool-down (B after B). Without a
     pipeline: one micro-batch, nothing received."""
     if c.pp == 1:
         if terms:
@@ -1172,22 +1217,28 @@ def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float,
     stages, total = rank_stages_of(c, rank)
     m = c.grad_accum
     stage_layers = {s: layers_of_stage(n_layers, s, total) for s in stages}
-    micro = {s: blocks * stage_layers[s] / layers + (head if s == total - 1 else residual) for s in stages}
-    best, at = -1.0, ()
-    for moment in in_flight.rank_moments(c.schedule, c.pp, c.virtual_stages, m, rank):
+    # a stage's output, kept for its backward; under the multi-stage schedules one sent to another rank is
+    # among the sends held below
+    sends_held = len(stages) > 1
+    output = {s: head if s == total - 1 else 0.0 if sends_held and s + 1 not in stages else residual
+              for s in stages}
+    micro = {s: blocks * stage_layers[s] / layers + output[s] for s in stages}
+    best, at, held = -1.0, (), 0.0
+    for i, moment in enumerate(in_flight.rank_moments(c.schedule, c.pp, c.virtual_stages, m, rank)):
         saved = sum(ch.live * micro[ch.stage] + ch.deferred * stage_layers[ch.stage] * per_w for ch in moment)
-        if saved > best:
-            best, at = saved, moment
+        grads = sum((held_grads or {}).get(ch.stage, 0.0) for ch in moment if i == 0 and ch.live < m)
+        if saved + grads > best + held:
+            best, at, held = saved, moment, grads
     live = sum(ch.live * stage_layers[ch.stage] / layers for ch in at)
     # torch allocates each stage's receive buffers at the first step and keeps them
     receive = sum(m * boundary * ((s > 0) + (s < total - 1)) for s in stages)
-    # Under the split schedules torch's B leaves each input gradient on the stage's receive buffer (its
-    # .grad) to the next step: m per stage but the first by the step's end, fewer before (an upper bound)
-    input_grads = sum(m * boundary for s in stages if s > 0) if c.split_backward else 0.0
     # The multi-stage schedules (torch's _PipelineScheduleRuntime) wait on their sends only at the step's
     # end, each send holding its tensor: a stage's outputs to another rank, and its input gradients
-    # (those of the split schedules are the ones above)
     forward, backward = in_flight.cross_rank_sends(stages, total)
+    # Under the split schedules torch's B leaves each input gradient on the stage's receive buffer (its
+    # .grad), and a send to another rank holds it to the step's end: m per such stage by then, fewer
+    # before (an upper bound); a V's turn passes its own on (measured on gloo, zbv pp 2)
+    input_grads = m * boundary * backward if c.split_backward else 0.0
     sent = m * boundary * (forward + (0 if c.split_backward else backward)) if len(stages) > 1 else 0.0
     one_micro = micro[total - 1] if total - 1 in micro else max(micro.values())
     if terms:
@@ -1203,14 +1254,18 @@ def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float,
         terms.item("receive buffers", "m·s·b·h·e per stage's input (all but the first) and per stage's "
                    "output gradient (all but the last), made at the first step and kept", None, gb(receive))
         if input_grads:
-            terms.item("input gradients", "m·s·b·h·e per stage but the first (split schedules: left on the "
-                       "receive buffers to the step's end; at most that many by the last forward)", None,
-                       gb(input_grads))
+            terms.item("input gradients", "m·s·b·h·e per stage whose input comes from another rank (split "
+                       "schedules: left on the receive buffers, their sends pending to the step's end; at "
+                       "most that many by the last forward)", None, gb(input_grads))
         if sent:
             back = "" if c.split_backward else " and per input gradient sent back"
             terms.item("sends held", f"m·s·b·h·e per output sent to another rank{back} (waited on at the "
                        "step's end; at most that many by the last forward)", None, gb(sent))
-    return HeldMicroBatches(best, one_micro, live, receive, input_grads, sent)
+    if terms and held:
+        terms.item("16-bit gradients held", "e·P_s per stage but the first (the last: its head's, under the "
+                   "chunked loss), from its W to its next B (FSDP2 adds them to the fp32 ones there)", None,
+                   gb(held))
+    return HeldMicroBatches(best, one_micro, live, receive, input_grads, sent, held)
 
 
 def _moe_block_local(shape, tp: int, ep: int) -> float:

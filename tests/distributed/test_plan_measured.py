@@ -31,7 +31,9 @@ import pytest
 from distributed import run_ranks
 
 from loom.config import load_config
+from loom.models.gpt.lean_ops import plain_ops
 from loom.parallel.mesh import shutdown
+from loom.parallel.pipeline import weight_pass_takes_functions
 from loom.train.driver import train
 
 # Several FSDP2 units whose parameters outweigh the activations (the tiny preset is one unit at the
@@ -196,6 +198,44 @@ def test_activation_peak_where_the_model_drifted(corpus, tmp_path, strategy, ext
     for row in json.loads((tmp_path / "summary.json").read_text())["measured_vs_planned"]:
         measured, planned = row["activation_peak_bytes"]
         assert abs(measured - planned) <= 0.10 * planned, (row["rank"], measured, planned)
+
+
+# Pipelines in bf16 (FSDP2's 16-bit weights), where the plan missed by up to 16%. zb and zbv run plain ops
+# where torch's weight pass cannot start at a Function (torch 2.11, the GPU machine's): `plain` forces
+# that form here, as 2.11 chooses it, plan and run alike. Each case names what it catches.
+PIPELINE_16 = [
+    # the gradients each stage's W leaves in 16-bit to its next B, the input pass's norm temporaries
+    # beside every saved tensor, input gradients only where a send to another rank holds them: 1.10 (plain)
+    # and 1.08 of the plan before
+    ("zbv", True), ("zbv", False),
+    ("zb", False),  # its stages' 16-bit gradients alike: 1.07
+    ("1f1b", False),  # a whole backward in its top block: SwiGLU's gradients, then its weights': 1.16
+]
+PIPELINE_16_IDS = ["zbv-plain", "zbv-lean", "zb-lean", "1f1b"]
+
+
+def _rank_as_torch_211(cfg, out: str, plain: bool) -> bool:
+    if plain:  # the run and its plan take this torch for one whose weight pass takes no Function
+        import loom.train.driver as driver
+        import loom.train.record as record
+        driver.weight_pass_takes_functions = record.weight_pass_takes_functions = lambda: False
+    train(cfg, Path(out), quiet=True)
+    return plain_ops()  # what the model ran
+
+
+@pytest.mark.parametrize("schedule,plain", PIPELINE_16, ids=PIPELINE_16_IDS)
+def test_pipeline_activation_peak_in_16_bit(corpus, tmp_path, schedule, plain):
+    cfg = load_config(None, [
+        "model.preset=tiny", f'data.source="{corpus}"', "data.seq_len=128", "data.num_workers=0",
+        "train.steps=2", "train.batch_size=8", "train.eval_batches=1", "parallel.strategy=zero3",
+        "train.precision=bf16", "parallel.pp=2", f"parallel.pp_schedule={schedule}", *PIPELINE,
+        *(("parallel.pp_virtual_stages=2",) if schedule == "zb" else ())])
+    ran_plain = run_ranks(_rank_as_torch_211, 2, cfg, str(tmp_path), plain)
+    functions = weight_pass_takes_functions() or schedule == "1f1b"  # (1F1B runs no split backward)
+    assert ran_plain == [plain or not functions] * 2
+    for row in json.loads((tmp_path / "summary.json").read_text())["measured_vs_planned"]:
+        measured, planned = row["activation_peak_bytes"]
+        assert abs(measured - planned) <= 0.06 * planned, (row["rank"], measured, planned)
 
 
 def test_summary_prints_measured_beside_planned(corpus, tmp_path, capsys):

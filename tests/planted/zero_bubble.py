@@ -7,6 +7,7 @@ from planted import Bug
 
 ZB = "tests/distributed/test_zero_bubble.py"
 SCHEDULES = "tests/distributed/test_pipeline_schedules.py"
+MEASURED = "tests/distributed/test_plan_measured.py"
 
 BUGS = [
     Bug("zb-zero3-reshards", "FSDP2 units reshard after forward under a split backward (zero3's default)",
@@ -102,6 +103,30 @@ BUGS += [
         "loom/plan/shapes.py", "    norms = 2 * sb * 4 * h / (tp if sequence_parallel and tp > 1 else 1)\n",
         "    norms = 0\n",
         ("tests/unit/test_lean_block.py::test_plain_ops_keep_the_planners_formula[shape0-fp32]",)),
+    Bug("split-input-pass-unpriced", "a split schedule's input pass priced without its norm temporaries "
+        "beside every saved tensor", "loom/plan/memory.py",
+        '("pipeline input backward", saved + rows * (16 + e), gathered + pending)',
+        '("pipeline input backward", saved, gathered + pending)',
+        ("tests/unit/test_plan_schedules.py::"
+         "test_a_split_input_pass_keeps_every_saved_tensor_beside_its_norm_temporaries",
+         f"{MEASURED}::test_pipeline_activation_peak_in_16_bit[zbv-lean]")),
+    Bug("zero-bubble-16bit-gradients-unpriced", "the 16-bit gradients a zb or zbv stage's W leaves to its "
+        "next B left out of the plan", "loom/plan/memory.py",
+        "held_grads[s] = e * ((shape.stage_params(s, total) - routed_s) / tp + routed_s / c.ep)\n",
+        "held_grads[s] = 0.0\n",
+        ("tests/unit/test_plan_schedules.py::"
+         "test_zero_bubble_stages_keep_16_bit_gradients_from_their_w_to_their_next_b",
+         f"{MEASURED}::test_pipeline_activation_peak_in_16_bit[zbv-plain]")),
+    Bug("input-gradients-every-stage", "a V's turn priced as holding its input gradients, as a stage whose "
+        "send holds them", "loom/plan/memory.py",
+        "    input_grads = m * boundary * backward if c.split_backward else 0.0\n",
+        "    input_grads = sum(m * boundary for s in stages if s > 0) if c.split_backward else 0.0\n",
+        ("tests/unit/test_plan_schedules.py::test_input_gradients_are_held_where_a_send_holds_them",)),
+    Bug("top-block-backward-unpriced", "a stage's whole backward priced without its top block's SwiGLU and "
+        "weight gradients", "loom/plan/memory.py",
+        "            top_block = max(swiglu, norm)", "            top_block = 0.0",
+        ("tests/unit/test_plan_schedules.py::test_a_whole_backward_begins_in_the_top_blocks_swiglu",
+         f"{MEASURED}::test_pipeline_activation_peak_in_16_bit[1f1b]")),
     Bug("installed-version-misread", "`loom plan` takes torch 2.11 for one whose weight pass takes Functions",
         "loom/plan/search.py", "(int(numbers[1]), int(numbers[2])) >= (2, 13)",
         "(int(numbers[1]), int(numbers[2])) >= (2, 11)",
