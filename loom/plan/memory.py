@@ -1249,8 +1249,8 @@ def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float,
         sums = [f"{ch.live} × {gb(micro[ch.stage])}"
                 + (f" + {ch.deferred}·{stage_layers[ch.stage]} × {gb(per_w)}" if ch.deferred else "")
                 for ch in at]
-        terms.item("saved", "Σ over its stages: live × (its blocks + its head, or its output) + deferred × "
-                   "its blocks × kept for W", " + ".join(sums), gb(best))
+        terms.item("saved", "Σ over its stages: live × (its blocks + its head, or its output where no send "
+                   "holds it) + deferred × its blocks × kept for W", " + ".join(sums), gb(best))
         terms.item("receive buffers", "m·s·b·h·e per stage's input (all but the first) and per stage's "
                    "output gradient (all but the last), made at the first step and kept", None, gb(receive))
         if input_grads:
@@ -1263,8 +1263,8 @@ def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float,
                        "step's end; at most that many by the last forward)", None, gb(sent))
     if terms and held:
         terms.item("16-bit gradients held", "e·P_s per stage but the first (the last: its head's, under the "
-                   "chunked loss), from its W to its next B (FSDP2 adds them to the fp32 ones there)", None,
-                   gb(held))
+                   "chunked loss or zb), from its W to its next B (FSDP2 adds them to the fp32 ones there)",
+                   None, gb(held))
     return HeldMicroBatches(best, one_micro, live, receive, input_grads, sent, held)
 
 
