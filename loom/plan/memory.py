@@ -873,7 +873,8 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     # backward in W, adding them at once; the last stage's W runs the chunked loss's backward again,
     # which adds all but the head's; zb's last stage peaks in a W, its earlier ones added by the B's
     # between: the head's, as it writes first; DualPipeV's steady phase runs whole backwards). Measured
-    # on gloo, pp 2 in bf16: the stages' 1.06-1.10 of the plan without them.
+    # on gloo, pp 2 in bf16: the stages' 1.06-1.10 of the plan without them. (With a unit per block the
+    # stage in its B has added its upper units' by its bottom norm: 0.95 of the plan there, an upper bound.)
     held_grads = {}
     if fsdp and e < 4 and spec is None and c.schedule in ("zb", "zbv"):
         stages, total = rank_stages_of(c, stage)
@@ -979,6 +980,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         return imbalance * shape.moe_top_k * shape.moe_hidden if moe_block else shape.ffn_hidden / tp
 
     top_block = 0.0  # a stage's whole backward in its top block, beyond its saved tensors (not the last's)
+    # an RMSNorm's backward (lean_ops._RMSNorm, or its plain ops alike): its input's gradient in the compute
+    # dtype and four fp32 [s·b, h] temporaries (normalized input, gradient, weighted gradient, correction)
+    norm_backward = sb * h / (tp if sp else 1) * (16 + e)
     if last:
         # Forward's end, in the loss: the logits (and their fp32 copy under 16-bit) beside the
         # log-softmax; FSDP2 frees the latest all-gather's flat buffer only after the root's forward
@@ -1000,12 +1004,8 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             # the gradients accumulated so far (measured on gloo: 1.15 of the plan without this moment)
             moments.append(("gpipe head backward", one_micro - loss_saved + logits_grad,
                             e * sum(units) + weight_grad + held))
-        # then the final norm's backward (lean_ops._RMSNorm): its input's gradient in the compute
-        # dtype and four fp32 [s·b, h] temporaries (normalized input, gradient, weighted gradient,
-        # the correction), the head's weight gradient still held
-        rows = seq * mb * shape.d_model / (tp if sp else 1)
-        moments.append(("final norm backward", saved - loss_saved + rows * (16 + e),
-                        kept + weight_grad + held))
+        # then the final norm's backward, the head's weight gradient still held
+        moments.append(("final norm backward", saved - loss_saved + norm_backward, kept + weight_grad + held))
         if own_head and not pipelined:  # its gradient reduce-scattered at once, the unit resharded first
             # (zero2: the others stay gathered); the head's weight is the unit's last parameter, its gradient
             # held through it, and the head's sharded gradient, written there, is among those `held` lacks
@@ -1033,10 +1033,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             # beside w2's; then, FSDP2 in 16-bit keeping the block's weight gradients in the compute dtype
             # to its unit's post-backward, its ffn norm's (as the final norm's), gate and up released.
             # Measured on gloo, 1F1B pp 2, small at 4 layers: 1.12 (fp32) and 1.16 (bf16) without it.
-            wide, weights = seq * mb * shape.ffn_hidden / tp, h * shape.ffn_hidden / tp
+            wide, weights = sb * shape.ffn_hidden / tp, h * shape.ffn_hidden / tp
             swiglu = e * (2 * wide + weights) if fsdp else 2 * wide * e + 4 * weights
-            norm = 3 * e * weights + seq * mb * h / (tp if sp else 1) * (16 + e) - 2 * wide * e \
-                if fsdp and e < 4 else 0.0
+            norm = 3 * e * weights + norm_backward - 2 * wide * e if fsdp and e < 4 else 0.0
             top_block = max(swiglu, norm)  # (its moment below, beside what the pipeline holds then)
     if ckpt:
         # The topmost checkpointed block is rebuilt first, once the head and the blocks above it
@@ -1099,8 +1098,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             # it goes, and ends in the stage's bottom attention norm, whose backward holds its input's
             # gradient and four fp32 [s·b, h] temporaries beside them, as the final norm's (lean or plain
             # alike; measured on gloo, zbv pp 2 in bf16: 1.05-1.10 of the plan without this moment)
-            rows = seq * mb * shape.d_model / (tp if sp else 1)
-            moments.append(("pipeline input backward", saved + rows * (16 + e), gathered + pending))
+            moments.append(("pipeline input backward", saved + norm_backward, gathered + pending))
         if fsdp and stage == 0 and trains_embeddings:
             # the embedding's backward, the stage's last: its new gradient, as large as its weight, beside
             # the one accumulated over the earlier micro-batches (measured on gloo, zero3 pp 2 on one rank

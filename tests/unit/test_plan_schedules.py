@@ -14,7 +14,7 @@ from loom.cli import main
 from loom.config import load_config, stages_per_rank
 from loom.errors import ConfigError
 from loom.parallel.pipeline import stage_layers, validate_pipeline
-from loom.plan import device
+from loom.plan import device, in_flight
 from loom.plan.candidate import Candidate, Workload, head_recomputed, loss_chunk, plain_ops
 from loom.plan.comm import comm_per_step, pp_sends
 from loom.plan.command import emit_all, local_cluster
@@ -29,7 +29,14 @@ from loom.plan.search import (
     search,
     version_takes_functions,
 )
-from loom.plan.shapes import ModelShape, from_preset, layers_of_stage, plain_ops_bytes_per_layer
+from loom.plan.shapes import (
+    ModelShape,
+    activation_bytes_per_layer,
+    attention_kv_width,
+    from_preset,
+    layers_of_stage,
+    plain_ops_bytes_per_layer,
+)
 from loom.plan.step import EQUAL_PASSES, Passes, bubble_fraction, bubble_time, local_params, passes
 from loom.plan.terms import Terms
 
@@ -360,3 +367,19 @@ def test_a_whole_backward_begins_in_the_top_blocks_swiglu():
         m = _moments(Workload(shape, 256, 8, precision), c, 0)
         assert m["pipeline top block backward"][0] == m["backward's start"][0] + top, precision
         assert "pipeline top block backward" not in _moments(Workload(shape, 256, 8, precision), c, 1)
+
+
+def test_an_output_a_send_holds_is_counted_once():
+    """Under the multi-stage schedules torch waits on its sends at the step's end, each holding its
+    tensor: a stage's output sent to another rank is among the sends held, not also among the saved
+    tensors of its live micro-batches; 1F1B's one stage keeps it for its backward (fp32, small at 8
+    layers: the saved tensors are the blocks' and, for 1F1B, the outputs)."""
+    shape = from_preset("small", n_layers=8)
+    w = Workload(shape, 256, 8, "fp32")
+    kv_width = attention_kv_width(shape, 4, "cuda")  # (k and v as the device's attention kernel keeps them)
+    block, output = activation_bytes_per_layer(shape, 256, 1, 4, kv_width=kv_width), 256 * shape.d_model * 4
+    interleaved = Candidate("zero3", 1, pp=2, schedule="interleaved", virtual_stages=2, grad_accum=8)
+    live = sum(ch.live for ch in in_flight.rank_moments("interleaved", 2, 2, 8, 0)[0])  # stages 0, 2
+    assert _moments(w, interleaved, 0)["backward's start"][0] == pytest.approx(live * 2 * block)
+    one_f_one_b = Candidate("zero3", 1, pp=2, schedule="1f1b", grad_accum=8)
+    assert _moments(w, one_f_one_b, 0)["backward's start"][0] == pytest.approx(2 * (4 * block + output))
