@@ -9,7 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 python -m pip install --quiet --disable-pip-version-check -e ".[test,deepspeed]"
-if ! command -v chromium >/dev/null || ! ldconfig -p | grep -q libaio; then
+# Not `grep -q`: under pipefail its early exit fails the pipeline with ldconfig's SIGPIPE.
+if ! command -v chromium >/dev/null || ! ldconfig -p | grep libaio >/dev/null; then
     if command -v apt-get >/dev/null; then
         sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
         $sudo apt-get update -qq
