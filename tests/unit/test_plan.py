@@ -262,7 +262,9 @@ def test_plan_does_not_import_torch_and_is_fast():
                           check=False)
     assert proc.returncode == 0, proc.stderr
     elapsed = float(proc.stderr.split("ELAPSED")[1])
-    assert elapsed < 5.0, elapsed  # loose: a shared 2-core CI machine; bench/plan_speed.py has the figures
+    # A guard against a search that blows up (several times the 2.3 s), not a speed target: CPU time
+    # itself swells on a loaded 2-core machine (5.03 s once in a full run); bench/plan_speed.py times it
+    assert elapsed < 12.0, elapsed
     assert time.perf_counter() - start < 30
 
 
