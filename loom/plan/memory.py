@@ -413,10 +413,13 @@ MOMENTS = {
                                    "then (FSDP2, 16-bit) the block's weight gradients beside its ffn norm's",
     "pipeline embedding grad": "the first stage's last backward op: the embedding's new gradient beside "
                                    "the one accumulated, every unit gathered",
-    "pipeline backward's end": "zero3 under 1F1B: a backward's micro-batch consumed, every unit gathered "
-                               "again, each unsharded gradient held",
+    "pipeline backward's end": "zero3 under 1F1B, or GPipe: a backward's micro-batch consumed, every unit "
+                               "gathered (again), each unsharded gradient held",
     "reduce-scatter": "the end of backward: the last unit's reduce-scatter",
-    "gpipe head backward": "GPipe's last micro-batch: every unit gathered since the first backward",
+    "gpipe second, pipeline backward's end": "GPipe's second backward in its bottom block: every gradient "
+                                             "made, m - 2 micro-batches besides",
+    "gpipe head backward": "GPipe's last micro-batch: every unit gathered since the first backward (whose "
+                           "moments hold no accumulated gradient yet)",
     "pipeline reduce-scatter": "after the last backward: the stage's units reduced one by one, those after "
                                "the one reduced still gathered with their gradients",
     "tied embedding": "the embedding's gradient added to the head's",
@@ -438,6 +441,9 @@ def _record_moments(terms: Terms, moments: list) -> None:
     for moment in moments:
         name, act, buf = moment
         about = f"   ({MOMENTS[name]})" if name in MOMENTS else ""
+        if name.startswith(SECOND) and name not in MOMENTS:
+            about = f"   (GPipe's second backward, one micro-batch fewer, every gradient made: " \
+                    f"{MOMENTS.get(name.removeprefix(SECOND), '')})"
         mark = "  ← peak" if moment is peak else ""
         terms.lines.append(f"  {name + ':':<24} {gb(act)} | {gb(buf)} = {gb(act + buf)}{about}{mark}")
     if any(buf < 0 for _, _, buf in moments):
@@ -717,6 +723,10 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                           every unit gathered until the step's last backward
       reduce-scatter      the end of backward: the last unit's (_reduce_scatter), every other
                           sharded gradient rebuilt
+      pipeline top block  a whole backward in its top block's SwiGLU (the last stage's after its final
+                          norm's; a split schedule's first stage's W)
+      gpipe second, ... GPipe's first backward holds every micro-batch and no accumulated gradient:
+                          each of its moments has a twin in the second, one micro-batch fewer beside them
       pipeline reduce-scatter  a pipeline reduces a stage's gradients after its last backward, unit
                           by unit (_pipeline_reduce); it reduces none in backward (no head
                           reduce-scatter there)
@@ -866,7 +876,10 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
                    "but the last)", f"{sb}·{h}·{ne}", gb(residual))
     # zb, zbv, dualpipev: each deferred W keeps its linears' output gradients beside its saved tensors
     per_w = deferred_weight_bytes_per_layer(shape, seq, mb, e, tp) if c.split_backward else 0.0
-    per_w += 2 * sb * h * e / (tp if sp else 1) if plain else 0.0  # plain norms: their product's gradient
+    # ... and each norm's output gradient, which W takes to its weight's gradient (lean_ops' Function, whose
+    # backward W runs again, or plain ops' product with the weight) (measured on gloo, zb pp 2: the last
+    # stage 1.07 of the plan without them)
+    per_w += 2 * sb * h * e / (tp if sp else 1) if c.split_backward else 0.0
     boundary = residual / (tp if sp else 1)  # what crosses between stages: sequence parallel's split
     # FSDP2 in 16-bit under zb and zbv: a stage's W writes its unsharded gradients in the compute dtype, and
     # only its next B's post-backward adds them to the fp32 ones (torch's first stage runs its whole
@@ -907,6 +920,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             accumulated = GRAD_COMM_BYTES[w.recipe] * (stage_params - routed - rest) / tp + rest * 4 \
                 + 4 * routed / c.ep
         held += accumulated
+    # what GPipe's first backward, after every forward, has not made yet: the gradients it accumulates (and
+    # one replica's, None from zero_grad to its backward)
+    unmade = accumulated + (grads if ddp_accumulates_apart(w, c) or (pipelined and no_ddp(w, c)) else 0.0)
     if ddp_accumulates_apart(w, c):
         held += grads
     block_local = local(shape.layer_params)  # a block's parameters on a rank, gathered
@@ -979,10 +995,22 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         """A block's SwiGLU width per token on this rank (an MoE block: the busiest rank's experts)."""
         return imbalance * shape.moe_top_k * shape.moe_hidden if moe_block else shape.ffn_hidden / tp
 
-    top_block = 0.0  # a stage's whole backward in its top block, beyond its saved tensors (not the last's)
     # an RMSNorm's backward (lean_ops._RMSNorm, or its plain ops alike): its input's gradient in the compute
     # dtype and four fp32 [s·b, h] temporaries (normalized input, gradient, weighted gradient, correction)
     norm_backward = sb * h / (tp if sp else 1) * (16 + e)
+    top_block = 0.0  # a stage's whole backward in its top block, beyond its saved tensors
+    # (under a split schedule torch's first stage runs no B: its W runs the whole backward)
+    whole = not c.split_backward or stage == 0
+    if pipelined and whole and not ckpt and not (moe and shape.is_moe(start + layers - 1)):
+        # A stage's whole backward reaches its top block's SwiGLU (swiglu_down): two f-wide gradients
+        # beside w2's; then, FSDP2 in 16-bit keeping the block's weight gradients in the compute dtype
+        # to its unit's post-backward, its ffn norm's (as the final norm's), gate and up released.
+        # Measured on gloo, 1F1B pp 2, small at 4 layers: 1.12 (fp32) and 1.16 (bf16) without it, and
+        # on the last stage, after its final norm's backward, 1.06 (fp32); zb's first stage in its W 1.04.
+        wide, weights = sb * shape.ffn_hidden / tp, h * shape.ffn_hidden / tp
+        swiglu = e * (2 * wide + weights) if fsdp else 2 * wide * e + 4 * weights
+        norm = 3 * e * weights + norm_backward - 2 * wide * e if fsdp and e < 4 else 0.0
+        top_block = max(swiglu, norm)  # (its moment below, beside what the pipeline holds then)
     if last:
         # Forward's end, in the loss: the logits (and their fp32 copy under 16-bit) beside the
         # log-softmax; FSDP2 frees the latest all-gather's flat buffer only after the root's forward
@@ -993,11 +1021,12 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         latest = 0.0
         if fsdp and c.shard_size > 1:
             latest = e * (units[-2] if tied_root and len(units) > 1 else units[-1])
-        moments.append(("forward's end", saved + logits, kept + latest + held))
-        moments.append(("loss", saved + transient, kept + held))
+        sends = peak.sent  # (the sends torch holds then: 1F1B's last input gradient, the runtime's all)
+        moments.append(("forward's end", saved + logits, kept + latest + held + sends))
+        moments.append(("loss", saved + transient, kept + held + sends))
         logits_grad, weight_grad = head_backward_bytes(shape, seq, mb, e, tp, autocast, chunk)
         weight_grad = weight_grad if trains_embeddings else 0.0
-        moments.append(("head backward", saved - loss_saved + logits_grad, kept + weight_grad + held))
+        moments.append(("head backward", saved - loss_saved + logits_grad, kept + weight_grad + held + sends))
         if fsdp and pipelined and reshards and c.schedule == "gpipe" and c.grad_accum > 1:
             # GPipe runs every forward first, so after the first micro-batch's backward no forward
             # reshards a unit again: the last micro-batch's head backward has every unit gathered, beside
@@ -1005,7 +1034,14 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             moments.append(("gpipe head backward", one_micro - loss_saved + logits_grad,
                             e * sum(units) + weight_grad + held))
         # then the final norm's backward, the head's weight gradient still held
-        moments.append(("final norm backward", saved - loss_saved + norm_backward, kept + weight_grad + held))
+        moments.append(("final norm backward", saved - loss_saved + norm_backward,
+                        kept + weight_grad + held + sends))
+        if top_block and not c.split_backward:  # then the top block's, its gradient from the final norm
+            # arriving, the stage's output held by the schedule to the backward's end
+            arriving = sb * h / (tp if sp else 1) * e
+            pending = held + peak.input_grads + peak.sent + peak.held_grads  # (as in the steady phase below)
+            moments.append(("pipeline top block backward", saved - head + arriving + residual + top_block,
+                            (kept if reshards else e * sum(units)) + weight_grad + pending))
         if own_head and not pipelined:  # its gradient reduce-scattered at once, the unit resharded first
             # (zero2: the others stay gathered); the head's weight is the unit's last parameter, its gradient
             # held through it, and the head's sharded gradient, written there, is among those `held` lacks
@@ -1028,15 +1064,6 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     else:
         head = 0.0
         moments.append(("backward's start", saved, kept + held))
-        if pipelined and not c.split_backward and not ckpt and not (moe and shape.is_moe(start + layers - 1)):
-            # A stage's whole backward begins in its top block's SwiGLU (swiglu_down): two f-wide gradients
-            # beside w2's; then, FSDP2 in 16-bit keeping the block's weight gradients in the compute dtype
-            # to its unit's post-backward, its ffn norm's (as the final norm's), gate and up released.
-            # Measured on gloo, 1F1B pp 2, small at 4 layers: 1.12 (fp32) and 1.16 (bf16) without it.
-            wide, weights = sb * shape.ffn_hidden / tp, h * shape.ffn_hidden / tp
-            swiglu = e * (2 * wide + weights) if fsdp else 2 * wide * e + 4 * weights
-            norm = 3 * e * weights + norm_backward - 2 * wide * e if fsdp and e < 4 else 0.0
-            top_block = max(swiglu, norm)  # (its moment below, beside what the pipeline holds then)
     if ckpt:
         # The topmost checkpointed block is rebuilt first, once the head and the blocks above it
         # (not checkpointed under selective) have run backward: its unit is gathered again, the
@@ -1069,27 +1096,38 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     if pipelined:
         # The steady phase, as many micro-batches held as at the peak: FSDP2 keeps every unit gathered
         # from the first backward to the step's last, and each unit's unsharded gradient (held); the
-        # split schedules' input gradients and the multi-stage schedules' sends, held to the step's end.
+        # split schedules' input gradients and the sends torch's runtime holds, to the step's end.
         gathered = e * sum(units) if fsdp else 0.0
         pending = held + peak.input_grads + peak.sent + peak.held_grads
-        if top_block:
-            resharded = reshards and c.schedule != "gpipe"
+        if top_block and (not last or c.split_backward):  # (GPipe's first backward's: resharded units)
             moments.append(("pipeline top block backward", saved + top_block,
-                            (kept if resharded else gathered) + pending))
-        if reshards and c.schedule != "gpipe":
+                            (kept if reshards else gathered) + pending))
+        # A backward's end, in its bottom block's SwiGLU backward: that block's activations, the gradient
+        # arriving at it, its product's and the gate's and up's gradients, beside the other micro-batches,
+        # every unit gathered again (measured on gloo, 1F1B: 1.02 of this at pp 2 and 4)
+        bottom_moe = moe and shape.is_moe(start)
+        bottom = (per_moe if bottom_moe else per_layer) + sb * e * (h + 3 * ffn_width(bottom_moe))
+        if c.schedule == "gpipe":
+            # GPipe's first backward (below) by its bottom block: every unit gathered and every gradient
+            # made but that block's (and the embedding's), beside the other m - 1; the second's: every
+            # gradient beside m - 2, and FSDP2 in 16-bit its unit's in the compute dtype, not added yet
+            embedding = shape.vocab_size * h if stage == 0 else 0
+            head_params = shape.vocab_size * h + h if last else 0
+            below = (stage_params - embedding - head_params) / layers + embedding
+            moments.append(("pipeline backward's end", others + bottom,
+                            gathered + pending - unmade * below / stage_params))
+            if c.grad_accum > 1:
+                sixteen = e * units[0] if fsdp and e < 4 else 0.0
+                moments.append((SECOND + "pipeline backward's end", others - one_micro + bottom,
+                                gathered + pending + sixteen))
+        elif reshards:
             # 1F1B runs a forward between two backwards of a stage, and under zero3 that forward
             # reshards each unit again: a backward begins with its units sharded and gathers them as it
             # consumes its micro-batch (measured on gloo, pp 2 with a unit per block: 0.84 of the plan
-            # that held both at once); its start is "backward's start" (or the loss) unless torch holds
-            # sends or input gradients as well.
+            # that held both at once) and ends as above; its start is "backward's start" (or the loss)
+            # unless torch holds sends or input gradients as well.
             if peak.input_grads + peak.sent > 0:
                 moments.append(("pipeline steady", saved, kept + pending))
-            # ... and peaks in its bottom block's SwiGLU backward: that block's activations, the gradient
-            # arriving at it, its product's and the gate's and up's gradients, beside the other
-            # micro-batches, every unit gathered again (measured on gloo: 1.02 of this at pp 2 and 4)
-            bottom_moe = moe and shape.is_moe(start)
-            bottom = (per_moe if bottom_moe else per_layer) + seq * mb * e * (shape.d_model
-                                                                             + 3 * ffn_width(bottom_moe))
             moments.append(("pipeline backward's end", others + bottom, gathered + pending))
         else:
             moments.append(("pipeline steady", saved, gathered + pending))
@@ -1169,10 +1207,33 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     if device == "cpu":
         moments.append(("optimizer", 0.0, optimizer / 2))
     moments.append(("at rest", 0.0, 0.0))  # between steps: the states alone (gradients included)
+    if pipelined and c.schedule == "gpipe":
+        # GPipe's backwards follow every forward: the first holds all m micro-batches but none of the
+        # gradients the backwards accumulate; the second one micro-batch fewer and all of them, the larger
+        # where the gradients outweigh a micro-batch (16-bit) (measured on gloo, pp 2 with one replica,
+        # zero3 and ddp: 0.83-0.92 of the plan that held both at once, 1.05-1.08 in bf16 without the second)
+        first = [(name, a, b) for name, a, b in moments if name in _GPIPE_FIRST_BACKWARD]
+        moments[:] = [(name, a, b - unmade if name in _GPIPE_FIRST_BACKWARD else b) for name, a, b in moments]
+        if c.grad_accum > 1:
+            moments.extend((SECOND + name, a - one_micro, b) for name, a, b in first
+                           if name != "forward's end")
     # A pipeline's receive buffers are made at the first step and kept: in every moment
     moments[:] = [(name, a, b + peak.receive) for name, a, b in moments]
     _, activations, buffers = max(moments, key=lambda m: m[1] + m[2])
     return activations, buffers
+
+
+# The schedules torch runs through its _PipelineScheduleRuntime, one stage a rank or several: their sends
+# are waited on at the step's end (measured on gloo, zb pp 2: its first stage 1.07 of the plan without its
+# outputs)
+RUNTIME_SCHEDULES = frozenset({"interleaved", "zb", "zbv", "dualpipev"})
+
+# The moments of a stage's first backward (its forward's end too): under GPipe, with every micro-batch held;
+# each has a twin in the second backward (SECOND + its name)
+SECOND = "gpipe second, "
+_GPIPE_FIRST_BACKWARD = frozenset({"forward's end", "loss", "head backward", "final norm backward",
+                                   "block backward", "recompute", "backward's start",
+                                   "pipeline top block backward"})
 
 
 @dataclass(frozen=True)
@@ -1183,7 +1244,7 @@ class HeldMicroBatches:
     in_flight: float  # micro-batches of all the rank's blocks that those live ones add up to
     receive: float  # the receive buffers: a micro-batch's input and output gradient, per stage
     input_grads: float  # split schedules: each micro-batch's input gradient, left on its receive buffer
-    sent: float  # the multi-stage schedules' sends, each tensor held to the step's end
+    sent: float  # the sends torch's runtime holds (RUNTIME_SCHEDULES), each tensor held to the step's end
     held_grads: float = 0.0  # zb, zbv: the stages' 16-bit gradients from their W to their next B (steady)
 
 
@@ -1215,29 +1276,37 @@ def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float,
     stages, total = rank_stages_of(c, rank)
     m = c.grad_accum
     stage_layers = {s: layers_of_stage(n_layers, s, total) for s in stages}
-    # a stage's output, kept for its backward; under the multi-stage schedules one sent to another rank is
-    # among the sends held below
-    sends_held = len(stages) > 1
+    # a stage's output, kept for its backward; under the schedules torch's runtime runs one sent to another
+    # rank is among the sends held below
+    sends_held = c.schedule in RUNTIME_SCHEDULES
     output = {s: head if s == total - 1 else 0.0 if sends_held and s + 1 not in stages else residual
               for s in stages}
-    micro = {s: blocks * stage_layers[s] / layers + output[s] for s in stages}
+    # a stage's first block keeps its input for backward, and after the first stage that is the receive
+    # buffer (or, a V's turn on one rank, the stage's output before it): counted there, not again here
+    # (measured on gloo, GPipe pp 2: the last stage's micro-batch one s·b·h·e below the plan's)
+    micro = {s: blocks * stage_layers[s] / layers + output[s] - (boundary if s > 0 else 0.0) for s in stages}
     best, at, held = -1.0, (), 0.0
     for i, moment in enumerate(in_flight.rank_moments(c.schedule, c.pp, c.virtual_stages, m, rank)):
-        saved = sum(ch.live * micro[ch.stage] + ch.deferred * stage_layers[ch.stage] * per_w for ch in moment)
+        # (torch's first stage runs no B: its W runs the whole backward, keeping no output gradients before)
+        saved = sum(ch.live * micro[ch.stage] + ch.deferred * stage_layers[ch.stage] * per_w * (ch.stage > 0)
+                    for ch in moment)
         grads = sum((held_grads or {}).get(ch.stage, 0.0) for ch in moment if i == 0 and ch.live < m)
         if saved + grads > best + held:
             best, at, held = saved, moment, grads
     live = sum(ch.live * stage_layers[ch.stage] / layers for ch in at)
     # torch allocates each stage's receive buffers at the first step and keeps them
     receive = sum(m * boundary * ((s > 0) + (s < total - 1)) for s in stages)
-    # The multi-stage schedules (torch's _PipelineScheduleRuntime) wait on their sends only at the step's
-    # end, each send holding its tensor: a stage's outputs to another rank, and its input gradients
+    # The schedules torch's runtime runs (RUNTIME_SCHEDULES) wait on their sends only at the step's end,
+    # each send holding its tensor: a stage's outputs to another rank, and its input gradients
     forward, backward = in_flight.cross_rank_sends(stages, total)
     # Under the split schedules torch's B leaves each input gradient on the stage's receive buffer (its
     # .grad), and a send to another rank holds it to the step's end: m per such stage by then, fewer
     # before (an upper bound); a V's turn passes its own on (measured on gloo, zbv pp 2)
     input_grads = m * boundary * backward if c.split_backward else 0.0
-    sent = m * boundary * (forward + (0 if c.split_backward else backward)) if len(stages) > 1 else 0.0
+    sent = m * boundary * (forward + (0 if c.split_backward else backward)) if sends_held else 0.0
+    if c.schedule == "1f1b":  # a backward's input gradient waits in its send for the next forward's receive
+        sent = boundary * backward  # (measured on gloo, pp 2 in bf16: the last stage 1.08 of the plan
+        # without it)
     one_micro = micro[total - 1] if total - 1 in micro else max(micro.values())
     if terms:
         terms.item("micro-batches in flight", in_flight.rule(c.schedule),
@@ -1255,7 +1324,10 @@ def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float,
             terms.item("input gradients", "m·s·b·h·e per stage whose input comes from another rank (split "
                        "schedules: left on the receive buffers, their sends pending to the step's end; at "
                        "most that many by the last forward)", None, gb(input_grads))
-        if sent:
+        if sent and c.schedule == "1f1b":
+            terms.item("sends held", "s·b·h·e: a backward's input gradient, in its send until the next "
+                       "forward's receive", None, gb(sent))
+        elif sent:
             back = "" if c.split_backward else " and per input gradient sent back"
             terms.item("sends held", f"m·s·b·h·e per output sent to another rank{back} (waited on at the "
                        "step's end; at most that many by the last forward)", None, gb(sent))

@@ -425,8 +425,9 @@ def head_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, t
                      pipelined: bool = False, sequence_parallel: bool = False,
                      autocast: bool = False, chunk: int = 0, terms: Terms = NO_TERMS,
                      grad_in_forward: bool = False) -> float:
-    """What the final norm and the loss keep per micro-batch until its backward: the norm's fp32
-    input, its normalized tensor and the head's input (as in a block, one linear reading it); the
+    """What the final norm and the loss keep per micro-batch until its backward: the norm's input
+    and fp32 rstd (lean_ops._RMSNorm; plain ops add theirs: memory.py) and the head's input, its
+    output (as in a block, one linear reading it); the
     loss's fp32 log-softmax (loss_parallel under TP keeps its fp32 shifted logits instead, split
     over the vocabulary). The logits themselves are not kept (the head's matmul keeps its input,
     cross entropy casts them to fp32). A pipeline schedule also keeps the stage's output, the
@@ -437,29 +438,31 @@ def head_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, t
     weight's gradient made there too is the one head_backward_bytes prices)."""
     sb, h = seq * micro_batch, shape.d_model
     sbv = sb * shape.vocab_size / tp
-    normalized = sb * h * (4 + (4 if autocast and elem < 4 else elem))
+    normalized = sb * (h * (4 if autocast and elem < 4 else elem) + 4)  # (measured on gloo, GPipe pp 2)
     sp, autocast = sequence_parallel and tp > 1, autocast and elem < 4
     norm = (normalized / tp if sp else normalized) + sb * h * elem
-    if chunk and grad_in_forward:
-        saved = norm + sb * h * (4 - elem)
+    if chunk and grad_in_forward:  # (a pipeline keeps h as well: the stage's output, to its backward)
+        saved = norm + sb * h * (4 - elem) + (sb * h * elem if pipelined else 0)
     else:
         saved = norm + 4 * sb if chunk else norm + sbv * (4 + (elem if pipelined else 0))
     if terms:
         e, ne, v = elem, 4 if autocast else elem, shape.vocab_size
         over, by = ("/tp", f"/{tp}") if sp else ("", "")
-        formula = f"s·b·h·(4 + {'4' if autocast else 'e'}){over} + s·b·h·e"
+        formula = f"s·b·(h·{'4' if autocast else 'e'} + 4){over} + s·b·h·e"
         if chunk and grad_in_forward:  # h's fp32 gradient in place of h
-            norm_only = formula.removesuffix(" + s·b·h·e")
+            norm_only = formula.removesuffix(" + s·b·h·e") if not pipelined else formula
+            kept = "beside h, the stage's output)" if pipelined else "in place of h)"
+            output = f" + {sb}·{h}·{e}" if pipelined else ""
             terms.item("final norm + loss", f"{norm_only} + 4·s·b·h (chunked loss: h's fp32 gradient from "
-                       "forward, kept in place of h)", f"{sb}·{h}·(4 + {ne}){by} + 4·{sb}·{h}", gb(saved))
+                       f"forward, kept {kept}", f"{sb}·({h}·{ne} + 4){by}{output} + 4·{sb}·{h}", gb(saved))
         elif chunk:  # no logits kept, each token's logsumexp
             terms.item("final norm + loss", f"{formula} + 4·s·b (chunked loss: fp32 logsumexp)",
-                       f"{sb}·{h}·(4 + {ne}){by} + {sb}·{h}·{e} + 4·{sb}", gb(saved))
+                       f"{sb}·({h}·{ne} + 4){by} + {sb}·{h}·{e} + 4·{sb}", gb(saved))
         else:
             logits = f" + sbV/tp·{e} (the logits a pipeline keeps)" if pipelined else ""
             kept = 4 + (e if pipelined else 0)  # bytes per logit: the fp32 log-softmax (+ the logits)
             terms.item("final norm + loss", f"{formula} + 4·s·b·V/tp (fp32 log-softmax){logits}",
-                       f"{sb}·{h}·(4 + {ne}){by} + {sb}·{h}·{e} + {kept}·{sb}·{v}/{tp}",
+                       f"{sb}·({h}·{ne} + 4){by} + {sb}·{h}·{e} + {kept}·{sb}·{v}/{tp}",
                        gb(saved))
     return saved
 

@@ -89,7 +89,7 @@ BUGS += [
          "[interleaved-deepseek-v3]",)),
     Bug("1f1b-zero3-units-held-gathered", "the plan holds every zero3 unit gathered beside all of a 1F1B "
         "stage's micro-batches, though the forward between two backwards reshards them",
-        "loom/plan/memory.py", 'if reshards and c.schedule != "gpipe":', "if False:",
+        "loom/plan/memory.py", "        elif reshards:\n", "        elif False:\n",
         ("tests/distributed/test_plan_measured.py::test_measured_matches_plan[pp2-zero3-blocks-one-rank]",)),
     Bug("pipeline-embedding-gradient-unpriced", "the plan forgets the embedding's new gradient beside the "
         "one a pipeline stage accumulates over its micro-batches",
@@ -128,11 +128,68 @@ BUGS += [
         ("tests/unit/test_plan_schedules.py::test_an_output_a_send_holds_is_counted_once",)),
     Bug("top-block-backward-unpriced", "a stage's whole backward priced without its top block's SwiGLU and "
         "weight gradients", "loom/plan/memory.py",
-        "            top_block = max(swiglu, norm)", "            top_block = 0.0",
+        "        top_block = max(swiglu, norm)", "        top_block = 0.0",
         ("tests/unit/test_plan_schedules.py::test_a_whole_backward_begins_in_the_top_blocks_swiglu",
          f"{MEASURED}::test_pipeline_activation_peak_in_16_bit[1f1b]")),
     Bug("installed-version-misread", "`loom plan` takes torch 2.11 for one whose weight pass takes Functions",
         "loom/plan/search.py", "(int(numbers[1]), int(numbers[2])) >= (2, 13)",
         "(int(numbers[1]), int(numbers[2])) >= (2, 11)",
         ("tests/unit/test_plan_schedules.py::test_the_installed_torch_says_whether_plain_ops_run",)),
+    Bug("receive-buffer-kept-twice", "a later stage's first block priced as keeping a tensor of its own, not "
+        "its receive buffer", "loom/plan/memory.py",
+        " + output[s] - (boundary if s > 0 else 0.0) for s in stages}", " + output[s] for s in stages}",
+        ("tests/unit/test_plan_schedules.py::test_a_later_stage_keeps_its_receive_buffer_not_a_copy",
+         f"{MEASURED}::test_pipeline_activation_peak_on_one_replica[gpipe-zero3-fp32]")),
+    Bug("gpipe-first-backward-holds-gradients", "GPipe's first backward priced beside every accumulated "
+        "gradient, none of which it has made yet", "loom/plan/memory.py",
+        "(name, a, b - unmade if name in _GPIPE_FIRST_BACKWARD else b)", "(name, a, b)",
+        ("tests/unit/test_plan_schedules.py::test_gpipe_first_backward_holds_no_accumulated_gradient",
+         f"{MEASURED}::test_pipeline_activation_peak_on_one_replica[gpipe-zero3-fp32]")),
+    Bug("gpipe-second-backward-unpriced", "GPipe's second backward, one micro-batch fewer beside every "
+        "gradient, left out of the plan", "loom/plan/memory.py",
+        "        if c.grad_accum > 1:\n            moments.extend(",
+        "        if False:\n            moments.extend(",
+        ("tests/unit/test_plan_schedules.py::test_gpipe_first_backward_holds_no_accumulated_gradient",
+         f"{MEASURED}::test_pipeline_activation_peak_on_one_replica[gpipe-ddp-bf16]")),
+    Bug("gpipe-second-backward-end-unpriced", "GPipe's second backward's end (every gradient, FSDP2's 16-bit "
+        "ones not added yet) left out", "loom/plan/memory.py",
+        "                moments.append((SECOND + \"pipeline backward's end\"",
+        "                moments.append((\"unpriced\"",
+        ("tests/unit/test_plan_schedules.py::test_gpipe_first_backward_holds_no_accumulated_gradient",)),
+    Bug("final-norm-fp32-copy", "the final norm priced as keeping an fp32 copy of its input beside it",
+        "loom/plan/shapes.py", "normalized = sb * (h * (4 if autocast and elem < 4 else elem) + 4)",
+        "normalized = sb * h * (4 + (4 if autocast and elem < 4 else elem))",
+        ("tests/unit/test_plan_schedules.py::test_the_final_norm_keeps_its_input_and_rstd",)),
+    Bug("last-stage-top-block-unpriced", "the last stage's backward priced without its top block's, after "
+        "its final norm's", "loom/plan/memory.py",
+        "        if top_block and not c.split_backward:  # then the top block's",
+        "        if False:  # then the top block's",
+        ("tests/unit/test_plan_schedules.py::test_a_whole_backward_begins_in_the_top_blocks_swiglu",)),
+    Bug("first-stage-whole-backward-unpriced", "under a split schedule torch's first stage's W (a whole "
+        "backward) priced without its top block's", "loom/plan/memory.py",
+        "    whole = not c.split_backward or stage == 0\n", "    whole = not c.split_backward\n",
+        ("tests/unit/test_plan_schedules.py::test_a_whole_backward_begins_in_the_top_blocks_swiglu",
+         f"{MEASURED}::test_pipeline_activation_peak_on_one_replica[zb-zero3-fp32]")),
+    Bug("norm-gradients-not-kept-for-w", "a deferred W priced without the norms' output gradients it takes "
+        "to their weights (lean ops)", "loom/plan/memory.py",
+        "    per_w += 2 * sb * h * e / (tp if sp else 1) if c.split_backward else 0.0",
+        "    per_w += 2 * sb * h * e / (tp if sp else 1) if plain else 0.0",
+        ("tests/unit/test_plan_schedules.py::test_memory_each_schedule_holds",)),
+    Bug("first-stage-keeps-w-gradients", "torch's first stage priced as keeping output gradients for W, "
+        "though it runs no B", "loom/plan/memory.py", " * per_w * (ch.stage > 0)\n", " * per_w\n",
+        ("tests/unit/test_plan_schedules.py::test_memory_each_schedule_holds",
+         f"{MEASURED}::test_pipeline_activation_peak_on_one_replica[zb-zero3-fp32]")),
+    Bug("one-stage-runtime-sends-unheld", "zb on one stage a rank priced as freeing its sends, which torch's "
+        "runtime holds to the step's end", "loom/plan/memory.py",
+        "    sends_held = c.schedule in RUNTIME_SCHEDULES\n", "    sends_held = len(stages) > 1\n",
+        ("tests/unit/test_plan_schedules.py::test_memory_each_schedule_holds",)),
+    Bug("pipeline-output-dropped-with-dh", "a pipeline's last stage priced as dropping its output, h, once "
+        "the chunked loss made h's gradient in forward", "loom/plan/shapes.py",
+        " + (sb * h * elem if pipelined else 0)\n", "\n",
+        ("tests/unit/test_plan_schedules.py::test_the_final_norm_keeps_its_input_and_rstd",)),
+    Bug("1f1b-input-gradient-send-unheld", "1F1B priced as freeing a backward's input gradient before its "
+        "send fires with the next forward's receive", "loom/plan/memory.py",
+        "        sent = boundary * backward  #", "        sent = 0.0  #",
+        ("tests/unit/test_plan_schedules.py::test_1f1b_holds_a_backwards_input_gradient_in_its_send",
+         f"{MEASURED}::test_pipeline_activation_peak_in_16_bit[1f1b]")),
 ]

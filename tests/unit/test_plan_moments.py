@@ -143,7 +143,9 @@ def test_under_tp_a_tied_embedding_adds_its_whole_gradient_sliced_to_the_head_sh
 def test_gpipe_last_head_backward_has_every_unit_gathered():
     """GPipe runs every micro-batch's forward first, so no forward reshards a unit after the first
     backward: the last micro-batch's head backward holds every unit gathered, where 1F1B's holds the
-    head's alone (its forwards in between reshard the blocks) (measured: pp2-gpipe-zero3-units)."""
+    head's alone (its forwards in between reshard the blocks) (measured: pp2-gpipe-zero3-units); and
+    beside the stage's accumulated unsharded gradients, which the first backward's head backward has
+    not made yet (measured on gloo, zero3 pp 2: 0.87 of the plan that held them there)."""
     w = Workload(SHAPE, 32, 8, "fp32", "torch")
     named = {}
     for schedule in ("gpipe", "1f1b"):
@@ -153,7 +155,9 @@ def test_gpipe_last_head_backward_has_every_unit_gathered():
         named[schedule] = {name: (act, buf) for name, act, buf in got}
     units = c.fsdp_unit_params(SHAPE, 2, first=False, last=True)
     gp = named["gpipe"]
-    assert gp["gpipe head backward"][1] - gp["head backward"][1] == pytest.approx(4 * sum(units[:-1]))
+    accumulated = 4 * sum(units)  # fp32, the stage's whole
+    assert gp["gpipe head backward"][1] - gp["head backward"][1] == pytest.approx(4 * sum(units[:-1])
+                                                                                   + accumulated)
     assert "gpipe head backward" not in named["1f1b"]
 
 

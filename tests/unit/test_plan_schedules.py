@@ -34,6 +34,7 @@ from loom.plan.shapes import (
     activation_bytes_per_layer,
     attention_kv_width,
     from_preset,
+    head_saved_bytes,
     layers_of_stage,
     plain_ops_bytes_per_layer,
 )
@@ -105,17 +106,25 @@ def _activations(schedule: str, virtual: int, stage: int = 0, moment: str | None
 
 def test_memory_each_schedule_holds():
     """pp 4, m 16 (loom/plan/in_flight.py's counts, checked against torch's orders there): rank 0 holds
-    p micro-batches under 1F1B and zb alike, zb's first B run with its W deferred (its graph retained
-    and its linears' output gradients kept: L_s × the per-block W term); zb's rank 3 holds p as well,
-    4 W's deferred, where 1F1B's holds one; a V holds 2p micro-batches of half its layers on every
+    p micro-batches under 1F1B and zb alike, zb's outputs among the sends torch's runtime holds to the
+    step's end, its W's deferred keeping nothing more (torch's first stage runs no B: its W runs the
+    whole backward); zb's rank 1 holds p, its first B's run with their W's deferred (the graph retained,
+    the linears' and norms' output gradients kept: L_s × the per-block W term); zb's rank 3 holds p as
+    well, 4 W's deferred, where 1F1B's holds one; a V holds 2p micro-batches of half its layers on every
     rank, the head's once, on rank 0; dualpipev as much or one more."""
     shape = from_preset("8b")
     h, kv, f = shape.d_model, shape.kv_dim, shape.ffn_hidden  # each linear's output gradient, 2 bytes
     per_w = 4096 * 2 * (2 * h + h + 2 * kv + 2 * f)
     assert deferred_weight_bytes_per_layer(shape, 4096, 1, 2) == per_w
+    per_w += 2 * 4096 * h * 2  # the two norms' output gradients
+    # (full checkpointing: a block keeps its input, of the output's size)
+    output, layers = 4096 * h * 2, layers_of_stage(shape.n_layers, 0, 4)
     one_f_one_b = _activations("1f1b", 1, 0, "backward's start")
-    zb = _activations("zb", 1, 0, "backward's start")
-    assert zb - one_f_one_b == pytest.approx(layers_of_stage(shape.n_layers, 0, 4) * per_w)
+    assert one_f_one_b - _activations("zb", 1, 0, "backward's start") == pytest.approx(4 * output)
+    deferred = in_flight.rank_moments("zb", 4, 1, 16, 1)[0][0].deferred
+    assert deferred == 2
+    assert _activations("zb", 1, 1, "backward's start") == pytest.approx(4 * (layers - 1) * output
+                                                                         + deferred * layers * per_w)
     assert _activations("zb", 1, 3, "loss") - _activations("1f1b", 1, 3, "loss") \
         > 4 * layers_of_stage(shape.n_layers, 3, 4) * per_w
     zbv, dualpipev = _activations("zbv", 2, 0, "loss"), _activations("dualpipev", 2, 0, "loss")
@@ -358,7 +367,10 @@ def test_a_whole_backward_begins_in_the_top_blocks_swiglu():
     """1F1B's stage (not the last) starts its backward in its top block: swiglu_down's two f-wide
     gradients beside w2's; under FSDP2 in bf16 then the block's three weight gradients, kept in the
     compute dtype to its unit's post-backward, beside its ffn norm's temporaries, gate and up released
-    (measured on gloo, small at 4 layers: 1.16 of the plan in bf16, 1.12 in fp32, without it)."""
+    (measured on gloo, small at 4 layers: 1.16 of the plan in bf16, 1.12 in fp32, without it). The last
+    stage reaches it after its final norm's backward, with that norm's input gradient and its output, its
+    head's other tensors gone (1.06 in fp32 without it); under zb the first stage's W, a whole backward
+    (1.04)."""
     shape = from_preset("small")
     h, f, sb = shape.d_model, shape.ffn_hidden, 256
     c = Candidate("zero3", 1, pp=2, schedule="1f1b", grad_accum=8)
@@ -366,20 +378,113 @@ def test_a_whole_backward_begins_in_the_top_blocks_swiglu():
     for precision, e, top in (("fp32", 4, 4 * (2 * sb * f + h * f)), ("bf16", 2, bf16_top)):
         m = _moments(Workload(shape, 256, 8, precision), c, 0)
         assert m["pipeline top block backward"][0] == m["backward's start"][0] + top, precision
-        assert "pipeline top block backward" not in _moments(Workload(shape, 256, 8, precision), c, 1)
+        last = _moments(Workload(shape, 256, 8, precision), c, 1)
+        block = activation_bytes_per_layer(shape, 256, 1, e, kv_width=attention_kv_width(shape, e, "cuda"))
+        boundary = sb * h * e  # its first block's input: the receive buffer
+        arriving = output = sb * h * e  # the final norm's input gradient; the stage's output, which the
+        # schedule holds to the backward's end
+        top_last = 2 * block - boundary + arriving + output + top
+        assert last["pipeline top block backward"][0] == pytest.approx(top_last), precision
+        # under zb the first stage runs no B: its W runs the whole backward, the top block's as here
+        zb = _moments(Workload(shape, 256, 8, precision), Candidate("zero3", 1, pp=2, schedule="zb",
+                                                                    grad_accum=8), 0)
+        assert zb["pipeline top block backward"][0] == zb["backward's start"][0] + top, precision
 
 
 def test_an_output_a_send_holds_is_counted_once():
     """Under the multi-stage schedules torch waits on its sends at the step's end, each holding its
     tensor: a stage's output sent to another rank is among the sends held, not also among the saved
     tensors of its live micro-batches; 1F1B's one stage keeps it for its backward (fp32, small at 8
-    layers: the saved tensors are the blocks' and, for 1F1B, the outputs)."""
+    layers: the saved tensors are the blocks' and, for 1F1B, the outputs; a later stage's first block
+    keeps its receive buffer, not a tensor of its own)."""
     shape = from_preset("small", n_layers=8)
     w = Workload(shape, 256, 8, "fp32")
     kv_width = attention_kv_width(shape, 4, "cuda")  # (k and v as the device's attention kernel keeps them)
     block, output = activation_bytes_per_layer(shape, 256, 1, 4, kv_width=kv_width), 256 * shape.d_model * 4
     interleaved = Candidate("zero3", 1, pp=2, schedule="interleaved", virtual_stages=2, grad_accum=8)
-    live = sum(ch.live for ch in in_flight.rank_moments("interleaved", 2, 2, 8, 0)[0])  # stages 0, 2
-    assert _moments(w, interleaved, 0)["backward's start"][0] == pytest.approx(live * 2 * block)
+    # stages 0 and 2; the later's first block keeps its receive buffer, counted among those
+    moment = in_flight.rank_moments("interleaved", 2, 2, 8, 0)[0]
+    saved = sum(ch.live * (2 * block - (output if ch.stage > 0 else 0.0)) for ch in moment)
+    assert _moments(w, interleaved, 0)["backward's start"][0] == pytest.approx(saved)
     one_f_one_b = Candidate("zero3", 1, pp=2, schedule="1f1b", grad_accum=8)
     assert _moments(w, one_f_one_b, 0)["backward's start"][0] == pytest.approx(2 * (4 * block + output))
+
+
+def test_a_later_stage_keeps_its_receive_buffer_not_a_copy():
+    """A stage after the first feeds its receive buffer to its first block, whose attention norm keeps it for
+    backward: that tensor is among the receive buffers, not a saved tensor of its own (measured on gloo,
+    GPipe pp 2: the last stage's micro-batch one s·b·h·e below the plan's). GPipe's middle stage of 4 holds
+    m micro-batches of its two blocks, its output kept, its input not."""
+    shape = from_preset("small", n_layers=8)
+    w = Workload(shape, 256, 8, "fp32")
+    kv_width = attention_kv_width(shape, 4, "cuda")
+    block, output = activation_bytes_per_layer(shape, 256, 1, 4, kv_width=kv_width), 256 * shape.d_model * 4
+    gpipe = Candidate("zero3", 1, pp=4, schedule="gpipe", grad_accum=8)
+    assert _moments(w, gpipe, 1)["backward's start"][0] == pytest.approx(8 * (2 * block + output - output))
+    assert _moments(w, gpipe, 0)["backward's start"][0] == pytest.approx(8 * (2 * block + output))
+
+
+def test_gpipe_first_backward_holds_no_accumulated_gradient():
+    """GPipe's first backward follows every forward: it holds all m micro-batches but none of the unsharded
+    gradients the backwards accumulate (FSDP2), nor one replica's (None from zero_grad); by its end every
+    unit is gathered and its gradient made, beside m − 1 micro-batches (measured on gloo, pp 2 with one
+    replica: zero3 0.87-0.90 and ddp 0.83-0.92 of the plan that held both at once)."""
+    shape = from_preset("small", n_layers=4)
+    w = Workload(shape, 256, 8, "fp32")
+    stage_params = shape.stage_params(0, 2)
+    block = activation_bytes_per_layer(shape, 256, 1, 4, kv_width=attention_kv_width(shape, 4, "cuda"))
+    for strategy in ("zero3", "ddp"):
+        moments = {schedule: _moments(w, Candidate(strategy, 1, pp=2, schedule=schedule, grad_accum=8), 0)
+                   for schedule in ("gpipe", "1f1b")}
+        gpipe, one_f_one_b = moments["gpipe"], moments["1f1b"]
+        # the first backward's start: GPipe's buffers lack the stage's gradient (4 bytes a parameter)
+        assert one_f_one_b["backward's start"][1] - gpipe["backward's start"][1] == pytest.approx(
+            4 * stage_params), strategy
+        assert "pipeline steady" not in gpipe
+        start, end = gpipe["backward's start"], gpipe["pipeline backward's end"]
+        bottom = block + 256 * 4 * (shape.d_model + 3 * shape.ffn_hidden)  # its SwiGLU's backward
+        assert end[0] == pytest.approx(start[0] * 7 / 8 + bottom), strategy
+        # every gradient made by then but its bottom block's and the embedding's (FSDP2: every unit gathered)
+        embedding = shape.vocab_size * shape.d_model
+        made = 4 * (stage_params - ((stage_params - embedding) / 2 + embedding))
+        assert end[1] - start[1] == pytest.approx(made) if strategy == "ddp" else end[1] - start[1] >= made
+        # the second backward's twin of each: one micro-batch fewer, every gradient made
+        second_start = gpipe["gpipe second, backward's start"]
+        assert second_start[0] == pytest.approx(start[0] * 7 / 8), strategy
+        assert second_start[1] - start[1] == pytest.approx(4 * stage_params), strategy
+        second = gpipe["gpipe second, pipeline backward's end"]  # every gradient, m − 2 micro-batches besides
+        assert second[0] == pytest.approx(start[0] * 6 / 8 + bottom), strategy
+        assert second[1] - start[1] >= 4 * stage_params, strategy
+
+
+def test_the_final_norm_keeps_its_input_and_rstd():
+    """lean_ops' RMSNorm keeps its input and each token's fp32 rstd, as a block's; the head keeps its input
+    (the norm's output) and, chunked, each token's fp32 logsumexp, or computing its gradients in forward
+    the input's fp32 gradient in its place, a pipeline's schedule holding the input, its output, besides
+    (measured on gloo, fp32 pp 2: the last stage's micro-batch s·b·h·4 below the plan that kept an fp32
+    copy of the norm's input besides)."""
+    shape = from_preset("small")
+    sb, h = 256, shape.d_model
+    for e in (4, 2):
+        norm = sb * (h * e + 4)
+        assert head_saved_bytes(shape, 256, 1, e, chunk=128) == norm + sb * h * e + 4 * sb
+        assert head_saved_bytes(shape, 256, 1, e, chunk=128, grad_in_forward=True) == norm + 4 * sb * h
+        # a pipeline's last stage: its output, h, held by the schedule to its backward besides
+        assert head_saved_bytes(shape, 256, 1, e, pipelined=True, chunk=128, grad_in_forward=True) \
+            == norm + 4 * sb * h + sb * h * e
+
+
+def test_1f1b_holds_a_backwards_input_gradient_in_its_send():
+    """torch's 1F1B fires a backward's input-gradient send with the next forward's receive, holding the
+    tensor till then: one s·b·h·e on every stage but the first, none on the first (measured on gloo, pp 2
+    in bf16: the last stage's forward's end 1.08 of the plan without it)."""
+    w = Workload(from_preset("small"), 256, 8, "bf16")
+
+    def sends(rank: int) -> float:
+        terms = Terms()
+        stage_memory(w, Candidate("zero3", 1, pp=2, schedule="1f1b", grad_accum=8), rank, terms=terms)
+        line = next((line for line in terms.lines if line.lstrip().startswith("sends held")), None)
+        return float(line.rsplit("=", 1)[1].split()[0]) * 1e9 if line else 0.0
+
+    assert sends(1) == pytest.approx(256 * w.shape.d_model * 2, rel=1e-4)
+    assert sends(0) == 0.0
