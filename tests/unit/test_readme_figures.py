@@ -217,14 +217,14 @@ FIGURES += [
                "tokens_per_s", "bubble_share", "planned_bubble", "activation_peak_mib",
                "activation_planned_mib")), _worst_rank("rows" if pp == 4 else "own_cores", schedule, pp)))
     for schedule, pp, tokens, bubble, planned, peak, peak_plan, worst in (
-        ("gpipe", 4, "1,117", "0.41", "0.158", "60.7", "66.4", "0.91"),
-        ("1f1b", 4, "1,332", "0.37", "0.158", "21.7", "21.3", "1.05"),
-        ("interleaved", 4, "1,250", "0.45", "0.086", "36.8", "37.9", "0.95"),
-        ("zb", 4, "909", "0.44", "0.035", "38.1", "39.4", "0.96"),
-        ("zbv", 4, "1,106", "0.40", "0.007", "38.7", "39.3", "0.94"),
-        ("dualpipev", 4, "1,442", "0.43", "0.065", "35.8", "37.3", "0.95"),
-        ("1f1b", 2, "1,255", "0.17", "0.059", "24.2", "23.8", "1.03"),
-        ("zbv", 2, "1,129", "0.20", "0.002", "42.6", "42.2", "1.01"))]
+        ("gpipe", 4, "752", "0.35", "0.158", "60.7", "59.3", "1.03"),
+        ("1f1b", 4, "750", "0.38", "0.158", "21.7", "21.3", "1.04"),
+        ("interleaved", 4, "875", "0.35", "0.086", "36.8", "36.9", "0.98"),
+        ("zb", 4, "680", "0.41", "0.035", "38.1", "39.2", "0.96"),
+        ("zbv", 4, "738", "0.38", "0.007", "38.7", "40.2", "0.96"),
+        ("dualpipev", 4, "896", "0.40", "0.065", "35.8", "36.2", "0.98"),
+        ("1f1b", 2, "880", "0.17", "0.059", "24.2", "23.8", "1.02"),
+        ("zbv", 2, "855", "0.20", "0.002", "42.6", "43.3", "0.98"))]
 
 
 def _moe_schedule(schedule: str, field: str) -> Callable[[str], float]:
@@ -238,10 +238,10 @@ FIGURES += [
            tuple(_moe_schedule(schedule, field)
                  for field in ("tokens_per_s", "wall_ms", "ep_exposed_ms", "ep_hidden_ms")))
     for label, schedule, tokens, wall, exposed, hidden in (
-        ("1f1b", "1f1b", "1,297", "3,143", "1,067", "0"),
-        ("dualpipev, overlap off", "dualpipev, no overlap", "1,312", "3,135", "1,255", "0"),
-        ("dualpipev", "dualpipev", "1,283", "3,383", "1,286", "634"))]
-FIGURES.append(Figure("{634} ms of all-to-all per step now run under the other side's compute", PIPELINE,
+        ("1f1b", "1f1b", "917", "4,428", "1,390", "0"),
+        ("dualpipev, overlap off", "dualpipev, no overlap", "956", "4,498", "1,800", "0"),
+        ("dualpipev", "dualpipev", "890", "4,758", "1,745", "837"))]
+FIGURES.append(Figure("{837} ms of all-to-all per step now run under the other side's compute", PIPELINE,
                       (_moe_schedule("dualpipev", "ep_hidden_ms"),)))
 # The LoRA bench's table, row by row: tokens/s full → LoRA, their ratio (the median of the pairs'),
 # model states full → LoRA, their ratio, the peaks' ratio.
