@@ -438,9 +438,9 @@ def head_saved_bytes(shape: ModelShape, seq: int, micro_batch: int, elem: int, t
     weight's gradient made there too is the one head_backward_bytes prices)."""
     sb, h = seq * micro_batch, shape.d_model
     sbv = sb * shape.vocab_size / tp
-    normalized = sb * (h * (4 if autocast and elem < 4 else elem) + 4)  # (measured on gloo, GPipe pp 2)
+    kept_by_norm = sb * (h * (4 if autocast and elem < 4 else elem) + 4)  # (measured on gloo, GPipe pp 2)
     sp, autocast = sequence_parallel and tp > 1, autocast and elem < 4
-    norm = (normalized / tp if sp else normalized) + sb * h * elem
+    norm = (kept_by_norm / tp if sp else kept_by_norm) + sb * h * elem
     if chunk and grad_in_forward:  # (a pipeline keeps h as well: the stage's output, to its backward)
         saved = norm + sb * h * (4 - elem) + (sb * h * elem if pipelined else 0)
     else:

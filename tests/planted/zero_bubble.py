@@ -157,8 +157,8 @@ BUGS += [
         "                moments.append((\"unpriced\"",
         ("tests/unit/test_plan_schedules.py::test_gpipe_first_backward_holds_no_accumulated_gradient",)),
     Bug("final-norm-fp32-copy", "the final norm priced as keeping an fp32 copy of its input beside it",
-        "loom/plan/shapes.py", "normalized = sb * (h * (4 if autocast and elem < 4 else elem) + 4)",
-        "normalized = sb * h * (4 + (4 if autocast and elem < 4 else elem))",
+        "loom/plan/shapes.py", "kept_by_norm = sb * (h * (4 if autocast and elem < 4 else elem) + 4)",
+        "kept_by_norm = sb * h * (4 + (4 if autocast and elem < 4 else elem))",
         ("tests/unit/test_plan_schedules.py::test_the_final_norm_keeps_its_input_and_rstd",)),
     Bug("last-stage-top-block-unpriced", "the last stage's backward priced without its top block's, after "
         "its final norm's", "loom/plan/memory.py",
