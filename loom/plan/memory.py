@@ -989,6 +989,9 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
     tied_root = fsdp and shape.tie_embeddings  # the root unit holds the embedding = the head
     own_head = fsdp and last and not shape.tie_embeddings and len(units) > 1  # head + norm: one unit
     others = saved - one_micro  # other micro-batches in flight (pipeline)
+    # what a pipeline holds besides from its steady phase on: the unsharded gradients (held), the split
+    # schedules' input gradients, the sends torch holds, zb's and zbv's 16-bit gradients
+    pending = held + peak.input_grads + peak.sent + peak.held_grads
     moments = [] if named is None else named  # (name, activations, buffers)
 
     def ffn_width(moe_block: bool) -> float:
@@ -1039,7 +1042,6 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         if top_block and not c.split_backward:  # then the top block's, its gradient from the final norm
             # arriving, the stage's output held by the schedule to the backward's end
             arriving = sb * h / (tp if sp else 1) * e
-            pending = held + peak.input_grads + peak.sent + peak.held_grads  # (as in the steady phase below)
             moments.append(("pipeline top block backward", saved - head + arriving + residual + top_block,
                             (kept if reshards else e * sum(units)) + weight_grad + pending))
         if own_head and not pipelined:  # its gradient reduce-scattered at once, the unit resharded first
@@ -1098,7 +1100,6 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
         # from the first backward to the step's last, and each unit's unsharded gradient (held); the
         # split schedules' input gradients and the sends torch's runtime holds, to the step's end.
         gathered = e * sum(units) if fsdp else 0.0
-        pending = held + peak.input_grads + peak.sent + peak.held_grads
         if top_block and (not last or c.split_backward):  # (GPipe's first backward's: resharded units)
             moments.append(("pipeline top block backward", saved + top_block,
                             (kept if reshards else gathered) + pending))
@@ -1305,8 +1306,7 @@ def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float,
     input_grads = m * boundary * backward if c.split_backward else 0.0
     sent = m * boundary * (forward + (0 if c.split_backward else backward)) if sends_held else 0.0
     if c.schedule == "1f1b":  # a backward's input gradient waits in its send for the next forward's receive
-        sent = boundary * backward  # (measured on gloo, pp 2 in bf16: the last stage 1.08 of the plan
-        # without it)
+        sent = boundary * backward  # (measured on gloo, pp 2 in bf16: the last stage at 1.08 without it)
     one_micro = micro[total - 1] if total - 1 in micro else max(micro.values())
     if terms:
         terms.item("micro-batches in flight", in_flight.rule(c.schedule),
