@@ -247,8 +247,9 @@ ONE_REPLICA = [
     # zb's first stage keeps no output gradients for its W, which runs the whole backward, and its outputs
     # among the sends held; its last keeps each norm's output gradient for W (0.91 and 1.04 before)
     ("zb", "zero3", "fp32"),
-    ("1f1b", "zero3", "fp32"),  # the last stage's top block after its final norm (1.06 without it)
 ]
+# (1F1B's last stage: its output kept and its held send are caught by the 16-bit case above, not by fp32's
+# margin here; its top block after the final norm by tests/unit/test_plan_schedules.py)
 
 
 @pytest.mark.parametrize("schedule,strategy,precision", ONE_REPLICA,
