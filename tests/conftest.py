@@ -1,13 +1,17 @@
 """Shared fixtures (a small real text corpus, so no test needs a download) and the `distributed`
 marker: every test under tests/distributed/ spawns ranks, so `-m "not distributed"` is the fast
-inner loop (tests/unit/)."""
+inner loop (tests/unit/); and the `alone` marker, for a test that times the machine, under
+pytest-xdist (`-n auto`, as CI runs the suite)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import inspect
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,6 +57,36 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.smoke)
         if _listed(item.nodeid, extended):
             item.add_marker(pytest.mark.extended)
+
+
+@contextlib.contextmanager
+def _turn(alone: bool):
+    """Under pytest-xdist, a test marked `alone` runs while no other worker runs one: a test that
+    reads the wall clock against a bound fails when another test shares the cores (a calibrated step
+    time, 2.2x its plan so). A readers-writer lock over the run's workers: every test holds the lock
+    shared, an `alone` one exclusive; the gate keeps new tests from starting while it waits."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: every test runs alone
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"loom-tests-{run}"
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown under one turn: a module fixture that measures runs in the setup."""
+    with _turn(item.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+# The profile and the step it prices are timed on a machine no other test loads (tests/conftest.py).
+pytestmark = pytest.mark.alone
 
 
 def loom(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:

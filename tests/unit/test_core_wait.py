@@ -18,6 +18,9 @@ from loom.observe import core_wait
 from loom.observe.calibrate import _in_passes
 from loom.train.record import print_step_time, step_time_vs_planned
 
+# The waits measured are the competitors' this test starts, not another test's (tests/conftest.py).
+pytestmark = pytest.mark.alone
+
 linux_schedstat = pytest.mark.skipif(not Path("/proc/self/schedstat").exists(),
                                      reason="needs Linux's /proc/<pid>/schedstat (run-queue waits)")
 

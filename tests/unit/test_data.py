@@ -39,6 +39,7 @@ def one_line_error(exc_type: type[Exception], fn, *args, **kwargs) -> str:
 # ---------------------------------------------------------------- corpus
 
 
+@pytest.mark.alone  # timed (tests/conftest.py)
 def test_stdlib_corpus_loads_fast_deterministic_and_capped():
     t0 = time.perf_counter()
     tokens, vocab = load_tokens("stdlib")

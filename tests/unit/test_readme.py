@@ -30,7 +30,7 @@ RUN = {
 }
 # Blocks run elsewhere, or by tools outside loom: first command → why it is not run here.
 ELSEWHERE = {
-    "python -m pytest": "the test command itself (CI runs it)",
+    "python -m pytest -n auto": "the test command itself (CI runs it)",
     "python -m torch.distributed.run --standalone --nproc-per-node 4 examples/hf_llama.py":
         "tests/distributed/test_init_from.py runs examples/hf_llama.py",
     "loom train --nproc 2 --set model.preset=tiny-moe --set parallel.ep=2 --set train.steps=20":
