@@ -12,6 +12,7 @@ import copy
 import ctypes.util
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
 import math
@@ -1188,6 +1189,19 @@ def rank_stages(rank: int, pp: int, virtual: int = 1, schedule: str = "1f1b") ->
     if schedule in V_SCHEDULES:
         return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(virtual)]
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_sizes(n_layers: int, stages: int) -> tuple[int, ...]:
+    """Blocks in each of a pipeline's stages, in order, differing by at most one. The leftover
+    blocks (n_layers mod stages) go to the middle stages first (from stage 1 on), then to the first
+    (its embedding is a cheap lookup); the last, which also runs the norm, the vocabulary-sized head
+    and the loss, never gets one. Here, below the planner, so that it prices the split that runs."""
+    base, extra = divmod(n_layers, stages)
+    sizes = [base] * stages
+    for s in (list(range(1, stages - 1)) + [0])[:extra]:  # extra < stages: the last is never reached
+        sizes[s] += 1
+    return tuple(sizes)
 
 
 def pipeline_microbatches(p: ParallelConfig) -> int:

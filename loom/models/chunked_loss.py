@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from loom.parallel.backward_pass import takes_inputs, takes_weights
+
 IGNORE = -100  # a target without loss (the same as loom.train.task.IGNORE)
 
 
@@ -93,7 +95,9 @@ class _ChunkedCE(torch.autograd.Function):
     buffer backward would make at once anyway). Otherwise (GPipe, whose last stage runs every
     micro-batch's forward before any backward: one weight-sized gradient per micro-batch) forward
     keeps h and each token's logsumexp, and backward computes each chunk's logits again; so it does
-    under a split backward (zb, zbv, dualpipev), whose weight pass runs this node's backward again."""
+    under a split backward (zb, zbv, dualpipev), whose input and weight passes both run this node's
+    backward: each takes only its own gradient (loom/parallel/backward_pass.py), the logits again in
+    each."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -145,18 +149,21 @@ class _ChunkedCE(torch.autograd.Function):
                     None, None, None, None)
         h, weight, targets, lse = ctx.saved_tensors
         chunk, dtype, tokens = ctx.chunk, ctx.dtype, h.shape[0]
-        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        # a split backward's input pass takes h's, its weight pass the weight's (backward_pass.py)
+        need_h = ctx.needs_input_grad[0] and takes_inputs()
+        need_w = ctx.needs_input_grad[1] and takes_weights()
+        dh = torch.empty_like(h) if need_h else None
         dw = None
         # Under autocast (loom's step runs backward inside the forward's context) the matmuls take
         # autocast's cached low-precision weight, as the unchunked path does: no second copy.
         with torch.autocast(h.device.type, dtype=dtype, enabled=ctx.autocast):
             w = weight if ctx.autocast else weight.to(dtype)
-            for start in range(0, tokens, chunk):
+            for start in range(0, tokens, chunk) if need_h or need_w else ():
                 hc = h[start:start + chunk]
                 g = F.linear(hc.to(dtype), w).float().sub_(lse[start:start + chunk, None]).exp_()
                 dw = _backprop_chunk(g, targets[start:start + chunk], ctx.vocab_start, grad, dtype, hc, w,
                                      dh[start:start + chunk] if dh is not None else None, dw,
-                                     ctx.needs_input_grad[1], weight.dtype, tokens)
+                                     need_w, weight.dtype, tokens)
                 del g
         return dh, (dw.to(weight.dtype) if dw is not None else None), None, None, None, None
 

@@ -38,8 +38,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining.schedules import _ComputationType
 
-from loom.config import V_SCHEDULES, stages_per_rank
+from loom.config import V_SCHEDULES, stage_sizes, stages_per_rank
 from loom.errors import ConfigError
+from loom.parallel.backward_pass import backward_pass
 
 # An action's kind (private, the same in torch 2.11 and 2.13; see pipeline_eval)
 _Kind = _ComputationType
@@ -54,25 +55,16 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def stage_layers(n_layers: int, pp: int, virtual: int = 1) -> list[list[int]]:
-    """The layer indices of each of the pp × virtual stages, in order, sizes differing by at most one.
-
-    Rule for the leftover layers (n_layers mod stages): they go to the middle stages first (from
-    stage 1 on), then to the first stage (its embedding is a cheap lookup); the last stage, which
-    also runs the norm, the vocabulary-sized head and the loss, never gets one.
-    """
+    """The layer indices of each of the pp × virtual stages, in order, split by config.stage_sizes
+    (the extra layers to the middle stages, then the first, never the last)."""
     num_stages = pp * virtual
     if num_stages < 1 or num_stages > n_layers:
         raise ConfigError(
             f"{num_stages} pipeline stages (pp {pp} × virtual {virtual}) do not fit the model's "
             f"{n_layers} layers; use at most one stage per layer"
         )
-    base, extra = divmod(n_layers, num_stages)
-    sizes = [base] * num_stages
-    preference = list(range(1, num_stages - 1)) + [0]  # extra < num_stages: the last is never reached
-    for s in preference[:extra]:
-        sizes[s] += 1
     stages, start = [], 0
-    for size in sizes:
+    for size in stage_sizes(n_layers, num_stages):
         stages.append(list(range(start, start + size)))
         start += size
     return stages
@@ -189,6 +181,12 @@ class _Stage(PipelineStage):
         # torch 2.11 lists a neighbour on this very rank too (the two middle stages of a V), and gloo
         # cannot send to itself; those stages hand tensors over in memory, so nothing connects them.
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        # Every backward of a stage goes through here, its kind named: the Functions that take a
+        # weight compute only the gradients this pass takes (loom/parallel/backward_pass.py).
+        with backward_pass(backward_type):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     def _forward_metadata_inference(self, *args, **kwargs):  # torch 2.13's metadata pass
         with _marked_inferring():

@@ -62,6 +62,7 @@ from loom.plan.memory import (
     RECIPES,
     heaviest_rank,
     holds_last_stage,
+    rank_blocks,
     rank_lora_params,
     rank_stages_of,
     rank_sum,
@@ -197,7 +198,7 @@ def _tokens(c, seq_len: int | None = None) -> str:
 def cp_exchange(w, c) -> tuple[context.Exchange, int, int]:
     """(one block's exchange for one micro-batch, blocks of the heaviest stage, those recomputed)."""
     shape = w.shape
-    layers = layers_of_stage(shape.n_layers, 0, c.pp)  # the first stage holds the most blocks
+    layers = max(rank_blocks(shape.n_layers, c.pp, c.schedule, c.virtual_stages))
     ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
     ex = context.exchange(shape, c.local_seq(w.seq_len), c.micro_batch, w.act_bytes, c.tp, c.cp, c.cp_mode)
     return ex, layers, ckpt

@@ -8,7 +8,7 @@ Compute fraction = frac_max · d/(d + d0), d = d_model. Per token a block's matm
 (forward and backward) while its element-wise work (norms, activation, residuals, softmax
 statistics) moves a few tens of d-sized vectors through HBM: time ∝ d²/peak + d/bandwidth, so
 narrow models fall short of frac_max by the factor d/(d + d0), d0 growing with FLOPs per byte:
-d0 = D0_SCALE · (bf16 TFLOP/s ÷ HBM TB/s) — about 370 on an A100-80GB, 710 on an H100. Tensor
+d0 = D0_SCALE · (bf16 TFLOP/s ÷ HBM TB/s) — about 450 on an A100-80GB, 860 on an H100. Tensor
 and sequence parallelism split both terms alike, so tp does not enter (the fit agrees: d/tp
 in place of d fits the published runs worse).
 """
@@ -18,9 +18,9 @@ from __future__ import annotations
 # Fitted by `python bench/calibration_table.py --fit`: least squares on log(planned/published)
 # over the 35 runs of loom/plan/published.py, link efficiency held to NCCL's physical range 0.5-0.9
 # (it settles on 0.9: see docs/calibration.md).
-A100, H100 = 0.659, 0.563  # frac_max: the large-model fraction of the family's bf16 dense peak
+A100, H100 = 0.675, 0.583  # frac_max: the large-model fraction of the family's bf16 dense peak
 LINK = 0.9  # fraction of link bandwidth ring collectives reach (one value: the data cannot split it)
-D0_SCALE = 2.41  # d0 per (TFLOP/s ÷ TB/s)
+D0_SCALE = 2.92  # d0 per (TFLOP/s ÷ TB/s)
 
 # GPU name (hardware.CATALOG) -> (frac_max, link efficiency)
 FAMILY: dict[str, tuple[float, float]] = {"A100-40GB": (A100, LINK), "A100-80GB": (A100, LINK),

@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 
 from loom import strategies
-from loom.config import rank_stages, stages_per_rank
+from loom.config import rank_stages, stage_sizes, stages_per_rank
 from loom.plan import context, experts, in_flight, lora, muon
 from loom.plan.candidate import head_recomputed, loss_chunk, plain_ops, stage_fsdp_unit_parts
 from loom.plan.shapes import (
@@ -129,14 +129,35 @@ def rank_stages_of(c, rank: int) -> tuple[tuple[int, ...], int]:
     last), as loom.config.rank_stages places them."""
     if c.pp == 1:
         return (0,), 1
-    return _rank_stages(rank, c.pp, c.schedule, c.virtual_stages)
+    return pipeline_rank_stages(rank, c.pp, c.schedule, c.virtual_stages)
 
 
 @functools.lru_cache(maxsize=1024)
-def _rank_stages(rank: int, pp: int, schedule: str, virtual: int) -> tuple[tuple[int, ...], int]:
+def pipeline_rank_stages(rank: int, pp: int, schedule: str, virtual: int) -> tuple[tuple[int, ...], int]:
     """rank_stages_of, remembered (the search asks for each rank's stages several times a candidate)."""
     per = stages_per_rank(schedule, virtual)
     return tuple(rank_stages(rank, pp, per, schedule)), pp * per
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_blocks(n_layers: int, pp: int, schedule: str, virtual: int) -> tuple[int, ...]:
+    """The blocks each pipeline rank runs over its stages, split as the run splits them (remembered:
+    the search asks for every candidate)."""
+    if pp == 1:
+        return (n_layers,)
+    stages, total = pipeline_rank_stages(0, pp, schedule, virtual)
+    sizes = stage_sizes(n_layers, total)
+    return tuple(sum(sizes[s] for s in pipeline_rank_stages(r, pp, schedule, virtual)[0]) for r in range(pp))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fullest_rank(shape, pp: int, schedule: str, virtual: int) -> int:
+    """The pipeline rank whose stages hold the most parameters, the earliest of equals (an earlier rank
+    holds more micro-batches in flight)."""
+    def params(r: int) -> int:
+        stages, total = pipeline_rank_stages(r, pp, schedule, virtual)
+        return sum(shape.stage_params(s, total) for s in stages)
+    return max(range(pp), key=lambda r: (params(r), -r))
 
 
 def holds_last_stage(c, rank: int) -> bool:
@@ -158,15 +179,17 @@ def priced_ranks(shape, c) -> list[int]:
     """The pipeline ranks the planner prices: with one stage a rank, ModelShape.priced_stages (the
     embedding's, the head's, an MoE model's fullest); with several, ranks 0 and p − 1 (a V puts both
     ends on rank 0, and its turn on rank p − 1, which sends nothing between its two stages: under a V
-    rank 1 too), and of an MoE model the ranks whose stages hold the most parameters and the most MoE
-    blocks (those fall where the placement puts them)."""
+    rank 1 too), and the rank whose stages hold the most parameters (an uneven split's extra blocks
+    fall on middle stages), of an MoE model also the one holding the most MoE blocks (those fall
+    where the placement puts them)."""
     if c.pp == 1 or stages_per_rank(c.schedule, c.virtual_stages) == 1:
         return shape.priced_stages(c.pp)
     ends = {0, c.pp - 1} | ({1} if c.schedule in ("zbv", "dualpipev") else set())
-    if not shape.moe:
+    if not shape.known:
         return sorted(ends)
-    # the earliest of equals: an earlier rank holds more micro-batches in flight
-    fullest = max(range(c.pp), key=lambda r: (rank_sum(c, r, shape.stage_params), -r))
+    fullest = _fullest_rank(shape, c.pp, c.schedule, c.virtual_stages)
+    if not shape.moe:
+        return sorted(ends | {fullest})
     most_moe = max(range(c.pp), key=lambda r: (rank_sum(c, r, shape.stage_moe_layers), -r))
     return sorted(ends | {fullest, most_moe})
 

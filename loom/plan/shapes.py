@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom.checked import finite
+from loom.config import stage_sizes
 from loom.errors import ConfigError
 from loom.hf_config import HFConfig, read_hf_config
 from loom.models.gpt.config import GPTConfig, preset
@@ -148,9 +149,9 @@ class ModelShape:
         return self.num_params - unused
 
     def stage_layers(self, stage: int, stages: int) -> tuple[int, int]:
-        """(first block, blocks) of a pipeline stage (layers_of_stage's balanced split)."""
-        base, extra = divmod(self.n_layers, stages)  # the first `extra` stages take one more
-        return stage * base + min(stage, extra), layers_of_stage(self.n_layers, stage, stages)
+        """(first block, blocks) of a pipeline stage, split as the run splits it (config.stage_sizes)."""
+        sizes = stage_sizes(self.n_layers, stages)
+        return sum(sizes[:stage]), sizes[stage]
 
     def stage_params(self, stage: int, stages: int) -> int:
         """Parameters of one pipeline stage: its layers (dense or MoE blocks, as the stage holds
@@ -183,10 +184,11 @@ class ModelShape:
 
     def priced_stages(self, stages: int) -> list[int]:
         """The pipeline stages whose memory and traffic the planner prices: the first (the
-        embedding) and the last (the head); of an MoE model also the stage holding the most
-        parameters (its MoE blocks may lie in the middle: DeepSeek-V3's first three are dense)."""
-        if self.moe and stages > 2:
-            return list(_moe_priced_stages(self, stages))
+        embedding), the last (the head), and the stage holding the most parameters (an MoE model's
+        MoE blocks may lie in the middle: DeepSeek-V3's first three are dense; an uneven split gives
+        the middle stages the extra blocks)."""
+        if self.known and stages > 2:
+            return list(_priced_stages(self, stages))
         return sorted({0, stages - 1})
 
     def tp_replicated_params(self, layers: int, last: bool, moe_layers: int = 0) -> int:
@@ -215,6 +217,26 @@ class ModelShape:
 
 
 @functools.lru_cache(maxsize=1024)
+def stage_flops_per_token(shape: ModelShape, seq_len: int, stages: int) -> tuple[float, ...]:
+    """ModelShape.flops_per_token split over a pipeline's stages, as the run splits its blocks: each
+    block 6·P (an MoE block's active P: its top k routed experts) + 12·H·Q·T, and the last stage the
+    head's 6·(V·h + h), the final norm's with it (the first stage's embedding is a lookup). They sum
+    to flops_per_token; a stage holding the head runs more than its share of the blocks."""
+    if not shape.known:
+        return (shape.flops_per_token(seq_len) / stages,) * stages
+    attention = 12.0 * shape.n_heads * shape.head_dim * seq_len
+    unused = (shape.moe_experts - shape.moe_top_k) * 3 * shape.d_model * shape.moe_hidden if shape.moe else 0
+    dense, moe = 6.0 * shape.layer_params + attention, 6.0 * (shape.moe_layer_params - unused) + attention
+    out = []
+    for stage in range(stages):
+        start, count = shape.stage_layers(stage, stages)
+        routed = shape.moe_layers_in(start, count)
+        head = 6.0 * (shape.vocab_size * shape.d_model + shape.d_model) if stage == stages - 1 else 0.0
+        out.append((count - routed) * dense + routed * moe + head)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
 def _moe_stage_params(shape: ModelShape, stage: int, stages: int) -> int:
     """ModelShape.stage_params of an MoE model, remembered (the search asks for every stage's often)."""
     return shape._stage_params(stage, stages)
@@ -226,14 +248,15 @@ def _moe_stage_layers(shape: ModelShape, stage: int, stages: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _moe_priced_stages(shape: ModelShape, stages: int) -> tuple[int, ...]:
+def _priced_stages(shape: ModelShape, stages: int) -> tuple[int, ...]:
     heaviest = max(range(stages), key=lambda s: (shape.stage_params(s, stages), -s))
     return tuple(sorted({0, stages - 1, heaviest}))
 
 
 def layers_of_stage(n_layers: int, stage: int, stages: int) -> int:
-    """Balanced split: the first n_layers % stages stages take one extra layer."""
-    return n_layers // stages + (1 if stage < n_layers % stages else 0)
+    """The blocks of one pipeline stage, as the run splits them (config.stage_sizes: the extra
+    layers to the middle stages, then the first, never the last)."""
+    return stage_sizes(n_layers, stages)[stage]
 
 
 def attention_kv_width(shape: ModelShape, elem: int, device: str = "cpu", masked: bool = False) -> int:

@@ -39,6 +39,7 @@ Then, for both:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -49,8 +50,14 @@ from loom.plan.comm import DDP_BUCKET, CommAccount, cp_exchange, ep_payload_per_
 from loom.plan.comm import ring as comm_ring
 from loom.plan.efficiency import D0_SCALE, DEFAULT, FAMILY, compute_fraction, link_efficiency
 from loom.plan.in_flight import overlapped_pairs
-from loom.plan.memory import heaviest_rank, rank_lora_params, rank_sum
-from loom.plan.shapes import checkpointed_layers, layers_of_stage
+from loom.plan.memory import (
+    heaviest_rank,
+    pipeline_rank_stages,
+    rank_lora_params,
+    rank_stages_of,
+    rank_sum,
+)
+from loom.plan.shapes import checkpointed_layers, stage_flops_per_token
 from loom.plan.terms import NO_TERMS, Terms, gb, num, sec
 
 # Elementwise traffic of one decoder block's forward + backward per token (bytes, fp32), counted
@@ -201,6 +208,25 @@ def pipeline_text(cfg, shape=None) -> str:
             f"(F:B:W = {split.f / t:.2f}:{split.b / t:.2f}:{split.w / t:.2f})")
 
 
+def busiest_pipeline_rank(w, c) -> tuple[int, float]:
+    """(the pipeline rank whose stages run the most FLOPs, those ÷ the mean rank's). A pipeline runs
+    at its slowest rank's pace, and the head's stage runs more than its share: the 1b's 128,256 × 2048
+    head is three and a half of its blocks at 4,096 tokens, so at pp 4 its last rank runs 1.52× the
+    mean (as does rank 0 of a V, which holds both ends). Of LoRA the shares of the dense model's."""
+    if c.pp == 1 or not w.shape.known:
+        return 0, 1.0
+    return _busiest_rank(w.shape, w.seq_len, c.pp, c.schedule, c.virtual_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _busiest_rank(shape, seq_len: int, pp: int, schedule: str, virtual: int) -> tuple[int, float]:
+    """busiest_pipeline_rank, remembered (the search asks for every candidate)."""
+    flops = stage_flops_per_token(shape, seq_len, pipeline_rank_stages(0, pp, schedule, virtual)[1])
+    per_rank = [sum(flops[s] for s in pipeline_rank_stages(r, pp, schedule, virtual)[0]) for r in range(pp)]
+    top = max(range(pp), key=lambda r: (per_rank[r], -r))
+    return top, pp * per_rank[top] / sum(flops)
+
+
 def micro_steps(c) -> int:
     """Forward + backward passes a rank runs per optimizer step (a pipeline stage runs all m)."""
     return c.grad_accum
@@ -310,6 +336,14 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
     if terms:
         terms.item("FLOPs per GPU", "tokens per step × FLOPs per token / GPUs",
                    f"{num(w.tokens_per_step)} × {num(per_token)} / {c.world}", num(flops))
+    top, imbalance = busiest_pipeline_rank(w, c)
+    if imbalance != 1.0:  # the pipeline runs at its busiest rank's pace
+        flops *= imbalance
+        if terms:
+            terms.item("busiest pipeline rank", "p × its stages' share of the FLOPs per token (blocks "
+                       "6·P + 12·H·Q·T each, the last stage's head 6·V·h)", f"rank {top}: {c.pp} × "
+                       f"{num(imbalance / c.pp)}", num(imbalance))
+            terms.item("FLOPs on it", "FLOPs per GPU × that", None, num(flops))
     flops += moe_extra_flops(w, c, terms)
     if cluster.achievable_fraction:
         fraction = cluster.achievable_fraction
@@ -366,7 +400,7 @@ def catalog_step_time(w, c, cluster, comm: CommAccount, groups: dict[str, float]
     recompute = _recompute(w, c, compute, gpu, terms)
     recompute += _head_recompute(w, c, gpu.bf16_tflops * 1e12 * fraction, terms)
     busy = compute + recompute
-    bubble = _bubble(w, c, busy, terms)
+    bubble = _bubble(w, c, busy, terms, imbalance)
     efficiency = cluster.comm_efficiency or link_efficiency(gpu)
     if terms:
         terms.note(f"exposed communication: bytes / (link × efficiency {num(efficiency)}) + α × count "
@@ -506,8 +540,6 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
                            f"({sec(layer)} − {sec(dense_ffn)} + {sec(moe_ffn)}) × {num(in_situ)}",
                            sec(moe_layer))
         layer *= in_situ
-        layers = layers_of_stage(shape.n_layers, 0, c.pp)
-        last_layers = layers_of_stage(shape.n_layers, c.pp - 1, c.pp)
         vocab = shape.vocab_size / tp
         head_rate = profile.linear_flops(ranks, tokens, d, vocab)
         trains = w.lora is None or w.lora.train_embeddings  # LoRA: a frozen head has no weight gradient
@@ -525,34 +557,35 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
         elif terms:
             terms.item("embedding backward", "2·4·V·h/tp / bandwidth (a dense [V, h] gradient)",
                        f"8·{shape.vocab_size}·{d}/{tp} / {num(bandwidth / 1e9)} GB/s", sec(embedding))
-        first = layers * layer + (embedding if c.pp > 1 else 0.0)
-        last = last_layers * layer + head + (embedding if c.pp == 1 else 0.0)
-        heaviest = max(first, last)
-        ckpt_layers, ckpt_moe = layers, 0  # the blocks and MoE blocks recomputed: the heaviest stage's
-        if shape.moe:
-            def stage_seconds(stage: int) -> float:
-                count, moe = layers_of_stage(shape.n_layers, stage, c.pp), shape.stage_moe_layers(stage, c.pp)
-                ends = (embedding if stage == 0 else 0.0) + (head if stage == c.pp - 1 else 0.0)
-                return (count - moe) * layer + moe * moe_layer + ends
 
-            top = max(range(c.pp), key=stage_seconds)
-            heaviest = stage_seconds(top)
-            start, ckpt_layers = shape.stage_layers(top, c.pp)
-            ckpt_moe = experts.checkpointed_moe_layers(shape, start, ckpt_layers, c.activation_checkpointing,
-                                                       c.ac_every)
-            if terms:
-                count, moe = ckpt_layers, shape.stage_moe_layers(top, c.pp)
-                terms.item("heaviest stage" if c.pp > 1 else "one micro-step",
-                           "(L_s − L_m)·block + L_m·MoE block + embedding, head where held",
-                           f"({count} − {moe})·{sec(layer)} + {moe}·{sec(moe_layer)} + …", sec(heaviest))
-        elif c.pp > 1 and terms:
-            terms.item("heaviest stage", "max(L_0·block + embedding, L_last·block + head)",
-                       f"max({layers}·{sec(layer)} + {sec(embedding)}, "
-                       f"{last_layers}·{sec(layer)} + {sec(head)})",
+        def stage_seconds(stage: int, stages: int) -> float:
+            """A micro-batch through one stage: its blocks, the embedding's backward on the first, the
+            head and the loss on the last."""
+            start, count = shape.stage_layers(stage, stages)
+            moe = shape.moe_layers_in(start, count)
+            ends = (head if stage == stages - 1 else 0.0) + (embedding if stage == 0 else 0.0)
+            return (count - moe) * layer + moe * moe_layer + ends
+
+        # the pipeline runs at its busiest rank's pace: the head's, or a V's rank 0 holding both ends
+        top = max(range(c.pp), key=lambda r: (rank_sum(c, r, stage_seconds, 0.0), -r))
+        heaviest = rank_sum(c, top, stage_seconds, 0.0)
+        imbalance = heaviest * c.pp / sum(rank_sum(c, r, stage_seconds, 0.0) for r in range(c.pp))
+        stages, total = rank_stages_of(c, top)
+        ckpt_layers = ckpt_moe = 0  # the blocks and MoE blocks recomputed: the busiest rank's
+        for stage in stages:
+            start, count = shape.stage_layers(stage, total)
+            ckpt_layers += count
+            ckpt_moe += experts.checkpointed_moe_layers(shape, start, count, c.activation_checkpointing,
+                                                        c.ac_every)
+        if terms:
+            moe = rank_sum(c, top, shape.stage_moe_layers)
+            what = (f"rank {top}, its stages {', '.join(map(str, stages))} of {total}: " if c.pp > 1 else "")
+            ends = " + the embedding" * (stages[0] == 0) + " + head" * (stages[-1] == total - 1)
+            terms.item("busiest rank's micro-step" if c.pp > 1 else "one micro-step",
+                       "Σ its stages' (L_s − L_m)·block + L_m·MoE block, the embedding's backward and the "
+                       "head + loss where held",
+                       f"{what}({ckpt_layers} − {moe})·{sec(layer)} + {moe}·{sec(moe_layer)}{ends}",
                        sec(heaviest))
-        elif terms:
-            terms.item("one micro-step", "L·block + head + embedding",
-                       f"{layers}·{sec(layer)} + {sec(head)} + {sec(embedding)}", sec(heaviest))
         compute = micro_steps(c) * heaviest
         if terms:
             terms.item("compute", "micro-steps × that", f"{micro_steps(c)} × {sec(heaviest)}", sec(compute))
@@ -585,9 +618,9 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
             terms.item("compute", "tokens × FLOPs per token / GPUs / best measured rate",
                        f"{num(w.tokens_per_step)} × {num(per_token)} / {c.world} / "
                        f"{num(peak / 1e12)} TFLOP/s", sec(compute))
-        recompute = 0.0
+        recompute, imbalance = 0.0, 1.0
     busy = compute + recompute
-    bubble = _bubble(w, c, busy, terms)
+    bubble = _bubble(w, c, busy, terms, imbalance)
     # Collectives at their measured cost, and the copies in and out of their buffers.
     if terms:
         terms.note("collectives at their measured α·count + payload/β, plus copying the payload in and out "
@@ -886,15 +919,18 @@ def _recompute(w, c, compute: float, gpu=None, terms: Terms = NO_TERMS) -> float
 def _head_recompute(w, c, rate: float, terms: Terms = NO_TERMS) -> float:
     """The chunked loss's head matmul again in backward, where its gradients are not made in forward
     (candidate.head_recomputed: GPipe, the split backwards): 2·s·b·h·V/tp FLOPs a micro-batch on the
-    last stage, at `rate`, FLOP/s (the stages wait for it)."""
+    last stage for each backward pass through it, one under GPipe, two under a split backward (its
+    input pass and its weight pass each take the logits again: loom/parallel/backward_pass.py), at
+    `rate`, FLOP/s (the stages wait for it)."""
     if not w.shape.known or not head_recomputed(w, c):
         return 0.0
     tokens = c.local_seq(w.seq_len) * c.micro_batch
-    seconds = micro_steps(c) * 2 * tokens * w.shape.d_model * w.shape.vocab_size / c.tp / rate
+    again = 2 if c.split_backward else 1
+    seconds = micro_steps(c) * again * 2 * tokens * w.shape.d_model * w.shape.vocab_size / c.tp / rate
     if terms:
-        terms.item("loss recompute", f"micro-steps × 2·s·b·h·V/tp / rate (train.loss_chunk under "
-                   f"{c.schedule}: each chunk's logits again in backward)",
-                   f"{micro_steps(c)} × 2·{tokens}·{w.shape.d_model}·{w.shape.vocab_size}/{c.tp} / "
+        terms.item("loss recompute", f"micro-steps × passes × 2·s·b·h·V/tp / rate (train.loss_chunk under "
+                   f"{c.schedule}: each chunk's logits again in each backward pass)",
+                   f"{micro_steps(c)} × {again} × 2·{tokens}·{w.shape.d_model}·{w.shape.vocab_size}/{c.tp} / "
                    f"{num(rate / 1e12)} TFLOP/s", sec(seconds))
     return seconds
 
@@ -915,10 +951,17 @@ def _ep_exposed(c, ep_s: float, busy: float, terms: Terms = NO_TERMS) -> float:
     return ep_s - hidden
 
 
-def _bubble(w, c, busy: float, terms: Terms = NO_TERMS) -> float:
-    """The schedule's idle time (bubble_time) as a share b of the step, then busy · b/(1−b)."""
+def _bubble(w, c, busy: float, terms: Terms = NO_TERMS, imbalance: float = 1.0) -> float:
+    """The schedule's idle time (bubble_time) as a share b of the step, then busy · b/(1−b). `busy` is
+    the busiest rank's; the fill and drain pass through every rank, so the bubble is priced on the
+    mean rank's, busy ÷ `imbalance` (the busiest rank's passes ÷ the mean's)."""
     if c.pp <= 1:
         return 0.0
+    if imbalance != 1.0:
+        if terms:
+            terms.item("mean rank's busy", "busy ÷ the busiest rank's share over the mean's (the fill and "
+                       "drain pass every rank)", f"{sec(busy)} ÷ {num(imbalance)}", sec(busy / imbalance))
+        busy /= imbalance
     p, m, v, schedule = c.pp, c.grad_accum, c.virtual_stages, c.schedule
     split = passes(w.shape, w.seq_len, w.lora)
     b = bubble_fraction(p, m, v, schedule, split)

@@ -194,3 +194,19 @@ BUGS += [
         ("tests/unit/test_plan_schedules.py::test_1f1b_holds_a_backwards_input_gradient_in_its_send",
          f"{MEASURED}::test_pipeline_activation_peak_in_16_bit[1f1b]")),
 ]
+
+PASSES = "tests/unit/test_backward_pass.py"
+BUGS += [
+    Bug("split-pass-takes-every-weight", "a split backward's input pass computes the weights' gradients "
+        "too (each Function's weight matmul done twice)", "loom/parallel/backward_pass.py",
+        "    return _pass != INPUT\n", "    return True\n",
+        (f"{PASSES}::test_the_two_passes_give_the_full_backwards_gradients_computing_each_once",)),
+    Bug("stage-backward-pass-unnamed", "the pipeline stage runs every backward as a full one",
+        "loom/parallel/pipeline.py", "        with backward_pass(backward_type):",
+        "        with backward_pass(\"full\"):",
+        (f"{PASSES}::test_the_pipeline_stage_runs_each_backward_in_its_pass",)),
+    Bug("chunked-loss-weight-in-input-pass", "the chunked loss's input pass computes the head's gradient too",
+        "loom/models/chunked_loss.py", "        need_w = ctx.needs_input_grad[1] and takes_weights()\n",
+        "        need_w = ctx.needs_input_grad[1]\n",
+        (f"{PASSES}::test_the_two_passes_give_the_full_backwards_gradients_computing_each_once",)),
+]

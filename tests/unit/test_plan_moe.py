@@ -92,11 +92,12 @@ def test_deepseek_stages_hold_dense_then_moe_blocks_and_the_heaviest_is_priced()
     middle stage only MoE blocks, the heaviest; gpu_memory prices that one too."""
     shape, cfg = from_preset("deepseek-v3"), preset("deepseek-v3")
     assert cfg.moe_dense_first == 3
-    first = 3 * shape.layer_params + (16 - 3) * shape.moe_layer_params + shape.embedding_params
-    assert shape.stage_layers(0, 4) == (0, 16) and shape.stage_params(0, 4) == first
-    assert shape.stage_layers(1, 4) == (16, 15) and shape.stage_params(1, 4) == 15 * shape.moe_layer_params
-    assert shape.stage_moe_layers(0, 4) == 13
-    assert shape.stage_routed_params(1, 4) == 15 * shape.routed_params_per_block
+    # 61 blocks in 4 stages: 15, 16, 15, 15 (the extra block to a middle stage, as the run splits them)
+    first = 3 * shape.layer_params + (15 - 3) * shape.moe_layer_params + shape.embedding_params
+    assert shape.stage_layers(0, 4) == (0, 15) and shape.stage_params(0, 4) == first
+    assert shape.stage_layers(1, 4) == (15, 16) and shape.stage_params(1, 4) == 16 * shape.moe_layer_params
+    assert shape.stage_moe_layers(0, 4) == 12
+    assert shape.stage_routed_params(1, 4) == 16 * shape.routed_params_per_block
     assert shape.priced_stages(8) == [0, 1, 7]  # stage 1: eight MoE blocks, more than the first's or last's
     w = Workload(shape, 4096, 64)
     c = Candidate("zero3", 8, pp=8, schedule="1f1b", grad_accum=8, activation_checkpointing="full", ep=8)

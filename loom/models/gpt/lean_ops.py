@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loom.parallel.backward_pass import takes_inputs, takes_weights
+
 # Plain autograd ops instead of the Functions that take a parameter (RMSNorm, SwiGLU-down): the same
 # math, with autograd's saved tensors. For a zero-bubble pipeline on a torch whose weight pass cannot
 # start at a Python Function (loom/parallel/pipeline.py: weight_pass_takes_functions); set per run.
@@ -44,11 +46,13 @@ class _RMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         xhat = x.float() * rstd
         g = grad.float()
-        # The weight saw the normalized tensor rounded to x's dtype (forward's type_as).
-        grad_w = (g * xhat.type_as(x).float()).sum(dim=tuple(range(g.ndim - 1)))
-        gn = g * weight.float()
-        grad_x = rstd * (gn - xhat * (gn * xhat).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None, None
+        grad_x = grad_w = None
+        if takes_weights():  # the weight saw the normalized tensor rounded to x's dtype (forward's type_as)
+            grad_w = (g * xhat.type_as(x).float()).sum(dim=tuple(range(g.ndim - 1))).to(weight.dtype)
+        if takes_inputs():
+            gn = g * weight.float()
+            grad_x = (rstd * (gn - xhat * (gn * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_w, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,13 +137,16 @@ class _SwiGLUDown(torch.autograd.Function):
             # At most two f-wide tensors of its own live at once (autograd's backward of the unfused
             # product holds three): w2's input recomputed and dropped after the weight's gradient, then
             # silu(gate) again (one f-wide pass more) and every other step in place.
-            product = F.silu(gate).mul_(up)
-            # As mm's backward computes it for nn.Linear's transposed weight: grad^T · input, contiguous
-            # (the same kernel, so the same rounding; no copy into the parameter's layout).
-            grad_w = grad.flatten(0, -2).t().mm(product.flatten(0, -2))
-            del product
-            grad_product = grad.matmul(weight.to(grad.dtype))
-            return *_swiglu_grads(gate, up, grad_product), grad_w.to(weight.dtype)
+            grad_w = grad_gate = grad_up = None
+            if takes_weights():
+                product = F.silu(gate).mul_(up)
+                # As mm's backward computes it for nn.Linear's transposed weight: grad^T · input,
+                # contiguous (the same kernel, so the same rounding; no copy into the parameter's layout).
+                grad_w = grad.flatten(0, -2).t().mm(product.flatten(0, -2)).to(weight.dtype)
+                del product
+            if takes_inputs():
+                grad_gate, grad_up = _swiglu_grads(gate, up, grad.matmul(weight.to(grad.dtype)))
+            return grad_gate, grad_up, grad_w
 
 
 def _swiglu_grads(gate: torch.Tensor, up: torch.Tensor, grad_product: torch.Tensor) -> tuple:
@@ -163,11 +170,14 @@ class _GroupedSwiGLUDown(torch.autograd.Function):
         grad = grad.contiguous()
         # The two grouped GEMMs, in the layouts, that _grouped_mm's own backward runs (torch 2.11 and
         # 2.13 alike: what CUDA's kernel takes), w2's input recomputed for the first and dropped.
-        product = F.silu(gate).mul_(up)
-        grad_w = torch._grouped_mm(grad.t(), product, offs=ends)  # [E, d, hidden], the weight's layout
-        del product
-        grad_product = torch._grouped_mm(grad, weight, offs=ends)
-        return *_swiglu_grads(gate, up, grad_product), grad_w, None
+        grad_w = grad_gate = grad_up = None
+        if takes_weights():
+            product = F.silu(gate).mul_(up)
+            grad_w = torch._grouped_mm(grad.t(), product, offs=ends)  # [E, d, hidden], the weight's layout
+            del product
+        if takes_inputs():
+            grad_gate, grad_up = _swiglu_grads(gate, up, torch._grouped_mm(grad, weight, offs=ends))
+        return grad_gate, grad_up, grad_w, None
 
 
 def grouped_swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
