@@ -16,8 +16,8 @@ SWIGLU = (f"{LEAN}::test_a_hooked_w2_goes_through_its_module_and_keeps_the_produ
 
 BUGS = [
     Bug("lean-norm-grad-drops-mean", "RMSNorm's input gradient leaves out the statistics' term", OPS,
-        "grad_x = rstd * (gn - xhat * (gn * xhat).mean(-1, keepdim=True))",
-        "grad_x = rstd * gn", FP32),
+        "grad_x = (rstd * (gn - xhat * (gn * xhat).mean(-1, keepdim=True)))",
+        "grad_x = (rstd * gn)", FP32),
     Bug("lean-norm-grad-w-unrounded", "RMSNorm's weight gradient from the input, not the normalized tensor",
         OPS, "grad_w = (g * xhat.type_as(x).float())", "grad_w = (g * x.float())", FP32),
     Bug("lean-norm-keeps-fp32", "RMSNorm keeps its fp32 copy of the input for backward", OPS,

@@ -15,7 +15,7 @@ SAVED = (f"{LEAN}::test_saved_bytes_are_the_planners_formula",
 
 BUGS = [
     Bug("down-product-recomputed-wrong", "swiglu_down's backward recomputes w2's input as gate · up", OPS,
-        "            product = F.silu(gate).mul_(up)", "            product = gate * up", DOWN),
+        "                product = F.silu(gate).mul_(up)", "                product = gate * up", DOWN),
     Bug("down-grad-up-from-gate", "swiglu_down's up gradient multiplies by gate, not silu(gate)", OPS,
         "    grad_up = F.silu(gate).mul_(grad_product)", "    grad_up = gate * grad_product", DOWN),
     Bug("down-weight-grad-from-gate", "swiglu_down's weight gradient from gate instead of the product", OPS,

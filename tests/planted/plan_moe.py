@@ -21,8 +21,8 @@ BUGS = [
     Bug("moe-stages-all-start-at-block-0", "every pipeline stage taken to start at block 0 (DeepSeek's "
         "dense blocks on every stage)",
         "loom/plan/shapes.py",
-        "return stage * base + min(stage, extra), layers_of_stage(self.n_layers, stage, stages)",
-        "return 0, layers_of_stage(self.n_layers, stage, stages)",
+        "        return sum(sizes[:stage]), sizes[stage]",
+        "        return 0, sizes[stage]",
         (f"{MOE}::test_deepseek_stages_hold_dense_then_moe_blocks_and_the_heaviest_is_priced",)),
     Bug("moe-heaviest-stage-not-priced", "only the first and last pipeline stages priced for an MoE model",
         "loom/plan/shapes.py",
