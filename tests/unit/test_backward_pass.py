@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from loom.models.chunked_loss import chunked_cross_entropy
 from loom.models.gpt.lean_ops import rms_norm, swiglu_down
 from loom.parallel import backward_pass as passes
-from loom.parallel.pipeline import _Stage
+from loom.parallel.pipeline import _Stage, weight_pass_takes_functions
 
 TOKENS, D, F, V, CHUNK = 16, 8, 12, 20, 4
 
@@ -77,6 +77,12 @@ def _split(model: _Head) -> tuple[list[torch.Tensor], torch.Tensor, int]:
 
 
 def test_the_two_passes_give_the_full_backwards_gradients_computing_each_once():
+    if not weight_pass_takes_functions():
+        # torch 2.11: its weight pass cannot start at a Python Function, so loom's driver runs plain
+        # ops and the full logits under a split backward (lean_ops.use_plain_ops), never these
+        with pytest.raises(RuntimeError):
+            _split(_Head())
+        return
     full_grads, full_dx, full_mm = _full(_Head())
     split_grads, split_dx, split_mm = _split(_Head())
     torch.testing.assert_close(split_dx, full_dx, rtol=1e-6, atol=1e-7)
