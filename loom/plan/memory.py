@@ -145,8 +145,7 @@ def rank_blocks(n_layers: int, pp: int, schedule: str, virtual: int) -> tuple[in
     the search asks for every candidate)."""
     if pp == 1:
         return (n_layers,)
-    stages, total = pipeline_rank_stages(0, pp, schedule, virtual)
-    sizes = stage_sizes(n_layers, total)
+    sizes = stage_sizes(n_layers, pipeline_rank_stages(0, pp, schedule, virtual)[1])
     return tuple(sum(sizes[s] for s in pipeline_rank_stages(r, pp, schedule, virtual)[0]) for r in range(pp))
 
 
@@ -177,7 +176,7 @@ def rank_sum(c, rank: int, of_stage, zero=0):
 
 def priced_ranks(shape, c) -> list[int]:
     """The pipeline ranks the planner prices: with one stage a rank, ModelShape.priced_stages (the
-    embedding's, the head's, an MoE model's fullest); with several, ranks 0 and p − 1 (a V puts both
+    embedding's, the head's, the fullest); with several, ranks 0 and p − 1 (a V puts both
     ends on rank 0, and its turn on rank p − 1, which sends nothing between its two stages: under a V
     rank 1 too), and the rank whose stages hold the most parameters (an uneven split's extra blocks
     fall on middle stages), of an MoE model also the one holding the most MoE blocks (those fall
