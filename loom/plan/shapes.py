@@ -225,8 +225,9 @@ def stage_flops_per_token(shape: ModelShape, seq_len: int, stages: int) -> tuple
     if not shape.known:
         return (shape.flops_per_token(seq_len) / stages,) * stages
     attention = 12.0 * shape.n_heads * shape.head_dim * seq_len
-    unused = (shape.moe_experts - shape.moe_top_k) * 3 * shape.d_model * shape.moe_hidden if shape.moe else 0
-    dense, moe = 6.0 * shape.layer_params + attention, 6.0 * (shape.moe_layer_params - unused) + attention
+    dense = 6.0 * shape.layer_params + attention
+    moe = 6.0 * (shape.moe_layer_params - shape.moe_ffn_params() + shape.moe_ffn_params(active=True)) \
+        + attention if shape.moe else 0.0
     out = []
     for stage in range(stages):
         start, count = shape.stage_layers(stage, stages)
