@@ -567,9 +567,10 @@ def measured_step_time(w, c, cluster, comm: CommAccount, terms: Terms = NO_TERMS
             return (count - moe) * layer + moe * moe_layer + ends
 
         # the pipeline runs at its busiest rank's pace: the head's, or a V's rank 0 holding both ends
-        top = max(range(c.pp), key=lambda r: (rank_sum(c, r, stage_seconds, 0.0), -r))
-        heaviest = rank_sum(c, top, stage_seconds, 0.0)
-        imbalance = heaviest * c.pp / sum(rank_sum(c, r, stage_seconds, 0.0) for r in range(c.pp))
+        per_rank = [rank_sum(c, r, stage_seconds, 0.0) for r in range(c.pp)]
+        top = max(range(c.pp), key=lambda r: (per_rank[r], -r))
+        heaviest = per_rank[top]
+        imbalance = heaviest * c.pp / sum(per_rank)
         stages, total = rank_stages_of(c, top)
         ckpt_layers = ckpt_moe = 0  # the blocks and MoE blocks recomputed: the busiest rank's
         for stage in stages:
