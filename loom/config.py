@@ -143,6 +143,9 @@ class ParallelConfig:
     # all-to-alls under the other's compute (false: the two one after the other, as torch runs them)
     dualpipev_overlap: bool = True
     microbatches: int = 0  # pipeline micro-batches per micro-step; 0 = pp
+    # blocks in each pipeline stage, in stage order (pp × stages per rank of them, summing to the model's
+    # layers): fewer on the head's stage balances its vocabulary-sized matmuls; empty: an even split
+    pp_stage_layers: list[int] = field(default_factory=list)
     tp: int = 1  # tensor-parallel degree (innermost mesh dim: the ranks of one node)
     sequence_parallel: bool = False  # tp: shard norms and residuals along the sequence
     # context parallel: each sequence split over cp ranks (a chunk from the front and its mirror from
@@ -349,6 +352,7 @@ RULES: dict[str, Rule] = {
     "parallel.pp": _count(), "parallel.pp_schedule": _one_of(PP_SCHEDULES),
     "parallel.pp_virtual_stages": _count(1, MAX_LAYERS),
     "parallel.microbatches": _count(0, why="(0: one per stage)"),
+    "parallel.pp_stage_layers": _count(1, MAX_LAYERS, "(each stage holds at least one block)", "[3, 3, 2]"),
     "parallel.tp": _count(),
     "parallel.cp": _count(), "parallel.cp_mode": _one_of(CP_MODES), "parallel.ep": _count(),
     "parallel.activation_checkpointing": _one_of(ACTIVATION_CHECKPOINTING),
@@ -451,11 +455,15 @@ def _check_rule(path: str, value: Any) -> None:
                 raise ConfigError(f"{path} = {_shown(value)} holds a NUL character; {rule.why}")
             if not item.strip() and (item or not rule.optional):
                 raise ConfigError(f"{path} = {_shown(value)} is {'blank' if item else 'empty'}; {rule.why}")
-    elif not _within(value, rule):
-        kind = "a finite number " if isinstance(value, float) else ""
-        why = f" {rule.why}" if rule.why else ""
-        raise ConfigError(f"{path} = {_shown(value)} must be {kind}{_bounds(value, rule)}{why}, "
-                          f"e.g. --set {path}={_example(path, rule)}")
+    else:
+        for item in value if isinstance(value, list) else [value]:
+            if _within(item, rule):
+                continue
+            kind = "a finite number " if isinstance(item, float) else ""
+            why = f" {rule.why}" if rule.why else ""
+            which = f"{path} = {_shown(value)}" + (f": {_shown(item)}" if isinstance(value, list) else "")
+            raise ConfigError(f"{which} must be {kind}{_bounds(item, rule)}{why}, "
+                              f"e.g. --set {path}={_example(path, rule)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,10 +483,12 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
     """Check `value` against the field's type hint; ints are accepted where floats are."""
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
-        example = '["tensorboard"]' if item is str else '[{source = "a.jsonl", weight = 1}]'
-        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
-            raise ConfigError(f"{path} must be a list of {'strings' if item is str else 'tables'}, got "
-                              f"{value!r}; e.g. --set '{path}={example}'")
+        example, items = {str: ('["tensorboard"]', "strings"), int: ("[3, 3, 2]", "integers"),
+                          dict: ('[{source = "a.jsonl", weight = 1}]', "tables")}[item]
+        typed = isinstance(value, list) and all(isinstance(v, item) and type(v) is not bool for v in value)
+        if not typed:
+            raise ConfigError(f"{path} must be a list of {items}, got {_shown(value)}; "
+                              f"e.g. --set '{path}={example}'")
         return value
     args = typing.get_args(hint)
     if type(None) in args:
@@ -796,6 +806,8 @@ def validate(cfg: Config, world_size: int, cuda_available: bool | None = None,
     _check_lora(cfg)
     if splits_backward(p):
         _check_split_backward(p)
+    if dims.pp > 1 and p.pp_stage_layers:
+        _check_stage_count(p)
     if dims.pp > 1 and t.precision == "fp16":
         raise ConfigError("fp16 loss scaling is not wired into the pipeline schedules; "
                           "use train.precision=bf16")
@@ -835,6 +847,19 @@ def _check_muon(cfg: Config) -> None:
         raise ConfigError(f"train.optimizer = 'muon' with zero1 and parallel.tp = {p.tp}: ZeRO-1 steps each "
                           f"rank's TP shard of a matrix alone, and Muon needs the whole matrix; set "
                           f"parallel.strategy=zero2 (or zero3), or parallel.tp=1")
+
+
+def _check_stage_count(p: ParallelConfig) -> None:
+    """parallel.pp_stage_layers names one count per stage: pp × the schedule's stages per rank (whether
+    they sum to the model's layers is checked where the model is known: validate_pipeline)."""
+    stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_virtual_stages)
+    given = len(p.pp_stage_layers)
+    if given != stages:
+        per = stages // p.pp
+        runs = f"pp {p.pp} × {per} stages per rank ({p.pp_schedule})" if per > 1 else f"pp {p.pp}"
+        raise ConfigError(f"parallel.pp_stage_layers = {_shown(p.pp_stage_layers)} gives {given} stage"
+                          f"{'s' if given != 1 else ''}, but {runs} runs {stages}; give {stages} block "
+                          f"counts in stage order, or leave it empty for an even split")
 
 
 def _check_split_backward(p: ParallelConfig) -> None:
@@ -1192,11 +1217,16 @@ def rank_stages(rank: int, pp: int, virtual: int = 1, schedule: str = "1f1b") ->
 
 
 @functools.lru_cache(maxsize=4096)
-def stage_sizes(n_layers: int, stages: int) -> tuple[int, ...]:
-    """Blocks in each of a pipeline's stages, in order, differing by at most one. The leftover
+def stage_sizes(n_layers: int, stages: int, split: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Blocks in each of a pipeline's stages, in order: `split` (parallel.pp_stage_layers, checked by
+    validate_pipeline) where given, else an even split, differing by at most one. The leftover
     blocks (n_layers mod stages) go to the middle stages first (from stage 1 on), then to the first
     (its embedding is a cheap lookup); the last, which also runs the norm, the vocabulary-sized head
     and the loss, never gets one. Here, below the planner, so that it prices the split that runs."""
+    if split:
+        if len(split) != stages or sum(split) != n_layers:
+            raise ValueError(f"a split {split} of {n_layers} layers into {stages} stages")
+        return tuple(split)
     base, extra = divmod(n_layers, stages)
     sizes = [base] * stages
     for s in (list(range(1, stages - 1)) + [0])[:extra]:  # extra < stages: the last is never reached
@@ -1220,7 +1250,8 @@ def inert_settings(cfg: Config, dims: ParallelDims) -> list[str]:
                   for k in ("dp_replicate", "dp_shard") if getattr(p, k) != getattr(default, k)]
     if dims.pp == 1:
         inert += [f"parallel.{k} = {getattr(p, k)!r} has no effect with parallel.pp = 1 (no pipeline)"
-                  for k in ("microbatches", "pp_schedule") if getattr(p, k) != getattr(default, k)]
+                  for k in ("microbatches", "pp_schedule", "pp_stage_layers")
+                  if getattr(p, k) != getattr(default, k)]
     if dims.tp == 1 and p.sequence_parallel:
         inert.append("parallel.sequence_parallel = true has no effect with parallel.tp = 1 (it splits "
                      "tensor parallelism's norms and residuals)")

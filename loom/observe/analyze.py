@@ -40,8 +40,10 @@ def analyze(trace_dir: Path) -> dict:
     parallel = (config or {}).get("parallel", {})
     analysis["run"] = {"name": run_dir.name, "strategy": parallel.get("strategy"),
                        "world_size": len(analysis["ranks"])} | run_facts(run_dir, config, analysis)
-    if config is not None:  # the layout's context parallelism (the report's header, --compare)
-        analysis["run"] |= {"cp": parallel.get("cp", 1), "cp_mode": parallel.get("cp_mode", "ring")}
+    if config is not None:  # the layout's context parallelism and pipeline (the report's header, --compare)
+        analysis["run"] |= {"cp": parallel.get("cp", 1), "cp_mode": parallel.get("cp_mode", "ring"),
+                            "pp": parallel.get("pp", 1),
+                            "pp_stage_layers": parallel.get("pp_stage_layers", [])}
     analysis["moe"] = analysis["run"].pop("_moe")
     analysis["plan"] = run_plan(run_dir / "plan.json")
     analysis["measured_vs_planned"] = measured_vs_planned(run_dir / "summary.json")
@@ -70,6 +72,10 @@ def run_config(path: Path) -> dict | None:
                 continue
             if kind is str:
                 out[key] = fields.str(key, choices=low, nonempty=key != "init_from")
+            elif kind is bool:
+                out[key] = fields.bool(key)
+            elif kind is list:  # of counts
+                out[key] = fields.list(key, of=int, max_len=high)
             elif kind is int:
                 out[key] = fields.int(key, min=low, max=high)
             else:  # sizes: ddp_bucket_mb above 0, fsdp_unit_mb 0 or more (0: one unit per module)
@@ -82,8 +88,11 @@ def run_config(path: Path) -> dict | None:
 # What run_config reads: section -> key -> (type, low, high); text: (str, the choices or None, None).
 _TEXT, _COUNT = (str, None, None), (int, 0, 1 << 20)
 _CONFIG_KEYS = {
+    # the model's shape: the heads (cp's exchange), and for a pipeline's balanced split every count
     "model": {"preset": _TEXT, "n_heads": _COUNT, "n_kv_heads": _COUNT, "n_layers": _COUNT,
-              "init_from": _TEXT,
+              "init_from": _TEXT, "vocab_size": _COUNT, "d_model": _COUNT, "ffn_hidden": _COUNT,
+              "tie_embeddings": (bool, None, None), "moe_every": _COUNT, "moe_dense_first": _COUNT,
+              "moe_ffn_hidden": _COUNT, "moe_shared_experts": _COUNT,
               "moe_experts": (int, 0, MAX_EXPERTS), "moe_top_k": (int, 1, MAX_EXPERTS),
               "moe_aux_loss_coef": (float, 0, 1e6), "moe_bias_update_rate": (float, 0, 1e6),
               "moe_capacity_factor": (float, 0, 1e6)},
@@ -91,6 +100,7 @@ _CONFIG_KEYS = {
     "parallel": {"strategy": _TEXT, "engine": _TEXT, "fsdp_prefetch": (int, 0, 1024),
                  "fsdp_unit_mb": (float, 0, 1e6), "ddp_bucket_mb": (float, 0, 1e6), "tp": _COUNT,
                  "pp": _COUNT, "pp_schedule": _TEXT, "microbatches": _COUNT, "cp": _COUNT,
+                 "pp_virtual_stages": _COUNT, "pp_stage_layers": (list, None, 1 << 16),
                  "cp_mode": (str, CP_MODES, None), "ep": (int, 1, 1 << 20)},
     "train": {"batch_size": _COUNT, "grad_accum": _COUNT, "precision": _TEXT, "optimizer_impl": _TEXT},
 }

@@ -116,6 +116,7 @@ def summarize(analysis: dict) -> dict:
     kind = "/".join(sorted({info.get("kind") for info in ranks.values() if info.get("kind")})) or None
     return {"name": run.get("name"), "strategy": run.get("strategy"), "ranks": len(ranks),
             "steps": len(timed), "kind": kind, "cp": run.get("cp"), "cp_mode": run.get("cp_mode"),
+            "pp": run.get("pp"), "pp_stage_layers": run.get("pp_stage_layers"),
             # a mixture of experts (analyze.py's run facts); with config.toml read (cp known), a dense run
             "ep": run.get("ep"),
             "moe": run.get("moe") or ({"experts": 0} if run.get("cp") is not None else None),
@@ -186,7 +187,8 @@ def compare(analysis_a: dict, analysis_b: dict) -> dict:
     return result
 
 
-_RUN_KEYS = ("name", "strategy", "ranks", "steps", "kind", "cp", "cp_mode", "ep", "moe")
+_RUN_KEYS = ("name", "strategy", "ranks", "steps", "kind", "cp", "cp_mode", "pp", "pp_stage_layers", "ep",
+             "moe")
 # A mixture of experts' keys in config.toml, by analyze.py's names for them (diagnose.moe_config).
 _MOE_KEYS = (("experts", "model.moe_experts"), ("top_k", "model.moe_top_k"),
              ("aux_loss_coef", "model.moe_aux_loss_coef"), ("bias_update_rate", "model.moe_bias_update_rate"),
@@ -196,8 +198,8 @@ _MOE_KEYS = (("experts", "model.moe_experts"), ("top_k", "model.moe_top_k"),
 def _layout_keys(a: dict, b: dict) -> list[dict]:
     """The context-parallel keys set differently in the two runs' configs (both known): cp, and
     cp_mode where both split sequences (cp > 1); then expert parallelism's ep and the mixture of
-    experts' keys (`_expert_keys`)."""
-    experts = _expert_keys(a, b)
+    experts' keys (`_expert_keys`); then a pipeline's stages, split otherwise at the same pp ([]: evenly)."""
+    experts = _expert_keys(a, b) + _stage_keys(a, b)
     if a["cp"] is None or b["cp"] is None:
         return experts
     out = []
@@ -206,6 +208,14 @@ def _layout_keys(a: dict, b: dict) -> list[dict]:
     if a["cp"] > 1 and b["cp"] > 1 and a["cp_mode"] != b["cp_mode"]:
         out.append({"key": "parallel.cp_mode", "a": a["cp_mode"], "b": b["cp_mode"]})
     return out + experts
+
+
+def _stage_keys(a: dict, b: dict) -> list[dict]:
+    """parallel.pp_stage_layers where both runs are the same pipeline (pp > 1) with their blocks split
+    differently."""
+    if a["pp"] is None or a["pp"] != b["pp"] or a["pp"] < 2 or a["pp_stage_layers"] == b["pp_stage_layers"]:
+        return []
+    return [{"key": "parallel.pp_stage_layers", "a": a["pp_stage_layers"], "b": b["pp_stage_layers"]}]
 
 
 def _expert_keys(a: dict, b: dict) -> list[dict]:

@@ -45,6 +45,10 @@ _CP_CAUSE = {
                    "orthogonalized result back: after backward, only the other matrices' iterations "
                    "can hide them",
 }
+# The pipeline rank holding the head's stage computing this much more than the mean pipeline rank
+# is worth a finding: the pipeline runs at its pace (the 1b's head is 3.4 of its blocks at 4,096
+# tokens: 1.5× the mean at pp 4), and measured compute wobbles by a few percent between ranks.
+STAGE_IMBALANCE = 1.15
 # The busiest expert's tokens over the mean (metrics.jsonl moe_load_imbalance, max over MoE blocks)
 # worth a finding. The MoE block waits for its busiest expert: under expert parallelism every rank
 # waits at the combine all-to-all for the one holding it, on one rank its matmul is the longest,
@@ -78,11 +82,13 @@ def _ms(step: dict, part: str) -> float:
 
 
 def toml_value(value) -> str:
-    """A value as TOML writes it: true, 2, 12.5, "zero2"."""
+    """A value as TOML writes it: true, 2, 12.5, "zero2", [5, 5, 5, 1]."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return json.dumps(str(value))
 
 
@@ -154,8 +160,14 @@ def diagnose(analysis: dict, config: dict | None = None) -> list[dict]:
             f"(their exposed communication {waiting:.0f}% → near the transfer time)"))
 
     waits = _waits(analysis.get("collectives") or [])
-    if not stragglers:
-        imbalance = _imbalance(ranks, waits, analysis.get("collectives") or [], data_cfg)
+    # a pipeline's head's stage computing longest is not a rank slower at the same work: the stages'
+    # finding names it (and its split), not the imbalance's
+    stages = _stage_balance(ranks, cfg)
+    if stages:
+        findings.append(stages)
+    elif not stragglers:
+        imbalance = _imbalance(ranks, waits, analysis.get("collectives") or [], data_cfg,
+                               int(cfg.get("parallel", {}).get("pp") or 1))
         if imbalance:
             findings.append(imbalance)
 
@@ -226,9 +238,10 @@ def _waits(matched: list[dict]) -> dict[str, dict]:
     return out
 
 
-def _imbalance(ranks: dict, waits: dict, matched: list[dict], data_cfg: dict) -> dict | None:
+def _imbalance(ranks: dict, waits: dict, matched: list[dict], data_cfg: dict, pp: int = 1) -> dict | None:
     """A rank that waits a large part of its step at collectives for a slower one, which is not
-    late for lack of work on its host (a straggler) but slow at the same work."""
+    late for lack of work on its host (a straggler) but slow at the same work, or, in a pipeline (`pp`
+    stages), at its stage's own work."""
     share: dict[str, float] = {}
     for rank, info in ranks.items():
         per = [100 * min(waits.get(rank, {}).get(s.get("step"), 0.0), _ms(s, "comm_exposed")) / s["wall_ms"]
@@ -270,6 +283,12 @@ def _imbalance(ranks: dict, waits: dict, matched: list[dict], data_cfg: dict) ->
     elif behind == "idle":
         cause = f"rank {slow}'s host stalls between ops (CPU contention, Python overhead), the others wait"
         knob, value, note = None, None, f"find what else runs on rank {slow}'s host and move it off"
+    elif pp > 1:
+        cause = (f"rank {slow}'s pipeline stage computes longer than the others' (its blocks, and the head "
+                 "and loss where it holds them), so the others wait for it at their sends and receives")
+        knob, value, note = None, None, (
+            "move blocks between the stages with parallel.pp_stage_layers (fewer on the slow one's; `loom "
+            "plan --explain` prices a split), or run fewer stages")
     else:
         cause = (f"rank {slow} is slower at the same work (a slower or shared device or core, another "
                  "process on it, or heavier batches), so the others wait at the next collective: "
@@ -301,6 +320,86 @@ def _slowest_op(ranks: dict, slow: str) -> str:
         return ""
     rest = max(o[best] for o in others if best in o)
     return f"; its {best} takes {mine[best]:,.0f} ms a step (self time) against {rest:,.0f} ms"
+
+
+# -- a pipeline's stages -------------------------------------------------------------------------
+
+def _stage_balance(ranks: dict, cfg: dict) -> dict | None:
+    """A pipeline whose head's rank (the last; rank 0 of a V, which holds both ends) computes much
+    more than the mean pipeline rank: the whole pipeline runs at its pace, the other ranks waiting at
+    their sends and receives, whatever the schedule. Fewer blocks on the head's stage even the ranks
+    out: the planner's balanced split (plan/shapes.balanced_split) is the value to try. Ranks are
+    placed pp outermost (rank // (world / pp) is the pipeline rank)."""
+    par = cfg.get("parallel", {})
+    pp, schedule = int(par.get("pp") or 1), par.get("pp_schedule", "1f1b")
+    if pp < 2 or len(ranks) % pp or not all(r.isdigit() for r in ranks):
+        return None
+    per_stage = len(ranks) // pp
+    by_rank: dict[int, list[float]] = defaultdict(list)
+    for rank, info in ranks.items():
+        if info.get("steps"):
+            by_rank[int(rank) // per_stage].append(_mean(_ms(s, "compute") for s in info["steps"]))
+    if len(by_rank) < pp:
+        return None
+    compute = {r: _mean(v) for r, v in by_rank.items()}
+    mean = _mean(compute.values())
+    head = 0 if schedule in ("zbv", "dualpipev") else pp - 1
+    if mean <= 0 or compute[head] < STAGE_IMBALANCE * mean or compute[head] < max(compute.values()):
+        return None
+    now = par.get("pp_stage_layers") or []
+    split, even, gain = _balanced_split(cfg, pp, schedule, int(par.get("pp_virtual_stages") or 1))
+    now_text = f"now {list(now)}" if now else "now an even split" + (f", {even}" if even else "")
+    if split and list(split) != list(now):
+        knob, value, note = "parallel.pp_stage_layers", list(split), (
+            f"{now_text}: fewer blocks on the head's stage, more on the others, balanced by FLOPs "
+            "(`loom plan --explain` prices the split)")
+        effect = f"about {gain:.0%} less compute on the busiest rank, the pace of the whole pipeline"
+    else:
+        knob, value, note = None, None, (
+            f"{now_text}: move blocks off the head's stage with parallel.pp_stage_layers (fewer there, "
+            "more on the others), or give the pipeline fewer stages (a smaller parallel.pp)")
+        effect = f"up to {1 - mean / compute[head]:.0%} shorter steps once the ranks compute alike"
+    where = "rank 0 of the V, which holds the first and the last stage" if head == 0 else \
+        f"pipeline rank {head}, the last stage"
+    return _finding(
+        "stages", f"Pipeline stages unbalanced: the head's rank computes {compute[head] / mean:.2f}× the "
+        "mean",
+        "compute per step by pipeline rank: " + ", ".join(f"{r}: {compute[r]:,.0f} ms"
+                                                           for r in sorted(compute))
+        + f" (the mean {mean:,.0f} ms); the head's is {where}",
+        "the stage holding the head also runs the vocabulary-sized output matmul and the loss beside its "
+        "blocks, so it computes longest and every other rank waits for it at its sends and receives",
+        knob, value, note, effect, head_rank=head)
+
+
+def _balanced_split(cfg: dict, pp: int, schedule: str, virtual: int) -> tuple[tuple, list, float]:
+    """(the planner's balanced split, the even split, the busiest rank's FLOPs it saves) of the run's
+    loom GPT; ((), [], 0) where the model's shape is not known here (a pretrained folder)."""
+    from loom.config import load_config_text, rank_stages, stages_per_rank, to_toml
+    from loom.errors import LoomError
+    from loom.plan.command import model_shape
+    from loom.plan.shapes import balanced_split, stage_flops_per_token, with_stage_split
+
+    try:
+        config = load_config_text(to_toml(cfg), "the run's config.toml")
+        if config.model.init_from:
+            return (), [], 0.0
+        shape = model_shape(config, None, None)
+    except LoomError:
+        return (), [], 0.0
+    seq = config.data.seq_len
+    per = stages_per_rank(schedule, virtual)
+    if not shape.known or pp * per > shape.n_layers:  # not a pipeline that ran
+        return (), [], 0.0
+    even = with_stage_split(shape, ())
+    split = balanced_split(even, seq, pp, schedule, virtual)
+
+    def busiest(of) -> float:
+        flops = stage_flops_per_token(of, seq, pp * per)
+        return max(sum(flops[s] for s in rank_stages(r, pp, per, schedule)) for r in range(pp))
+
+    gain = 1 - busiest(with_stage_split(shape, split)) / busiest(even) if split else 0.0
+    return split, list(even.stage_sizes(pp * per)), gain
 
 
 # -- exposed transfer, by collective kind ---------------------------------------------------------

@@ -44,10 +44,11 @@ def parallelize(model: nn.Module, cfg: Config, d: Dist, adapter: ModelAdapter,
     if p.pp == 1:
         return [_parallelize_part(model, cfg, d, adapter, weights, split)]
     n_layers = adapter.num_layers(model)
-    validate_pipeline(n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, pipeline_microbatches(p))
+    validate_pipeline(n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, pipeline_microbatches(p),
+                      split=p.pp_stage_layers)
     local = stages_per_rank(p.pp_schedule, p.pp_virtual_stages)
     num_stages = p.pp * local
-    layers = stage_layers(n_layers, p.pp, local)
+    layers = stage_layers(n_layers, p.pp, local, p.pp_stage_layers)
     stages = rank_stages(d.mesh["pp"].get_local_rank(), p.pp, p.pp_virtual_stages, p.pp_schedule)
     return [_parallelize_part(adapter.pipeline_stage(model, s, num_stages, layers[s]), cfg, d, adapter,
                               weights, split) for s in stages]

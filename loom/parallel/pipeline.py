@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,9 +54,10 @@ _CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": Schedul
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def stage_layers(n_layers: int, pp: int, virtual: int = 1) -> list[list[int]]:
-    """The layer indices of each of the pp × virtual stages, in order, split by config.stage_sizes
-    (the extra layers to the middle stages, then the first, never the last)."""
+def stage_layers(n_layers: int, pp: int, virtual: int = 1, split: Sequence[int] = ()) -> list[list[int]]:
+    """The layer indices of each of the pp × virtual stages, in order, split by config.stage_sizes:
+    `split` (parallel.pp_stage_layers) where given, else evenly (the extra layers to the middle
+    stages, then the first, never the last)."""
     num_stages = pp * virtual
     if num_stages < 1 or num_stages > n_layers:
         raise ConfigError(
@@ -64,7 +65,7 @@ def stage_layers(n_layers: int, pp: int, virtual: int = 1) -> list[list[int]]:
             f"{n_layers} layers; use at most one stage per layer"
         )
     stages, start = [], 0
-    for size in stage_sizes(n_layers, num_stages):
+    for size in stage_sizes(n_layers, num_stages, tuple(split)):
         stages.append(list(range(start, start + size)))
         start += size
     return stages
@@ -77,7 +78,7 @@ def refuse_tied_embeddings(tied: bool, num_stages: int, fix: str) -> None:
 
 
 def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, microbatches: int,
-                      *, tie_embeddings: bool = False) -> None:
+                      *, tie_embeddings: bool = False, split: Sequence[int] = ()) -> None:
     """Raise a one-line ConfigError for a pipeline setup that cannot run (checks the batch not at all)."""
     for name, value in (("pp", pp), ("pp_virtual_stages", virtual), ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -99,17 +100,20 @@ def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, micro
         raise ConfigError(
             f"parallel.pp_schedule = {schedule!r} splits the model into 2 × pp = {2 * pp} stages (two per "
             f"rank, in a V), more than its {n_layers} layers; use pp ≤ {n_layers // 2} or the 1f1b schedule")
+    if split:
+        _check_split(split, n_layers, pp * local)
     if schedule == "interleaved":
         if virtual < 2:
             raise ConfigError(
                 f"parallel.pp_schedule = 'interleaved' needs parallel.pp_virtual_stages ≥ 2, got {virtual}; "
                 "raise it or use the 1f1b schedule"
             )
-        if n_layers % (pp * virtual):
+        if n_layers % (pp * virtual) and not split:
             raise ConfigError(
                 f"interleaved pipeline: the model's {n_layers} layers are not divisible by "
                 f"pp × virtual stages = {pp} × {virtual} = {pp * virtual}; change pp, pp_virtual_stages or "
-                f"n_layers"
+                f"n_layers" + (", or give each stage its blocks: parallel.pp_stage_layers"
+                               if n_layers >= pp * virtual else "")
             )
     elif virtual != 1 and schedule in ("gpipe", "1f1b"):
         raise ConfigError(
@@ -132,6 +136,21 @@ def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, micro
             f"parallel.microbatches = {microbatches} is fewer than the {2 * pp} stages of the {schedule} "
             f"schedule (two per rank), which it needs; use microbatches ≥ 2 × pp = {2 * pp}"
         )
+
+
+def _check_split(split: Sequence[int], n_layers: int, stages: int) -> None:
+    """parallel.pp_stage_layers: one block count per stage, each at least one, summing to the model's."""
+    shown = list(split)
+    if len(shown) != stages:
+        raise ConfigError(f"parallel.pp_stage_layers = {shown} gives {len(shown)} stages, but the pipeline "
+                          f"runs {stages}; give {stages} block counts in stage order, or leave it empty")
+    if min(shown) < 1:
+        raise ConfigError(f"parallel.pp_stage_layers = {shown} leaves a stage without blocks; give each "
+                          f"stage at least one")
+    if sum(shown) != n_layers:
+        even = list(stage_sizes(n_layers, stages))
+        raise ConfigError(f"parallel.pp_stage_layers = {shown} sums to {sum(shown)} blocks, but the model "
+                          f"has {n_layers}; give counts that sum to {n_layers}, e.g. {even}")
 
 
 @functools.cache

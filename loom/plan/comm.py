@@ -67,7 +67,7 @@ from loom.plan.memory import (
     rank_stages_of,
     rank_sum,
 )
-from loom.plan.shapes import checkpointed_layers, layers_of_stage
+from loom.plan.shapes import checkpointed_layers
 from loom.plan.terms import NO_TERMS, Terms, gb, num
 
 DDP_BUCKET = 25 * 2**20  # DDP's default bucket (parallel.ddp_bucket_mb)
@@ -198,7 +198,7 @@ def _tokens(c, seq_len: int | None = None) -> str:
 def cp_exchange(w, c) -> tuple[context.Exchange, int, int]:
     """(one block's exchange for one micro-batch, blocks of the heaviest stage, those recomputed)."""
     shape = w.shape
-    layers = max(rank_blocks(shape.n_layers, c.pp, c.schedule, c.virtual_stages))
+    layers = max(rank_blocks(shape, c.pp, c.schedule, c.virtual_stages))
     ckpt = checkpointed_layers(layers, c.activation_checkpointing, c.ac_every)
     ex = context.exchange(shape, c.local_seq(w.seq_len), c.micro_batch, w.act_bytes, c.tp, c.cp, c.cp_mode)
     return ex, layers, ckpt
@@ -410,7 +410,7 @@ def comm_per_step(w, c, gpus_per_node: int, terms: Terms = NO_TERMS,
                 "; the routed experts apart)" if routed else ")"),
                 f"{num(rest.frozen)} + {num(rest.trainable)}", num(local))
     elif c.tp > 1 and shape.known:
-        layers = rank_sum(c, heaviest, lambda s, n: layers_of_stage(shape.n_layers, s, n))
+        layers = rank_sum(c, heaviest, shape.stage_blocks)
         moe_layers = rank_sum(c, heaviest, shape.stage_moe_layers)
         replicated = shape.tp_replicated_params(layers, holds_last_stage(c, heaviest), moe_layers)
         rest = replicated - routed

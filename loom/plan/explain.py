@@ -12,13 +12,14 @@ priced but not recorded, or the record came from another planner: the tests fail
 from __future__ import annotations
 
 from loom import strategies
+from loom.config import stage_sizes
 from loom.errors import ConfigError
 from loom.plan import lora
 from loom.plan import step as steps
 from loom.plan.candidate import Candidate
 from loom.plan.comm import comm_per_step
 from loom.plan.memory import gpu_memory
-from loom.plan.search import TIGHT, estimate, record_label, record_workload, size_text
+from loom.plan.search import TIGHT, estimate, record_label, record_workload, size_text, stage_split
 from loom.plan.terms import GB, Terms, gb, num, sec
 
 
@@ -103,7 +104,11 @@ def _header(out: Terms, index: int, record: dict, w, c: Candidate, cluster) -> N
     if c.activation_checkpointing != "none":
         every = f" of every {c.ac_every} blocks" if c.activation_checkpointing == "selective" else ""
         out.note(f"activation checkpointing: {c.activation_checkpointing}{every}")
-    label = record_label(c, record.get("full_logits", False))
+    split = stage_split(w, c)
+    label = record_label(c, record.get("full_logits", False), split)
+    if split:
+        even = ", ".join(map(str, stage_sizes(shape.n_layers, len(split))))
+        out.note(f"stages: {', '.join(map(str, split))} blocks (parallel.pp_stage_layers; evenly: {even})")
     if record.get("full_logits"):
         out.note(f"loss: the full logits, not chunks of train.loss_chunk: under {c.schedule} a chunk's "
                  f"logits are computed again in backward, and the full ones fit under the {TIGHT:.0%} "

@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 
 from loom import strategies
-from loom.config import rank_stages, stage_sizes, stages_per_rank
+from loom.config import rank_stages, stages_per_rank
 from loom.plan import context, experts, in_flight, lora, muon
 from loom.plan.candidate import head_recomputed, loss_chunk, plain_ops, stage_fsdp_unit_parts
 from loom.plan.shapes import (
@@ -24,7 +24,6 @@ from loom.plan.shapes import (
     head_backward_bytes,
     head_saved_bytes,
     head_transient_bytes,
-    layers_of_stage,
     llama_like,
     mlp_saved_widths,
     moe_ffn_saved_bytes,
@@ -140,12 +139,12 @@ def pipeline_rank_stages(rank: int, pp: int, schedule: str, virtual: int) -> tup
 
 
 @functools.lru_cache(maxsize=4096)
-def rank_blocks(n_layers: int, pp: int, schedule: str, virtual: int) -> tuple[int, ...]:
+def rank_blocks(shape, pp: int, schedule: str, virtual: int) -> tuple[int, ...]:
     """The blocks each pipeline rank runs over its stages, split as the run splits them (remembered:
     the search asks for every candidate)."""
     if pp == 1:
-        return (n_layers,)
-    sizes = stage_sizes(n_layers, pipeline_rank_stages(0, pp, schedule, virtual)[1])
+        return (shape.n_layers,)
+    sizes = shape.stage_sizes(pipeline_rank_stages(0, pp, schedule, virtual)[1])
     return tuple(sum(sizes[s] for s in pipeline_rank_stages(r, pp, schedule, virtual)[0]) for r in range(pp))
 
 
@@ -301,7 +300,7 @@ def stage_memory(w, c, stage: int, fragmentation: float = 0.10, device: str = "c
     shape, last = w.shape, holds_last_stage(c, stage)
     # a rank's stages summed: under a V rank 0 holds the embedding and the head
     stage_params = rank_sum(c, stage, shape.stage_params)
-    layers = rank_sum(c, stage, lambda s, n: layers_of_stage(shape.n_layers, s, n)) if shape.known else 0
+    layers = rank_sum(c, stage, shape.stage_blocks) if shape.known else 0
     moe_layers = rank_sum(c, stage, shape.stage_moe_layers)
     replicated = shape.tp_replicated_params(layers, last, moe_layers) if (c.tp > 1 and shape.known) else 0
     recipe = engine_recipe(w, c)
@@ -496,7 +495,7 @@ def _record_params(terms: Terms, shape, c, stage: int, total: int) -> None:
     terms.item("P_layer per block" if not shape.moe else "P_layer per dense block", "2h² + 2h·kv + 3h·f + 2h",
                f"2·{d}² + 2·{d}·{kv} + 3·{d}·{f} + 2·{d}", num(shape.layer_params))
     stages, count = rank_stages_of(c, stage)
-    layers = sum(layers_of_stage(shape.n_layers, s, count) for s in stages)
+    layers = sum(shape.stage_blocks(s, count) for s in stages)
     first, last = stages[0] == 0, holds_last_stage(c, stage)
     sym, vals = [f"{'L' if pp == 1 else 'L_s'}·P_layer"], [f"{layers}·{num(shape.layer_params)}"]
     if shape.moe:
@@ -919,7 +918,7 @@ def _step_peak(w, c, stage: int, layers: int, stage_params: int, replicated: int
             elif s > 0:
                 routed_s = shape.stage_routed_params(s, total)
                 held_grads[s] = e * ((shape.stage_params(s, total) - routed_s) / tp + routed_s / c.ep)
-    peak = _held_micro_batches(c, stage, shape.n_layers, layers, blocks, head, residual, boundary, per_w,
+    peak = _held_micro_batches(c, stage, shape, layers, blocks, head, residual, boundary, per_w,
                                held_grads, terms)
     saved, one_micro = peak.saved, peak.one_micro
     transient = head_transient_bytes(shape, seq, mb, tp, chunk, e, terms) if last else 0.0
@@ -1281,7 +1280,7 @@ def _tp_local_units(shape, experts_apart: bool, unit_mb: float, layers: int, fir
     return tuple((n - norms) / tp + norms for n, norms in parts)
 
 
-def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float, head: float,
+def _held_micro_batches(c, rank: int, shape, layers: int, blocks: float, head: float,
                         residual: float, boundary: float, per_w: float, held_grads: dict | None = None,
                         terms: Terms = NO_TERMS) -> HeldMicroBatches:
     """Pipeline rank `rank`, whose stages hold `layers` blocks keeping `blocks` of one micro-batch (split
@@ -1298,7 +1297,7 @@ def _held_micro_batches(c, rank: int, n_layers: int, layers: int, blocks: float,
         return HeldMicroBatches(blocks + head, blocks + head, 1.0, 0.0, 0.0, 0.0)
     stages, total = rank_stages_of(c, rank)
     m = c.grad_accum
-    stage_layers = {s: layers_of_stage(n_layers, s, total) for s in stages}
+    stage_layers = {s: shape.stage_blocks(s, total) for s in stages}
     # a stage's output, kept for its backward; under the schedules torch's runtime runs one sent to another
     # rank is among the sends held below
     sends_held = c.schedule in RUNTIME_SCHEDULES

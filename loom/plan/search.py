@@ -27,6 +27,7 @@ from loom.plan.comm import comm_per_step, ep_payload_per_step
 from loom.plan.efficiency import compute_fraction, link_efficiency
 from loom.plan.hardware import Cluster
 from loom.plan.memory import expert_state_bytes, gpu_memory
+from loom.plan.shapes import balanced_split, with_stage_split
 from loom.plan.step import bubble_fraction, flops_per_token, passes, step_time
 
 GB = 1e9
@@ -36,16 +37,20 @@ AC_MODES = ("none", "op", "selective", "full")  # activation checkpointing, from
 
 def estimate(w: Workload, c: Candidate, cluster: Cluster, choose_loss: bool = False) -> dict:
     """One candidate, priced: the JSON record of `loom plan --format json`. `choose_loss` (the search):
-    the loss the candidate runs best (_loss_of); otherwise the workload's."""
+    the stages' blocks (_split_of) and the loss (_loss_of) the candidate runs best; otherwise the
+    workload's."""
     chunked = w.loss_chunk
     device = cluster.profile.device if cluster.profile is not None else "cuda"
     if choose_loss:
-        w, mem = _loss_of(w, c, cluster, device)
+        w, mem = _split_of(w, c, cluster, device)
+        w, mem = _loss_of(w, c, cluster, device, mem)
     else:
         mem = gpu_memory(w, c, cluster.fragmentation, device)
     comm, groups = comm_per_step(w, c, cluster.gpus_per_node)
+    split = stage_split(w, c)
     record = {
-        "label": record_label(c, w.loss_chunk != chunked), "full_logits": w.loss_chunk != chunked,
+        "label": record_label(c, w.loss_chunk != chunked, split), "full_logits": w.loss_chunk != chunked,
+        "pp_stage_layers": list(split),
         "strategy": c.strategy, "engine": c.engine, "implementation": c.implementation,
         "runs_in_loom": c.runs_in_loom,
         "nodes": cluster.nodes, "gpus": c.world, "dp": c.dp, "dp_shard": c.shard_size, "tp": c.tp, "pp": c.pp,
@@ -399,22 +404,55 @@ def _price_slice(w: Workload, cluster: Cluster, candidates: list[Candidate]) -> 
     return [estimate(w, c, cluster, choose_loss=True) for c in candidates]
 
 
-def record_label(c: Candidate, full_logits: bool) -> str:
-    """A record's label: the candidate's, and the loss where the search unchunked it."""
-    return c.label() + (" full logits" if full_logits else "")
+def record_label(c: Candidate, full_logits: bool, split: tuple[int, ...] = ()) -> str:
+    """A record's label: the candidate's, the stages' blocks where they are not an even split, and the
+    loss where the search unchunked it."""
+    blocks = f" blocks {'/'.join(map(str, split))}" if split else ""
+    return c.label() + blocks + (" full logits" if full_logits else "")
 
 
 def record_workload(w: Workload, record: dict) -> Workload:
-    """The workload as a record of the search prices it: its loss unchunked where it chose so."""
+    """The workload as a record of the search prices it: its stages' blocks as it split them, its loss
+    unchunked where it chose so."""
+    if record.get("pp_stage_layers"):
+        w = with_split(w, tuple(record["pp_stage_layers"]))
     return dataclasses.replace(w, loss_chunk=0) if record.get("full_logits") else w
 
 
-def _loss_of(w: Workload, c: Candidate, cluster: Cluster, device: str):
+def with_split(w: Workload, split: tuple[int, ...]) -> Workload:
+    """The workload with its pipeline's stages holding `split`'s blocks (parallel.pp_stage_layers)."""
+    if split == w.shape.stage_split:
+        return w
+    return dataclasses.replace(w, shape=with_stage_split(w.shape, split))
+
+
+def stage_split(w: Workload, c: Candidate) -> tuple[int, ...]:
+    """The blocks of each stage where the candidate's pipeline does not split them evenly; else ()."""
+    split = w.shape.stage_split
+    return split if c.pp > 1 and len(split) == c.pp * c.virtual_stages else ()
+
+
+def _split_of(w: Workload, c: Candidate, cluster: Cluster, device: str):
+    """(the workload with the stages' blocks balanced by FLOPs, its memory): shapes.balanced_split, fewer
+    on the head's stage, where that lightens the busiest rank, unless it then breaks the TIGHT headroom
+    rule that the even split keeps (its extra blocks sit on earlier ranks, which hold more micro-batches
+    in flight)."""
+    split = balanced_split(w.shape, w.seq_len, c.pp, c.schedule, c.virtual_stages) if c.pp > 1 else ()
+    balanced = with_split(w, split) if split else w
+    mem = gpu_memory(balanced, c, cluster.fragmentation, device)
+    if not split or cluster.gpu is None or mem.total <= TIGHT * cluster.gpu.memory_gb * GB:
+        return balanced, mem
+    even = with_split(w, ())
+    even_mem = gpu_memory(even, c, cluster.fragmentation, device)
+    return (even, even_mem) if even_mem.total <= TIGHT * cluster.gpu.memory_gb * GB else (balanced, mem)
+
+
+def _loss_of(w: Workload, c: Candidate, cluster: Cluster, device: str, mem=None):
     """(the workload with the loss this candidate runs, its memory): the config's (train.loss_chunk),
     but the full logits where a chunk's head matmul would run again in backward (head_recomputed:
     GPipe, the split backwards) and the full logits still fit under the TIGHT headroom rule: memory
-    spent for speed only where there is room for it."""
-    mem = gpu_memory(w, c, cluster.fragmentation, device)
+    spent for speed only where there is room for it. `mem`: the workload's memory, where known."""
+    mem = mem or gpu_memory(w, c, cluster.fragmentation, device)
     room = TIGHT * cluster.gpu.memory_gb * GB if cluster.gpu is not None else 0.0
     if not head_recomputed(w, c) or mem.total > room:  # (the full logits hold more than the chunks)
         return w, mem
@@ -772,6 +810,7 @@ def emit_config(base, record: dict):
         p.dp_replicate = record["dp"] // p.dp_shard
     if record["pp"] > 1:
         p.pp_schedule, p.pp_virtual_stages = record["pp_schedule"], record["pp_virtual_stages"]
+        p.pp_stage_layers = list(record.get("pp_stage_layers", []))
         p.microbatches, t.grad_accum = record["grad_accum"], 1
     else:
         t.grad_accum = record["grad_accum"]
@@ -798,6 +837,9 @@ def config_workload(cfg, shape, recipe: str = "torch", moe_imbalance: float = 1.
     imports no torch, read off the installed version (installed_torch_takes_functions)."""
     if weight_pass_takes_functions is None:
         weight_pass_takes_functions = installed_torch_takes_functions()
+    p = cfg.parallel
+    split = tuple(p.pp_stage_layers) if p.pp > 1 else ()
+    shape = with_stage_split(shape, split)
     return Workload(shape, cfg.data.seq_len, cfg.train.batch_size, cfg.train.precision, recipe,
                     loss_chunk_of(cfg), cfg.parallel.reduce_every_micro_step, moe_imbalance,
                     lora.from_config(cfg), muon.from_config(cfg), cfg.data.packing == "documents",

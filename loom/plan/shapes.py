@@ -7,13 +7,16 @@ the attention FLOPs are then unknown and taken as zero, which the output says).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 from loom.checked import finite
-from loom.config import stage_sizes
+from loom.config import rank_stages, stage_sizes, stages_per_rank
 from loom.errors import ConfigError
 from loom.hf_config import HFConfig, read_hf_config
 from loom.models.gpt.config import GPTConfig, preset
@@ -43,6 +46,9 @@ class ModelShape:
     moe_shared_gate: bool = False
     moe_every: int = 1
     moe_dense_first: int = 0
+    # parallel.pp_stage_layers: the blocks of each stage of a pipeline of len(stage_split) stages (a
+    # pipeline of any other stage count splits evenly: config.stage_sizes)
+    stage_split: tuple[int, ...] = ()
 
     @functools.cached_property
     def known(self) -> bool:
@@ -150,8 +156,16 @@ class ModelShape:
 
     def stage_layers(self, stage: int, stages: int) -> tuple[int, int]:
         """(first block, blocks) of a pipeline stage, split as the run splits it (config.stage_sizes)."""
-        sizes = stage_sizes(self.n_layers, stages)
+        sizes = self.stage_sizes(stages)
         return sum(sizes[:stage]), sizes[stage]
+
+    def stage_sizes(self, stages: int) -> tuple[int, ...]:
+        """The blocks of each of a pipeline's stages: stage_split where it has that many, else even."""
+        return stage_sizes(self.n_layers, stages, self.stage_split if len(self.stage_split) == stages else ())
+
+    def stage_blocks(self, stage: int, stages: int) -> int:
+        """The blocks of one pipeline stage."""
+        return self.stage_sizes(stages)[stage]
 
     def stage_params(self, stage: int, stages: int) -> int:
         """Parameters of one pipeline stage: its layers (dense or MoE blocks, as the stage holds
@@ -224,17 +238,70 @@ def stage_flops_per_token(shape: ModelShape, seq_len: int, stages: int) -> tuple
     to flops_per_token; a stage holding the head runs more than its share of the blocks."""
     if not shape.known:
         return (shape.flops_per_token(seq_len) / stages,) * stages
+    return _stage_flops(_block_flops(shape, seq_len), shape.stage_sizes(stages))
+
+
+def _block_flops(shape: ModelShape, seq_len: int) -> tuple[list[float], float]:
+    """(each block's training FLOPs per token, the head's and the final norm's)."""
     attention = 12.0 * shape.n_heads * shape.head_dim * seq_len
     dense = 6.0 * shape.layer_params + attention
     moe = 6.0 * (shape.moe_layer_params - shape.moe_ffn_params() + shape.moe_ffn_params(active=True)) \
         + attention if shape.moe else 0.0
-    out = []
-    for stage in range(stages):
-        start, count = shape.stage_layers(stage, stages)
-        routed = shape.moe_layers_in(start, count)
-        head = 6.0 * (shape.vocab_size * shape.d_model + shape.d_model) if stage == stages - 1 else 0.0
-        out.append((count - routed) * dense + routed * moe + head)
-    return tuple(out)
+    blocks = [moe if shape.is_moe(layer) else dense for layer in range(shape.n_layers)]
+    return blocks, 6.0 * (shape.vocab_size * shape.d_model + shape.d_model)
+
+
+def _stage_flops(costs: tuple[list[float], float], sizes: typing.Sequence[int]) -> tuple[float, ...]:
+    blocks, head = costs
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    return tuple(sum(blocks[a:b]) + (head if stage == len(sizes) - 1 else 0.0)
+                 for stage, (a, b) in enumerate(itertools.pairwise(bounds)))
+
+
+@functools.lru_cache(maxsize=1024)
+def with_stage_split(shape: ModelShape, split: tuple[int, ...]) -> ModelShape:
+    """The shape with its pipeline's stages holding `split`'s blocks, one object per split (remembered:
+    the search prices thousands of candidates on it, and each object computes its properties once)."""
+    return shape if split == shape.stage_split else dataclasses.replace(shape, stage_split=split)
+
+
+@functools.lru_cache(maxsize=1024)
+def balanced_split(shape: ModelShape, seq_len: int, pp: int, schedule: str, virtual: int) -> tuple[int, ...]:
+    """The blocks of each pipeline stage (parallel.pp_stage_layers) that leave the busiest rank the
+    fewest FLOPs (stage_flops_per_token's, summed over each rank's stages): from the even split, one
+    block at a time off the busiest rank to the stage that most lowers the ranks' loads (compared
+    busiest first), while one does. The 1b at pp 4 runs 5, 5, 5, 1 blocks: its head is 3.4 of them.
+    () where the even split (config.stage_sizes) is already as good, or for a shape only counted."""
+    if pp == 1 or not shape.known:
+        return ()
+    per = stages_per_rank(schedule, virtual)
+    owner = {s: r for r in range(pp) for s in rank_stages(r, pp, per, schedule)}
+    costs = _block_flops(shape, seq_len)
+
+    def loads(sizes: list[int]) -> list[float]:
+        per_rank = [0.0] * pp
+        for stage, flops in enumerate(_stage_flops(costs, sizes)):
+            per_rank[owner[stage]] += flops
+        return sorted(per_rank, reverse=True)
+
+    even = list(stage_sizes(shape.n_layers, pp * per))
+    sizes, best = even, loads(even)
+    while True:
+        per_rank = [0.0] * pp
+        for stage, flops in enumerate(_stage_flops(costs, sizes)):
+            per_rank[owner[stage]] += flops
+        busiest = max(range(pp), key=lambda r: (per_rank[r], -r))
+        moves = []
+        for source in (s for s in owner if owner[s] == busiest and sizes[s] > 1):
+            for target in (s for s in owner if owner[s] != busiest):
+                moved = list(sizes)
+                moved[source] -= 1
+                moved[target] += 1
+                moves.append((loads(moved), moved))
+        if not moves or min(moves)[0] >= best:
+            break
+        best, sizes = min(moves)
+    return tuple(sizes) if best[0] < loads(even)[0] else ()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -255,8 +322,8 @@ def _priced_stages(shape: ModelShape, stages: int) -> tuple[int, ...]:
 
 
 def layers_of_stage(n_layers: int, stage: int, stages: int) -> int:
-    """The blocks of one pipeline stage, as the run splits them (config.stage_sizes: the extra
-    layers to the middle stages, then the first, never the last)."""
+    """The blocks of one stage of an evenly split pipeline (config.stage_sizes: the extra layers to the
+    middle stages, then the first, never the last; a shape's own split: ModelShape.stage_blocks)."""
     return stage_sizes(n_layers, stages)[stage]
 
 

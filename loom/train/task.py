@@ -252,7 +252,7 @@ def _check_layout(cfg: Config, n_layers: int, n_heads: int, n_kv_heads: int, ffn
     p = cfg.parallel
     if p.pp > 1:
         validate_pipeline(n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, pipeline_microbatches(p),
-                          tie_embeddings=tied)
+                          tie_embeddings=tied, split=p.pp_stage_layers)
     if p.tp > 1:
         check_tp_shapes(n_heads, n_kv_heads, ffn_hidden, vocab, p.tp)
     if p.cp > 1 and p.cp_mode == "alltoall" and n_heads % (p.cp * p.tp):

@@ -17,6 +17,10 @@ from loom.parallel.pipeline import weight_pass_takes_functions
 from loom.train.driver import train
 
 SCHEDULES = ("zb", "zbv", "dualpipev")
+# Final weights against the single process: a split backward sums each weight gradient in another order,
+# and 4 Adam steps turn the last bits of a near-zero gradient into more of its weight; on a CPU whose
+# matmuls take AVX-512 kernels zb's w2 at pp 2 ends 1.14e-5 apart (losses and gradient norms within 1e-5)
+SPLIT_WEIGHTS_RTOL = 2e-5
 
 
 def _layout(pp: int) -> tuple[str, ...]:
@@ -64,20 +68,27 @@ def test_schedules_match_single_process(corpus, composition, pp):
     cfgs = [make_config(corpus, strategy, *extra, *_layout(pp), f"parallel.pp_schedule={s}")
             for s in SCHEDULES]
     results = run_ranks(_rank_schedules, pp * per_stage, cfgs)
-    ref_losses, ref_norms, ref_state = _reference(corpus, composition, pp)
-    weights_rtol = WEIGHTS_RTOL if composition.startswith("moe") else RTOL
+    reference = _reference(corpus, composition, pp)
+    weights_rtol = WEIGHTS_RTOL if composition.startswith("moe") else SPLIT_WEIGHTS_RTOL
     for i, schedule in enumerate(SCHEDULES):
-        merged = _merged(results, i)
-        assert merged.keys() == ref_state.keys(), schedule
-        for name, ref in ref_state.items():
-            err = ((merged[name] - ref).norm() / ref.norm()).item()
-            assert err < weights_rtol, f"{schedule}: {name} relative error {err:.2e}"
-        for rank, rank_results in enumerate(results):
-            losses, _, norms, _ = rank_results[i]
-            for what, got, want in (("losses", losses, ref_losses), ("grad norms", norms, ref_norms)):
-                rel = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-                assert len(got) == STEPS and rel < RTOL, f"{schedule} rank {rank} {what} {got} vs {want}"
-    assert ref_losses[-1] < ref_losses[0]
+        check_matches(results, i, schedule, reference, weights_rtol)
+    assert reference[0][-1] < reference[0][0]
+
+
+def check_matches(results: list, i: int, label: str, reference: tuple, weights_rtol: float = RTOL) -> None:
+    """Run i of `results` (_rank_schedules' per rank) against the single process's (losses, gradient
+    norms, weights): every weight of the merged stages, each rank's losses and norms."""
+    ref_losses, ref_norms, ref_state = reference
+    merged = _merged(results, i)
+    assert merged.keys() == ref_state.keys(), label
+    for name, ref in ref_state.items():
+        err = ((merged[name] - ref).norm() / ref.norm()).item()
+        assert err < weights_rtol, f"{label}: {name} relative error {err:.2e}"
+    for rank, rank_results in enumerate(results):
+        losses, _, norms, _ = rank_results[i]
+        for what, got, want in (("losses", losses, ref_losses), ("grad norms", norms, ref_norms)):
+            rel = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+            assert len(got) == STEPS and rel < RTOL, f"{label} rank {rank} {what} {got} vs {want}"
 
 
 def _stages(schedule: str, pp: int, microbatches: int) -> list[str]:

@@ -6,6 +6,9 @@ from __future__ import annotations
 from planted import Bug
 
 BALANCE = "tests/unit/test_plan_pipeline_balance.py"
+SPLIT = "tests/unit/test_stage_split.py"
+SPLIT_RANKS = "tests/distributed/test_stage_split_ranks.py"
+BAD = "tests/unit/test_bad_input.py::test_bad_input"
 
 BUGS = [
     Bug("planner-splits-its-own-way", "the planner gives the leftover blocks to the first stages, the run "
@@ -21,8 +24,8 @@ BUGS = [
         (f"{BALANCE}::test_a_pipeline_step_is_priced_at_its_busiest_rank",)),
     Bug("head-not-on-the-last-stage", "the head's FLOPs left out of the last stage's share",
         "loom/plan/shapes.py",
-        "if stage == stages - 1 else 0.0\n        out.append(",
-        "if stage == -1 else 0.0\n        out.append(",
+        "(head if stage == len(sizes) - 1 else 0.0)",
+        "(head if stage == -1 else 0.0)",
         (f"{BALANCE}::test_the_stages_flops_sum_to_the_models",
          f"{BALANCE}::test_the_head_makes_its_rank_the_busiest")),
     Bug("bubble-on-the-busiest-rank", "the fill and drain priced on the busiest rank's passes, not the "
@@ -38,4 +41,38 @@ BUGS = [
         "        if self.known and stages > 2:\n            return list(_priced_stages(self, stages))",
         "        if self.moe and stages > 2:\n            return list(_priced_stages(self, stages))",
         (f"{BALANCE}::test_an_uneven_split_prices_its_fullest_middle_stage",)),
+    Bug("split-not-run", "parallel.pp_stage_layers read and checked, but the stages built evenly",
+        "loom/parallel/apply.py", "    layers = stage_layers(n_layers, p.pp, local, p.pp_stage_layers)\n",
+        "    layers = stage_layers(n_layers, p.pp, local)\n",
+        (f"{SPLIT_RANKS}::test_uneven_stages_match_single_process",)),
+    Bug("split-not-planned", "the planner prices an even split whatever the shape's stage_split says",
+        "loom/plan/shapes.py",
+        "        return stage_sizes(self.n_layers, stages, self.stage_split if len(self.stage_split) == "
+        "stages else ())\n",
+        "        return stage_sizes(self.n_layers, stages)\n",
+        (f"{SPLIT}::test_the_split_given_is_the_split_run",
+         f"{SPLIT}::test_the_plan_runs_the_split_it_emits")),
+    Bug("balance-returns-even", "the balanced split handed back even where it lightens nothing (a label and "
+        "a config key that change nothing)", "loom/plan/shapes.py",
+        "    return tuple(sizes) if best[0] < loads(even)[0] else ()\n", "    return tuple(sizes)\n",
+        (f"{SPLIT}::test_the_balanced_split_is_the_best_there_is",)),
+    Bug("balance-breaks-the-headroom", "the balanced split priced even where it breaks the headroom rule "
+        "that the even split keeps", "loom/plan/search.py",
+        "    if not split or cluster.gpu is None or mem.total <= TIGHT * cluster.gpu.memory_gb * GB:\n",
+        "    if True:\n",
+        (f"{SPLIT}::test_the_even_split_stays_where_the_balanced_breaks_the_headroom",)),
+    Bug("split-not-emitted", "the plan prices a balanced split but --emit writes an even one",
+        "loom/plan/search.py", "        p.pp_stage_layers = list(record.get(\"pp_stage_layers\", []))\n", "",
+        (f"{SPLIT}::test_the_plan_runs_the_split_it_emits",)),
+    Bug("split-sum-unchecked", "a split that does not sum to the model's blocks reaches the run",
+        "loom/parallel/pipeline.py", "    if sum(shown) != n_layers:\n", "    if False:\n",
+        (f"{SPLIT}::test_a_split_that_cannot_run_is_one_line", f"{BAD}[parallel-stage-layers-sum]")),
+    Bug("split-count-checked-late", "a split of the wrong stage count found only once the model is built",
+        "loom/config.py", "    if dims.pp > 1 and p.pp_stage_layers:\n        _check_stage_count(p)\n", "",
+        (f"{SPLIT}::test_the_stage_count_is_checked_before_launch",)),
+    Bug("launch-without-blocks", "the pipeline line at launch leaves out each stage's blocks and the split "
+        "worth trying", "loom/plan/step.py",
+        "    return text if shape is None or not shape.known else text + _blocks_text(cfg, shape)\n",
+        "    return text\n",
+        (f"{SPLIT}::test_launch_says_the_blocks_and_the_split_worth_trying",)),
 ]

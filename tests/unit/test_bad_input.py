@@ -286,6 +286,22 @@ def _(c: Ctx) -> str:
                    "--set", "parallel.pp_virtual_stages=3", nproc=2)
 
 
+@case("parallel-stage-layers-count")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.pp=2", "--set", "parallel.pp_stage_layers=[1, 1, 1]", nproc=2)
+
+
+@case("parallel-stage-layers-sum")
+def _(c: Ctx) -> str:
+    return c.train("--set", "model.n_layers=4", "--set", "parallel.pp=2",
+                   "--set", "parallel.pp_stage_layers=[3, 2]", nproc=2)
+
+
+@case("parallel-stage-layers-empty-stage")
+def _(c: Ctx) -> str:
+    return c.train("--set", "parallel.pp=2", "--set", "parallel.pp_stage_layers=[2, 0]", nproc=2)
+
+
 @case("parallel-split-backward-op-checkpointing")
 def _(c: Ctx) -> str:
     return c.config("parallel.pp=2", "parallel.pp_schedule=zb", "parallel.activation_checkpointing=op",

@@ -218,3 +218,79 @@ def test_imbalance_names_the_slow_rank_and_its_compute():
     assert "about 30 ms less per step on rank 0" in i["expected_effect"]
     assert "imbalance" not in found(_uneven(10.0))
     assert found(_uneven(SHARE))["imbalance"]["title"].endswith("15% of its step for rank 1")
+
+
+def _pipeline(compute: list[float], wall: float = 100.0) -> dict:
+    """One rank per pipeline stage, each computing compute[r] ms of a `wall` ms step, waiting the rest
+    at its sends and receives."""
+    return {"ranks": {str(r): {"steps": [step(compute=c, comm=100 - c, io=0, idle=0, wall=wall, step=1)],
+                               "collectives": [], "kind": "cpu"} for r, c in enumerate(compute)},
+            "collectives": [], "stragglers": []}
+
+
+PIPELINE_1B = {"model": {"preset": "1b"}, "data": {"seq_len": 4096},
+               "parallel": {"strategy": "ddp", "pp": 4, "pp_schedule": "1f1b"}}
+
+
+def test_a_pipeline_waiting_on_its_heads_stage_names_the_balanced_split():
+    """The 1b at pp 4: its last rank, holding the head (3.4 blocks' worth), computes 1.5× the mean; the
+    finding gives the planner's balanced split, and nothing where the head's rank keeps pace, or where
+    the busiest rank is another (not the head: no split of the blocks explains it)."""
+    f = found(_pipeline([50, 50, 50, 80]), PIPELINE_1B)
+    s = f["stages"]
+    assert (s["knob"], s["value"], s["head_rank"]) == ("parallel.pp_stage_layers", [5, 5, 5, 1], 3)
+    assert s["title"] == "Pipeline stages unbalanced: the head's rank computes 1.39× the mean"
+    assert "0: 50 ms, 1: 50 ms, 2: 50 ms, 3: 80 ms" in s["evidence"]
+    assert "now an even split, [4, 4, 4, 4]" in s["note"]
+    assert "stages" not in found(_pipeline([50, 50, 50, 55]), PIPELINE_1B)
+    assert "stages" not in found(_pipeline([80, 50, 50, 60]), PIPELINE_1B)
+    v = dict(PIPELINE_1B, parallel={"strategy": "ddp", "pp": 2, "pp_schedule": "zbv"})
+    assert found(_pipeline([80, 50]), v)["stages"]["head_rank"] == 0  # a V: both ends on rank 0
+    # already split so: the note says what else to try, no key
+    split = dict(PIPELINE_1B, parallel={**PIPELINE_1B["parallel"], "pp_stage_layers": [5, 5, 5, 1]})
+    assert found(_pipeline([50, 50, 50, 80]), split)["stages"]["knob"] is None
+
+
+def test_a_pipeline_rank_slower_at_its_own_stage_is_not_called_slower_hardware():
+    """In a pipeline the ranks run different stages: the rank the others wait for (here rank 1 of a V,
+    not the head's) is named for its stage's work, with the key that moves blocks between stages."""
+    f = found(_uneven(30.0), {"parallel": {"strategy": "ddp", "pp": 2, "pp_schedule": "zbv"}})
+    assert set(f) == {"imbalance"}, f
+    assert "rank 1's pipeline stage computes longer" in f["imbalance"]["cause"]
+    assert "parallel.pp_stage_layers" in f["imbalance"]["note"]
+    assert "slower at the same work" in found(_uneven(30.0))["imbalance"]["cause"]
+
+
+@pytest.mark.parametrize("model", [{"preset": "small", "d_model": 100, "n_heads": 3}, {"preset": "nope"},
+                                   {"preset": "small", "n_layers": 1}, {"preset": "small", "vocab_size": 0},
+                                   {"init_from": "/a/hf/folder"}])
+def test_a_shape_not_known_here_leaves_the_split_to_the_user(model):
+    """A model the diagnosis cannot shape (a pretrained folder, a config no run could have had): the
+    finding still stands, naming the key in prose, with no value."""
+    cfg = {"model": model, "data": {"seq_len": 128}, "parallel": {"strategy": "ddp", "pp": 2}}
+    s = found(_pipeline([50, 90]), cfg)["stages"]
+    assert s["knob"] is None and "parallel.pp_stage_layers" in s["note"]
+
+
+def test_the_heads_stage_waited_on_is_one_finding_not_an_imbalance_too():
+    """Rank 1, the last of two stages, computes 90 ms to rank 0's 60 and rank 0 waits for it: the
+    stages' finding, not also a rank "slower at the same work"."""
+    f = found(_uneven(30.0), PIPELINE_1B | {"parallel": {"strategy": "ddp", "pp": 2, "pp_schedule": "1f1b"}})
+    assert set(f) == {"stages"}, f
+    assert f["stages"]["value"] == [10, 6]
+
+
+def test_a_runs_config_carries_what_its_split_needs(tmp_path):
+    """analyze reads config.toml's model shape and split (run_config), so the diagnosis prices the
+    model that ran: the small preset with its 16,384-token vocabulary, whose head is five blocks."""
+    from loom.config import load_config, to_toml
+    from loom.observe.analyze import run_config
+
+    cfg = load_config(None, ["model.preset=small", "model.vocab_size=16384", "parallel.pp=2",
+                             "parallel.pp_stage_layers=[3, 1]", "data.seq_len=128"])
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    read = run_config(tmp_path / "config.toml")
+    assert read["parallel"]["pp_stage_layers"] == [3, 1] and read["model"]["vocab_size"] == 16384
+    assert found(_pipeline([50, 90]), read)["stages"]["knob"] is None  # already split so
+    even = read | {"parallel": {**read["parallel"], "pp_stage_layers": []}}
+    assert found(_pipeline([50, 90]), even)["stages"]["value"] == [3, 1]

@@ -145,7 +145,8 @@ def test_dry_run_of_a_pipeline_plans_each_stage(nothing_starts, capsys, tmp_path
     lines = capsys.readouterr().out.splitlines()
     assert ", pp=2 × dp=1 [replicate 1 × shard 1], " in lines[0]
     assert lines[1] == ("pipeline: 2 stages × 1 virtual, 1f1b, 2 micro-batches per step: bubble "
-                        "(p−1)(F+B+W) / (m(F+B+W) + bubble) = 0.333 (F:B:W = 0.33:0.42:0.24)")
+                        "(p−1)(F+B+W) / (m(F+B+W) + bubble) = 0.333 (F:B:W = 0.33:0.42:0.24); blocks per "
+                        "stage 1/1")
     assert [line.split(":")[1] for line in lines[2:4]] == [" stage 0", " stage 1"]
     assert list(tmp_path.iterdir()) == []
 

@@ -222,3 +222,21 @@ def test_compare_names_the_cp_key_that_differs(tmp_path):
     r = compare(ring, ring8)
     assert r["layout"] == [{"key": "parallel.cp", "a": 4, "b": 8}]
     assert compare(ring, ring)["layout"] == []
+
+
+def test_compare_names_the_stage_split_that_differs(tmp_path):
+    """Two runs of one pipeline, their blocks split otherwise: that key is the difference made ([]:
+    evenly); another pp, or the same split, is not a split that differs."""
+    def run(name: str, pp: int, split: str) -> dict:
+        folder = tmp_path / name
+        (folder / "traces").mkdir(parents=True)
+        write_trace(folder / "traces" / "rank0.json", cp_cpu_events(ring=True, alltoall=False))
+        (folder / "config.toml").write_text(f"[parallel]\npp = {pp}\npp_stage_layers = {split}\n")
+        return analyze(folder)
+
+    even, balanced = run("a", 2, "[]"), run("b", 2, "[3, 1]")
+    r = compare(even, balanced)
+    assert r["layout"] == [{"key": "parallel.pp_stage_layers", "a": [], "b": [3, 1]}]
+    assert "parallel.pp_stage_layers = [3, 1] in B, [] in A" in r["why"]["text"]
+    assert compare(balanced, run("c", 2, "[3, 1]"))["layout"] == []
+    assert compare(run("d", 4, "[]"), balanced)["layout"] == []

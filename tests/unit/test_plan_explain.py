@@ -22,7 +22,7 @@ from loom.plan.device import (
 )
 from loom.plan.explain import candidate_of, explain
 from loom.plan.hardware import Cluster, lookup
-from loom.plan.search import search
+from loom.plan.search import record_label, search
 from loom.plan.shapes import from_params, from_preset
 
 GB = 1e9
@@ -237,7 +237,7 @@ def test_every_candidate_adds_up(plan_8b, plan_1b_two_nodes, plan_params_zero):
 def test_rebuilt_candidate_has_the_records_label(plan_8b, plan_1b_two_nodes):
     for plan in (plan_8b, plan_1b_two_nodes):
         for r in plan.candidates:
-            assert candidate_of(r).label() == r["label"]
+            assert record_label(candidate_of(r), r["full_logits"], tuple(r["pp_stage_layers"])) == r["label"]
 
 
 def test_a_drift_from_the_planner_shows(plan_8b, monkeypatch):

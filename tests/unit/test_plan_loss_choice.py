@@ -14,7 +14,7 @@ from loom.plan.candidate import Candidate, Workload, head_recomputed
 from loom.plan.efficiency import compute_fraction
 from loom.plan.explain import candidate_of, explain
 from loom.plan.hardware import Cluster, lookup
-from loom.plan.search import TIGHT, emit_config, estimate, record_workload, search
+from loom.plan.search import TIGHT, emit_config, estimate, record_workload, search, with_split
 from loom.plan.shapes import from_preset
 
 SHAPE = from_preset("1b")
@@ -60,10 +60,11 @@ def test_the_search_takes_the_full_logits_only_under_the_headroom(memory_gb):
         if not head_recomputed(CHUNKED, c):
             assert not record["full_logits"] and "logits" not in record["label"]
             continue
-        full = estimate(dataclasses.replace(CHUNKED, loss_chunk=0), c, cluster)
+        split = with_split(CHUNKED, tuple(record["pp_stage_layers"]))  # the stages as the search split them
+        full = estimate(dataclasses.replace(split, loss_chunk=0), c, cluster)
         roomy = full["memory_bytes"]["total"] <= TIGHT * memory_gb * 1e9
         assert record["full_logits"] is roomy and record["label"].endswith(" full logits") is roomy
-        chunked = estimate(CHUNKED, c, cluster)
+        chunked = estimate(split, c, cluster)
         assert record["step_time_s"] == (full if roomy else chunked)["step_time_s"]
         assert full["step_time_s"] < chunked["step_time_s"]
         assert record_workload(CHUNKED, record).loss_chunk == (0 if roomy else 512)
