@@ -375,10 +375,10 @@ def _stage_balance(ranks: dict, cfg: dict) -> dict | None:
 def _balanced_split(cfg: dict, pp: int, schedule: str, virtual: int) -> tuple[tuple, list, float]:
     """(the planner's balanced split, the even split, the busiest rank's FLOPs it saves) of the run's
     loom GPT; ((), [], 0) where the model's shape is not known here (a pretrained folder)."""
-    from loom.config import load_config_text, rank_stages, stages_per_rank, to_toml
+    from loom.config import load_config_text, stages_per_rank, to_toml
     from loom.errors import LoomError
     from loom.plan.command import model_shape
-    from loom.plan.shapes import balanced_split, stage_flops_per_token, with_stage_split
+    from loom.plan.shapes import balanced_split, busiest_rank_flops, with_stage_split
 
     try:
         config = load_config_text(to_toml(cfg), "the run's config.toml")
@@ -393,12 +393,9 @@ def _balanced_split(cfg: dict, pp: int, schedule: str, virtual: int) -> tuple[tu
         return (), [], 0.0
     even = with_stage_split(shape, ())
     split = balanced_split(even, seq, pp, schedule, virtual)
-
-    def busiest(of) -> float:
-        flops = stage_flops_per_token(of, seq, pp * per)
-        return max(sum(flops[s] for s in rank_stages(r, pp, per, schedule)) for r in range(pp))
-
-    gain = 1 - busiest(with_stage_split(shape, split)) / busiest(even) if split else 0.0
+    args = (seq, pp, schedule, virtual)
+    gain = 1 - busiest_rank_flops(with_stage_split(shape, split), *args) / busiest_rank_flops(even, *args) \
+        if split else 0.0
     return split, list(even.stage_sizes(pp * per)), gain
 
 

@@ -57,7 +57,7 @@ from loom.plan.memory import (
     rank_stages_of,
     rank_sum,
 )
-from loom.plan.shapes import balanced_split, checkpointed_layers, stage_flops_per_token, with_stage_split
+from loom.plan.shapes import checkpointed_layers, stage_flops_per_token, with_stage_split, worthwhile_split
 from loom.plan.terms import NO_TERMS, Terms, gb, num, sec
 
 # Elementwise traffic of one decoder block's forward + backward per token (bytes, fp32), counted
@@ -209,15 +209,10 @@ def pipeline_text(cfg, shape=None) -> str:
     return text if shape is None or not shape.known else text + _blocks_text(cfg, shape)
 
 
-# A balanced split whose busiest pipeline rank runs this much less than the split given is worth a line
-# at launch (a few percent is within what the FLOPs count can tell).
-SPLIT_WORTH = 0.05
-
-
 def _blocks_text(cfg, shape) -> str:
     """"; blocks per stage 4/4/4/4; the head's rank runs 1.52× the mean rank's FLOPs, 1.02× with
     parallel.pp_stage_layers = [5, 5, 5, 1]": the stages as they run, and the balanced split where it is
-    worth it (shapes.balanced_split) and not the one given."""
+    worth it (shapes.worthwhile_split) and not the one given."""
     from loom.config import stages_per_rank
 
     p = cfg.parallel
@@ -227,12 +222,10 @@ def _blocks_text(cfg, shape) -> str:
     run = with_stage_split(shape, given)
     text = f"; blocks per stage {'/'.join(map(str, run.stage_sizes(total)))}"
     args = (cfg.data.seq_len, p.pp, p.pp_schedule, p.pp_virtual_stages)
-    balanced = balanced_split(even, *args)
+    balanced = worthwhile_split(even, *args)
     if not balanced or balanced == given:
         return text
     now, better = _busiest_rank(run, *args)[1], _busiest_rank(with_stage_split(shape, balanced), *args)[1]
-    if better > (1 - SPLIT_WORTH) * now:
-        return text
     return (f"{text}; the busiest rank runs {now:.2f}× the mean rank's FLOPs, {better:.2f}× with "
             f"parallel.pp_stage_layers = [{', '.join(map(str, balanced))}]")
 

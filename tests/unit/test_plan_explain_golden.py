@@ -46,7 +46,9 @@ def cases() -> list[tuple[str, object, str]]:
             ("8b 2 nodes zero1", once, "zero1 ac full"),
             ("70e9 offload", seventy, "zero3 offload optimizer+params"),
             ("70e9 nvme", seventy, "zero3 offload nvme"),
-            ("1b 4 nodes ddp tp4", one_b, "ddp tp4+sp"), ("small cpu zero3", small, "zero3"),
+            ("1b 4 nodes ddp tp4", one_b, "ddp tp4+sp"),
+            ("1b 4 nodes ddp pp4, its stages balanced", one_b, "ddp pp4 1f1b"),
+            ("small cpu zero3", small, "zero3"),
             ("small cpu ddp selective", small, "ddp ac selective/2"), ("tiny cpu zero2 bf16", tiny, "zero2"),
             ("8b zero3 cp4 ring selective", eight_b, "zero3 cp4 ring ac selective/2"),
             ("small cpu zero3 cp2 alltoall", small, "zero3 cp2 alltoall")]
