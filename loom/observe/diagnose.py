@@ -378,7 +378,7 @@ def _balanced_split(cfg: dict, pp: int, schedule: str, virtual: int) -> tuple[tu
     from loom.config import load_config_text, stages_per_rank, to_toml
     from loom.errors import LoomError
     from loom.plan.command import model_shape
-    from loom.plan.shapes import balanced_split, busiest_rank_flops, with_stage_split
+    from loom.plan.shapes import balanced_split, rank_flops_per_token, with_stage_split
 
     try:
         config = load_config_text(to_toml(cfg), "the run's config.toml")
@@ -394,8 +394,8 @@ def _balanced_split(cfg: dict, pp: int, schedule: str, virtual: int) -> tuple[tu
     even = with_stage_split(shape, ())
     split = balanced_split(even, seq, pp, schedule, virtual)
     args = (seq, pp, schedule, virtual)
-    gain = 1 - busiest_rank_flops(with_stage_split(shape, split), *args) / busiest_rank_flops(even, *args) \
-        if split else 0.0
+    gain = 1 - max(rank_flops_per_token(with_stage_split(shape, split), *args)) / \
+        max(rank_flops_per_token(even, *args)) if split else 0.0
     return split, list(even.stage_sizes(pp * per)), gain
 
 

@@ -315,16 +315,19 @@ def worthwhile_split(shape: ModelShape, seq_len: int, pp: int, schedule: str,
     split = balanced_split(shape, seq_len, pp, schedule, virtual)
     if not split:
         return ()
-    even, balanced = (busiest_rank_flops(with_stage_split(shape, s), seq_len, pp, schedule, virtual)
+    even, balanced = (max(rank_flops_per_token(with_stage_split(shape, s), seq_len, pp, schedule, virtual))
                       for s in ((), split))
     return split if balanced <= (1 - SPLIT_WORTH) * even else ()
 
 
-def busiest_rank_flops(shape: ModelShape, seq_len: int, pp: int, schedule: str, virtual: int) -> float:
-    """The FLOPs per token of the pipeline rank whose stages run the most, as the shape splits them."""
+@functools.lru_cache(maxsize=4096)
+def rank_flops_per_token(shape: ModelShape, seq_len: int, pp: int, schedule: str,
+                         virtual: int) -> tuple[float, ...]:
+    """stage_flops_per_token summed over each pipeline rank's stages (loom.config.rank_stages places
+    them), as the shape splits the blocks."""
     per = stages_per_rank(schedule, virtual)
     flops = stage_flops_per_token(shape, seq_len, pp * per)
-    return max(sum(flops[s] for s in rank_stages(r, pp, per, schedule)) for r in range(pp))
+    return tuple(sum(flops[s] for s in rank_stages(r, pp, per, schedule)) for r in range(pp))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -342,12 +345,6 @@ def _moe_stage_layers(shape: ModelShape, stage: int, stages: int) -> int:
 def _priced_stages(shape: ModelShape, stages: int) -> tuple[int, ...]:
     heaviest = max(range(stages), key=lambda s: (shape.stage_params(s, stages), -s))
     return tuple(sorted({0, stages - 1, heaviest}))
-
-
-def layers_of_stage(n_layers: int, stage: int, stages: int) -> int:
-    """The blocks of one stage of an evenly split pipeline (config.stage_sizes: the extra layers to the
-    middle stages, then the first, never the last; a shape's own split: ModelShape.stage_blocks)."""
-    return stage_sizes(n_layers, stages)[stage]
 
 
 def attention_kv_width(shape: ModelShape, elem: int, device: str = "cpu", masked: bool = False) -> int:

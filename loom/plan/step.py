@@ -52,12 +52,11 @@ from loom.plan.efficiency import D0_SCALE, DEFAULT, FAMILY, compute_fraction, li
 from loom.plan.in_flight import overlapped_pairs
 from loom.plan.memory import (
     heaviest_rank,
-    pipeline_rank_stages,
     rank_lora_params,
     rank_stages_of,
     rank_sum,
 )
-from loom.plan.shapes import checkpointed_layers, stage_flops_per_token, with_stage_split, worthwhile_split
+from loom.plan.shapes import checkpointed_layers, rank_flops_per_token, with_stage_split, worthwhile_split
 from loom.plan.terms import NO_TERMS, Terms, gb, num, sec
 
 # Elementwise traffic of one decoder block's forward + backward per token (bytes, fp32), counted
@@ -243,10 +242,9 @@ def busiest_pipeline_rank(w, c) -> tuple[int, float]:
 @functools.lru_cache(maxsize=4096)
 def _busiest_rank(shape, seq_len: int, pp: int, schedule: str, virtual: int) -> tuple[int, float]:
     """busiest_pipeline_rank, remembered (the search asks for every candidate)."""
-    flops = stage_flops_per_token(shape, seq_len, pipeline_rank_stages(0, pp, schedule, virtual)[1])
-    per_rank = [sum(flops[s] for s in pipeline_rank_stages(r, pp, schedule, virtual)[0]) for r in range(pp)]
+    per_rank = rank_flops_per_token(shape, seq_len, pp, schedule, virtual)
     top = max(range(pp), key=lambda r: (per_rank[r], -r))
-    return top, pp * per_rank[top] / sum(flops)
+    return top, pp * per_rank[top] / sum(per_rank)
 
 
 def micro_steps(c) -> int:

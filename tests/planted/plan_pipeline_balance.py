@@ -13,8 +13,10 @@ BAD = "tests/unit/test_bad_input.py::test_bad_input"
 BUGS = [
     Bug("planner-splits-its-own-way", "the planner gives the leftover blocks to the first stages, the run "
         "to the middle ones", "loom/plan/shapes.py",
-        "    return stage_sizes(n_layers, stages)[stage]\n",
-        "    return n_layers // stages + (1 if stage < n_layers % stages else 0)\n",
+        "        return stage_sizes(self.n_layers, stages, self.stage_split if len(self.stage_split) == "
+        "stages else ())\n",
+        "        return tuple(self.n_layers // stages + (s < self.n_layers % stages) "
+        "for s in range(stages))\n",
         (f"{BALANCE}::test_the_planner_splits_the_blocks_as_the_run_does",)),
     Bug("pipeline-priced-balanced", "a pipeline's compute priced as FLOPs ÷ GPUs, as if every rank ran "
         "the same share (the head's rank is slower)", "loom/plan/step.py",
@@ -79,4 +81,29 @@ BUGS = [
         "what the FLOPs count can tell included", "loom/plan/shapes.py",
         "    return split if balanced <= (1 - SPLIT_WORTH) * even else ()\n", "    return split\n",
         (f"{SPLIT}::test_a_split_is_offered_where_it_takes_five_percent_off_the_busiest_rank",)),
+    Bug("stage-without-blocks-accepted", "a split whose counts sum right but leave a stage empty reaches the "
+        "run", "loom/parallel/pipeline.py", "    if min(shown) < 1:\n", "    if False:\n",
+        (f"{SPLIT}::test_a_split_that_cannot_run_is_one_line",)),
+    Bug("split-rule-allows-zero", "parallel.pp_stage_layers's rule takes a stage of 0 blocks, refused only "
+        "once the model is known", "loom/config.py",
+        '"parallel.pp_stage_layers": _count(1, MAX_LAYERS,',
+        '"parallel.pp_stage_layers": _count(0, MAX_LAYERS,',
+        (f"{BAD}[parallel-stage-layers-empty-stage]",)),
+    Bug("split-inert-unsaid", "parallel.pp_stage_layers without a pipeline accepted without a word",
+        "loom/config.py", 'for k in ("microbatches", "pp_schedule", "pp_stage_layers")',
+        'for k in ("microbatches", "pp_schedule")',
+        (f"{SPLIT}::test_a_split_without_a_pipeline_is_said_to_do_nothing",)),
+    Bug("stages-built-evenly", "the pipeline's stage builder ignores the split it is given",
+        "loom/parallel/pipeline.py", "    for size in stage_sizes(n_layers, num_stages, tuple(split)):\n",
+        "    for size in stage_sizes(n_layers, num_stages):\n",
+        (f"{SPLIT}::test_any_split_runs_as_given_or_is_one_line",)),
+    Bug("balance-off-rank-0", "the balancing moves blocks off rank 0 whichever rank is the busiest",
+        "loom/plan/shapes.py", "        busiest = max(range(pp), key=lambda r: (per_rank[r], -r))\n",
+        "        busiest = 0\n",
+        (f"{SPLIT}::test_the_balanced_split_takes_blocks_off_the_heads_stage",)),
+    Bug("stage-layers-renumbered", "a stage's blocks keyed by their place in the stage, so a checkpoint's "
+        "names depend on the split", "loom/models/gpt/pipeline.py",
+        "    stage.layers = nn.ModuleDict({str(i): stage.layers[i] for i in layer_ids})\n",
+        "    stage.layers = nn.ModuleDict({str(k): stage.layers[i] for k, i in enumerate(layer_ids)})\n",
+        (f"{SPLIT_RANKS}::test_checkpoints_reshard_between_splits",)),
 ]

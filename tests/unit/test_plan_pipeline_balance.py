@@ -15,7 +15,7 @@ from loom.plan.device import load
 from loom.plan.hardware import Cluster, lookup
 from loom.plan.memory import gpu_memory, stage_memory
 from loom.plan.search import estimate
-from loom.plan.shapes import from_preset, layers_of_stage, stage_flops_per_token
+from loom.plan.shapes import from_preset, stage_flops_per_token
 from loom.plan.step import busiest_pipeline_rank
 
 PRESETS = ("small", "125m", "1b", "8b", "70b", "mixtral-8x7b", "deepseek-v3")
@@ -23,9 +23,10 @@ PRESETS = ("small", "125m", "1b", "8b", "70b", "mixtral-8x7b", "deepseek-v3")
 
 def test_the_planner_splits_the_blocks_as_the_run_does():
     for n_layers in range(1, 49):
+        shape = from_preset("small", n_layers=n_layers)
         for stages in range(1, n_layers + 1):
             run = stage_layers(n_layers, stages)
-            assert [layers_of_stage(n_layers, s, stages) for s in range(stages)] == [len(x) for x in run]
+            assert [shape.stage_layers(s, stages) for s in range(stages)] == [(x[0], len(x)) for x in run]
     shape = from_preset("deepseek-v3")  # 61 blocks
     for stages in (2, 4, 8, 16):
         assert [shape.stage_layers(s, stages) for s in range(stages)] == \
@@ -98,7 +99,7 @@ def test_an_uneven_split_prices_its_fullest_middle_stage():
     the embedding and the head (the small preset's 256-token vocabulary), stage 1 holds the most
     parameters and gpu_memory prices it."""
     shape = from_preset("small", n_layers=10)
-    assert [layers_of_stage(10, s, 4) for s in range(4)] == [2, 3, 3, 2]
+    assert [shape.stage_blocks(s, 4) for s in range(4)] == [2, 3, 3, 2]
     assert shape.priced_stages(4) == [0, 1, 3]
     w = Workload(shape, 128, 16, "fp32")
     c = Candidate("zero1", 1, pp=4, schedule="1f1b", grad_accum=16)

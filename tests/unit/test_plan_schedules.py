@@ -35,7 +35,6 @@ from loom.plan.shapes import (
     attention_kv_width,
     from_preset,
     head_saved_bytes,
-    layers_of_stage,
     plain_ops_bytes_per_layer,
 )
 from loom.plan.step import EQUAL_PASSES, Passes, bubble_fraction, bubble_time, local_params, passes
@@ -118,7 +117,7 @@ def test_memory_each_schedule_holds():
     assert deferred_weight_bytes_per_layer(shape, 4096, 1, 2) == per_w
     per_w += 2 * 4096 * h * 2  # the two norms' output gradients
     # (full checkpointing: a block keeps its input, of the output's size)
-    output, layers = 4096 * h * 2, layers_of_stage(shape.n_layers, 0, 4)
+    output, layers = 4096 * h * 2, shape.stage_blocks(0, 4)
     one_f_one_b = _activations("1f1b", 1, 0, "backward's start")
     assert one_f_one_b - _activations("zb", 1, 0, "backward's start") == pytest.approx(4 * output)
     deferred = in_flight.rank_moments("zb", 4, 1, 16, 1)[0][0].deferred
@@ -126,7 +125,7 @@ def test_memory_each_schedule_holds():
     assert _activations("zb", 1, 1, "backward's start") == pytest.approx(4 * (layers - 1) * output
                                                                          + deferred * layers * per_w)
     assert _activations("zb", 1, 3, "loss") - _activations("1f1b", 1, 3, "loss") \
-        > 4 * layers_of_stage(shape.n_layers, 3, 4) * per_w
+        > 4 * shape.stage_blocks(3, 4) * per_w
     zbv, dualpipev = _activations("zbv", 2, 0, "loss"), _activations("dualpipev", 2, 0, "loss")
     assert dualpipev >= zbv > _activations("1f1b", 1, 0, "backward's start")
     # the last rank: 1F1B holds one micro-batch and the head's tensors, zbv 2p of its two half-stages

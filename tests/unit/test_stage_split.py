@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 from fuzz import FUZZ, must_read
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from loom.config import load_config, rank_stages, stage_sizes, stages_per_rank, validate
@@ -72,6 +72,8 @@ def test_a_split_without_a_pipeline_is_said_to_do_nothing():
 
 
 @FUZZ
+@example(n_layers=6, pp=2, schedule="1f1b", virtual=1, split=[5, 1])  # valid uneven splits, which random
+@example(n_layers=6, pp=2, schedule="zbv", virtual=1, split=[2, 1, 1, 2])  # lists seldom are
 @given(n_layers=st.integers(1, 9), pp=st.integers(1, 4), schedule=st.sampled_from(SCHEDULES),
        virtual=st.integers(1, 3), split=st.lists(st.integers(-2, 9), max_size=9))
 def test_any_split_runs_as_given_or_is_one_line(n_layers, pp, schedule, virtual, split):
