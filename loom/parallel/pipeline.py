@@ -59,16 +59,21 @@ def stage_layers(n_layers: int, pp: int, virtual: int = 1, split: Sequence[int] 
     `split` (parallel.pp_stage_layers) where given, else evenly (the extra layers to the middle
     stages, then the first, never the last)."""
     num_stages = pp * virtual
-    if num_stages < 1 or num_stages > n_layers:
-        raise ConfigError(
-            f"{num_stages} pipeline stages (pp {pp} × virtual {virtual}) do not fit the model's "
-            f"{n_layers} layers; use at most one stage per layer"
-        )
+    refuse_more_stages_than_layers(n_layers, pp, virtual)
     stages, start = [], 0
     for size in stage_sizes(n_layers, num_stages, tuple(split)):
         stages.append(list(range(start, start + size)))
         start += size
     return stages
+
+
+def refuse_more_stages_than_layers(n_layers: int, pp: int, local: int) -> None:
+    """Every stage holds at least one block (`local`: stages per rank)."""
+    if pp * local < 1 or pp * local > n_layers:
+        raise ConfigError(
+            f"{pp * local} pipeline stages (pp {pp} × virtual {local}) do not fit the model's "
+            f"{n_layers} layers; use at most one stage per layer"
+        )
 
 
 def refuse_tied_embeddings(tied: bool, num_stages: int, fix: str) -> None:
@@ -100,26 +105,20 @@ def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, micro
         raise ConfigError(
             f"parallel.pp_schedule = {schedule!r} splits the model into 2 × pp = {2 * pp} stages (two per "
             f"rank, in a V), more than its {n_layers} layers; use pp ≤ {n_layers // 2} or the 1f1b schedule")
-    if split:
-        _check_split(split, n_layers, pp * local)
-    if schedule == "interleaved":
-        if virtual < 2:
-            raise ConfigError(
-                f"parallel.pp_schedule = 'interleaved' needs parallel.pp_virtual_stages ≥ 2, got {virtual}; "
-                "raise it or use the 1f1b schedule"
-            )
-        if n_layers % (pp * virtual) and not split:
-            raise ConfigError(
-                f"interleaved pipeline: the model's {n_layers} layers are not divisible by "
-                f"pp × virtual stages = {pp} × {virtual} = {pp * virtual}; change pp, pp_virtual_stages or "
-                f"n_layers" + (", or give each stage its blocks: parallel.pp_stage_layers"
-                               if n_layers >= pp * virtual else "")
-            )
-    elif virtual != 1 and schedule in ("gpipe", "1f1b"):
+    if schedule == "interleaved" and virtual < 2:
+        raise ConfigError(
+            f"parallel.pp_schedule = 'interleaved' needs parallel.pp_virtual_stages ≥ 2, got {virtual}; "
+            "raise it or use the 1f1b schedule"
+        )
+    if virtual != 1 and schedule in ("gpipe", "1f1b"):
         raise ConfigError(
             f"parallel.pp_virtual_stages = {virtual} needs a schedule that runs several stages per rank "
             f"(interleaved, zb, zbv, dualpipev); set it to 1 for {schedule!r}"
         )
+    # Layers that do not divide into the stages split as config.stage_sizes says, in any schedule
+    refuse_more_stages_than_layers(n_layers, pp, local)
+    if split:
+        _check_split(split, n_layers, pp * local)
     if schedule in ("1f1b", "interleaved", "zb") and microbatches < pp:
         raise ConfigError(
             f"parallel.microbatches = {microbatches} is fewer than parallel.pp = {pp}, "

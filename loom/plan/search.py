@@ -220,10 +220,8 @@ def _schedules(shape, pp: int) -> list[tuple[str, int]]:
     if pp == 1:
         return [("none", 1)]
     options = [("gpipe", 1), ("1f1b", 1), ("zb", 1)]
-    if shape.n_layers % (pp * 2) == 0:
-        options += [("interleaved", 2), ("zb", 2)]
-    if 2 * pp <= shape.n_layers:
-        options += [("zbv", 2)] + ([("dualpipev", 2)] if shape.moe else [])
+    if 2 * pp <= shape.n_layers:  # (layers that do not divide split as config.stage_sizes says)
+        options += [("interleaved", 2), ("zb", 2), ("zbv", 2)] + ([("dualpipev", 2)] if shape.moe else [])
     return options
 
 
@@ -241,7 +239,7 @@ def schedule_runs(n_layers: int, pp: int, virtual: int, schedule: str, microbatc
     stages = pp * stages_per_rank(schedule, virtual)
     if stages > n_layers or (schedule in V_SCHEDULES and virtual > 2):
         return False
-    if schedule == "interleaved" and (virtual < 2 or n_layers % stages):
+    if schedule == "interleaved" and virtual < 2:
         return False
     if schedule in ("gpipe", "1f1b") and virtual != 1:
         return False

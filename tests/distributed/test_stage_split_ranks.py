@@ -1,6 +1,7 @@
 """parallel.pp_stage_layers on gloo ranks: stages holding the blocks unevenly train as the single
-process does (1f1b, zbv, and interleaved over blocks the stages do not divide evenly), and a
-checkpoint written under one split resumes under another split, another schedule, and no pipeline."""
+process does (1f1b, zbv and interleaved as given; interleaved given no split over blocks its stages
+do not divide, as config.stage_sizes splits them), and a checkpoint written under one split resumes
+under another split, another schedule, and no pipeline."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from test_zero_bubble import _model_keys, _rank_schedules, _stages, check_matche
 LAYOUT = ("parallel.pp=2", "model.n_layers=6", "parallel.microbatches=4", f"train.batch_size={ACCUM * 4 * 2}")
 SPLITS = {  # name: the schedule and its split of the 6 blocks
     "1f1b-5-1": ("parallel.pp_schedule=1f1b", "parallel.pp_stage_layers=[5, 1]"),
-    "interleaved-1-2-2-1": ("parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
-                            "parallel.pp_stage_layers=[1, 2, 2, 1]"),
+    "interleaved-1-1-3-1": ("parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
+                            "parallel.pp_stage_layers=[1, 1, 3, 1]"),
+    "interleaved-even": ("parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2"),  # 1/2/2/1
     "zbv-2-1-1-2": ("parallel.pp_schedule=zbv", "parallel.pp_stage_layers=[2, 1, 1, 2]"),
 }
 
@@ -27,7 +29,8 @@ def test_uneven_stages_match_single_process(corpus):
         blocks = [{k.split(".")[1] for k in rank_results[i][1] if k.startswith("layers.")}
                   for rank_results in results]
         # the blocks each rank holds: the split's stages, placed as the schedule places them
-        want = {"1f1b-5-1": [5, 1], "interleaved-1-2-2-1": [3, 3], "zbv-2-1-1-2": [4, 2]}[name]
+        want = {"1f1b-5-1": [5, 1], "interleaved-1-1-3-1": [4, 2], "interleaved-even": [3, 3],
+                "zbv-2-1-1-2": [4, 2]}[name]
         assert [len(b) for b in blocks] == want, (name, blocks)
 
 

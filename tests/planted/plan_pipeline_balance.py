@@ -9,6 +9,8 @@ BALANCE = "tests/unit/test_plan_pipeline_balance.py"
 SPLIT = "tests/unit/test_stage_split.py"
 SPLIT_RANKS = "tests/distributed/test_stage_split_ranks.py"
 BAD = "tests/unit/test_bad_input.py::test_bad_input"
+SCHEDULES = "tests/unit/test_plan_schedules.py"
+PIPELINE = "tests/unit/test_pipeline.py"
 
 BUGS = [
     Bug("planner-splits-its-own-way", "the planner gives the leftover blocks to the first stages, the run "
@@ -106,4 +108,18 @@ BUGS = [
         "    stage.layers = nn.ModuleDict({str(i): stage.layers[i] for i in layer_ids})\n",
         "    stage.layers = nn.ModuleDict({str(k): stage.layers[i] for k, i in enumerate(layer_ids)})\n",
         (f"{SPLIT_RANKS}::test_checkpoints_reshard_between_splits",)),
+    Bug("interleaved-searched-where-layers-divide", "the search leaves out interleaved and zb over two "
+        "stages per rank where the layers do not divide into the stages, though they run",
+        "loom/plan/search.py",
+        "    if 2 * pp <= shape.n_layers:  # (layers that do not divide split as config.stage_sizes says)\n"
+        "        options += [(\"interleaved\", 2), (\"zb\", 2), (\"zbv\", 2)]",
+        "    if 2 * pp <= shape.n_layers:  # (layers that do not divide split as config.stage_sizes says)\n"
+        "        options += ([(\"interleaved\", 2), (\"zb\", 2)] if shape.n_layers % (2 * pp) == 0 else [])\n"
+        "        options += [(\"zbv\", 2)]",
+        (f"{SCHEDULES}::test_interleaved_is_searched_where_the_layers_do_not_divide",)),
+    Bug("stage-count-unchecked", "more stages than layers let through until a rank builds its stage",
+        "loom/parallel/pipeline.py",
+        "says, in any schedule\n    refuse_more_stages_than_layers(n_layers, pp, local)\n", "says, in any "
+        "schedule\n",
+        (f"{PIPELINE}::test_validate_pipeline_errors",)),
 ]

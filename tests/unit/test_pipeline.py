@@ -68,7 +68,9 @@ def test_bubble_fraction() -> None:
         ((4, 4, 1, "1f1b", 2), {}, "microbatches = 2 is fewer than parallel.pp = 4"),
         ((8, 4, 2, "interleaved", 2), {}, "microbatches = 2 is fewer than parallel.pp = 4"),
         ((4, 2, 1, "interleaved", 4), {}, "needs parallel.pp_virtual_stages ≥ 2"),
-        ((6, 2, 2, "interleaved", 4), {}, "not divisible by pp × virtual stages = 2 × 2 = 4"),
+        ((3, 2, 2, "interleaved", 4), {}, "4 pipeline stages (pp 2 × virtual 2) do not fit"),
+        ((4, 2, 3, "zb", 4), {}, "6 pipeline stages (pp 2 × virtual 3) do not fit the model's 4 layers"),
+        ((2, 2, 2, "1f1b", 2), {}, "pp_virtual_stages = 2 needs a schedule that runs several stages"),
         ((4, 2, 2, "1f1b", 4), {}, "pp_virtual_stages = 2 needs a schedule that runs several stages"),
         ((8, 2, 3, "zbv", 4), {}, "'zbv' runs exactly two stages per rank (a V), but"),
         ((6, 4, 1, "dualpipev", 8), {}, "splits the model into 2 × pp = 8 stages (two per rank"),
@@ -94,6 +96,7 @@ def test_validate_pipeline_accepts() -> None:
     validate_pipeline(4, 2, 1, "gpipe", 1)  # gpipe runs with fewer micro-batches than stages
     validate_pipeline(4, 2, 1, "1f1b", 2)
     validate_pipeline(8, 2, 2, "interleaved", 4)
+    validate_pipeline(6, 2, 2, "interleaved", 4)  # layers that do not divide: split as stage_sizes says
     validate_pipeline(4, 4, 1, "1f1b", 6)
     validate_pipeline(4, 1, 1, "1f1b", 1, tie_embeddings=True)  # pp = 1 splits nothing
 

@@ -255,6 +255,22 @@ def test_dualpipev_is_searched_for_a_mixture_of_experts_only():
         assert ("dualpipev" in schedules) == searched and "zbv" in schedules, shape.name
 
 
+def test_interleaved_is_searched_where_the_layers_do_not_divide():
+    """5 layers over pp 2 × 2 stages: interleaved and zb × 2 are searched as for 4 or 6 layers (split
+    1/2/1/1 as a run splits them), each layout validate_pipeline takes; not where the stages are more
+    than the layers."""
+    cluster = local_cluster(device.load(DATA / "device_cpu.json"), 2)
+    for layers, searched in ((5, True), (6, True), (3, False)):
+        shape = dataclasses.replace(from_preset("small"), n_layers=layers)
+        layouts = {(c.schedule, c.virtual_stages, c.pp, c.grad_accum)
+                   for c in enumerate_candidates(Workload(shape, 128, 16, "fp32"), cluster)}
+        interleaved = {layout for layout in layouts if layout[0] == "interleaved"}
+        assert bool(interleaved) == searched, layers
+        for schedule, virtual, pp, m in layouts:
+            if pp > 1:
+                validate_pipeline(layers, pp, virtual, schedule, m)
+
+
 def test_v_sends_per_micro_batch():
     """A V keeps its turn (stages p − 1 → p) on the last rank and both ends on rank 0: per micro-batch
     a rank sends 2 when p = 2 (measured by `loom train` on gloo: 8 sends for 4 micro-batches), 4 on a
