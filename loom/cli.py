@@ -6,6 +6,7 @@ User errors end as one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -43,6 +44,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.out is not None:
         args.out = _out_dir(args.out)
+    if args.resume is not None and not args.resume.strip():  # an unset $CKPT, not "." (the working directory)
+        raise LoomError('--resume is empty (an unset variable, as in --resume "$CKPT"?); pass auto or '
+                        'RUN_DIR/checkpoints/step_N, or leave --resume out to start from scratch')
     launching = args.nproc is not None or args.nnodes > 1 or args.rdzv_endpoint is not None
     if args.resume == "auto" and args.out is not None and not under_launcher(launching):
         _check_continued_dir(args.out)  # before its config.toml is read as the run's
@@ -51,7 +55,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _train_rank(cfg, args)
 
     from loom.train import faults
-    from loom.train.stop import preempt_signal
 
     faults.planted()  # a malformed LOOM_FAULTS fails here, once, not on every rank
     spec = LaunchSpec(nproc=args.nproc if args.nproc is not None else default_nproc(), nnodes=args.nnodes,
@@ -65,6 +68,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     device.load(required=False)  # plan.json prices the run on it: a damaged profile fails here, not in ranks
     run_dir = args.out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.parallel.strategy}"
     replace = _check_run_dir(cfg, run_dir, args, spec)
+    from loom.data.source_identity import check_out
+
+    check_out(cfg.data, run_dir)  # the run's own files would join a folder it reads
     model = _preflight_data(cfg, spec.world_size)
     _check_resume(cfg, run_dir, args.resume, model)
     if note:  # (on stdout, as the run's other news: stderr stays one line when a rank fails)
@@ -77,8 +83,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         print_dry_run(cfg, model, spec.world_size, spec.nproc)
         return 0
     again = _continue_command(args, run_dir)
+    from loom.files import release_run_dir
+
+    lock = None
     if spec.nnodes == 1 or spec.node_rank == 0:  # every check has passed: only now is anything removed
-        _take_run_dir(run_dir, replace)
+        lock = _take_run_dir(run_dir, replace)
+    try:
+        return _launch_run(cfg, args, spec, run_dir, again)
+    finally:
+        release_run_dir(lock)
+
+
+def _launch_run(cfg, args: argparse.Namespace, spec, run_dir: Path, again: str) -> int:
+    """Train in this process (one rank) or under torchrun (several), and say how it ended."""
+    from loom.train.stop import preempt_signal
+
     if spec.world_size == 1 and spec.nnodes == 1:
         from loom.parallel.mesh import shutdown
         from loom.train.driver import train
@@ -376,7 +395,7 @@ def _check_continued_dir(run_dir: Path) -> None:
     """`--resume auto` writes the run's files (summary.json, metrics.jsonl, checkpoints/ …) into
     --out: only into a run directory loom made, a new or empty folder, never the working or home
     directory (or above them), and only where its checkpoints folder is this run's."""
-    from loom.files import RUN_ENTRIES, RUN_MARKER, is_loom_run
+    from loom.files import RUN_ENTRIES, RUN_MARKER, check_run_entries, is_loom_run
     from loom.train.checkpoint import check_checkpoints_dir
 
     if not (run_dir.exists() or run_dir.is_symlink()):
@@ -405,6 +424,7 @@ def _check_continued_dir(run_dir: Path) -> None:
                         f"{RUN_MARKER} marker) and holds {shown}, which loom would write among; pick a new "
                         f"or empty --out")
     check_checkpoints_dir(run_dir)
+    check_run_entries(run_dir)
 
 
 def _never_removed() -> list[tuple[str, Path]]:
@@ -435,20 +455,32 @@ def _run_inputs(cfg, args: argparse.Namespace) -> list[tuple[str, Path]]:
     return inputs
 
 
-def _take_run_dir(run_dir: Path, replace: bool) -> None:
-    """The last moment before ranks start: --overwrite's removal, then the run directory, made and
-    marked as loom's."""
+def _take_run_dir(run_dir: Path, replace: bool) -> int:
+    """The last moment before ranks start: --overwrite's removal (never of a run training now),
+    then the run directory, made, marked as loom's and locked for this run (the lock's descriptor,
+    for release_run_dir)."""
     import shutil
 
-    from loom.files import claim_run_dir
+    from loom.files import RUN_LOCK, check_writable, claim_run_dir, lock_run_dir, release_run_dir
+    from loom.train.checkpoint import CHECKPOINTS
 
+    old = None
     if replace:
+        if (run_dir / RUN_LOCK).is_file():  # (its lock goes with it: held until the new one is taken)
+            old = lock_run_dir(run_dir)
         shutil.rmtree(run_dir)
     try:
         claim_run_dir(run_dir)
     except OSError as e:  # an unwritable folder (or one on the way to it)
         raise LoomError(f"cannot write the run directory {run_dir}: {e.strerror} ({e.filename}); pick an "
                         f"--out you can write to") from None
+    check_writable(run_dir, "the run directory")  # one that exists, a continued run's
+    if (run_dir / CHECKPOINTS).is_dir():
+        check_writable(run_dir / CHECKPOINTS, "the run's checkpoints folder")
+    try:
+        return lock_run_dir(run_dir)
+    finally:
+        release_run_dir(old)
 
 
 def _check_resume(cfg, run_dir: Path, resume: str | None, model) -> None:
@@ -533,7 +565,7 @@ def _preflight_data(cfg, world_size: int):
     if not isinstance(data.train, torch.utils.data.IterableDataset):  # a stream has no length to check
         dims = resolve_dims(cfg.parallel, world_size)
         GlobalBatchSampler(len(data.train), cfg.train.batch_size, 0, dims.dp, cfg.train.grad_accum,
-                           cfg.train.seed)
+                           cfg.train.seed, held_out=len(data.eval) if data.eval is not None else 0)
     return resolve_model(cfg, data.vocab_size, pretrained)
 
 
@@ -575,12 +607,15 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         return _analyze_and_print(args.trace_dir, args.format, args.out, args.overwrite)
     import json
 
+    from loom.observe.analyze import check_out_writable
     from loom.observe.compare import compare_runs, render_compare, write_compare
 
     if args.trace_dir is not None:
         raise LoomError(f"pass TRACE_DIR ({args.trace_dir}) or --compare RUN_A RUN_B, not both")
     if args.format == "html" and args.out is None:
         raise LoomError("--compare --format html writes a page: pass --out DIR (compare.html goes there)")
+    if args.out is not None:
+        check_out_writable(args.out, "loom analyze --compare")
     result = compare_runs(*args.compare)
     written = write_compare(result, args.out) if args.out is not None else None
     if args.format == "json":
@@ -597,13 +632,14 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def _analyze_and_print(trace_dir: Path, fmt: str, out: Path | None, overwrite: bool = False) -> int:
     import json
 
-    from loom.observe.analyze import analyze, check_outputs, render_table, write_outputs
+    from loom.observe.analyze import analyze, check_out_writable, check_outputs, render_table, write_outputs
 
     if not trace_dir.is_dir():
         raise LoomError(f"{trace_dir} is not a directory; pass the folder holding the per-rank traces "
                         f"(a loom run's RUN_DIR/traces)")
     out_dir = out or (trace_dir.parent if trace_dir.name == "traces" else trace_dir)
     check_outputs(out_dir, overwrite)  # before the traces are read: nothing of the user's is replaced
+    check_out_writable(out_dir)  # and the analysis has somewhere to go
     analysis = analyze(trace_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ledger, report = write_outputs(analysis, out_dir)
@@ -631,9 +667,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     first = args.gpu == "local" and not default_path().is_file()
     if args.calibrate or first:  # measuring needs torch; planning after it does not
-        from loom.plan.command import plan_inputs
+        from loom.plan.command import check_model_layout, plan_inputs
 
-        plan_inputs(args)  # a bad --model or --set is told at once, not after the calibration
+        cfg, _, shape = plan_inputs(args)  # a bad --model or --set: at once, not after the calibration
+        check_model_layout(cfg, shape)
         from loom.observe.calibrate import calibrate, calibration_notice
         from loom.plan.device import save
 
@@ -828,12 +865,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
     except LoomError as e:
         print(f"loom: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `loom analyze … | head`: the reader has all it wanted, no traceback
+        with contextlib.suppress(OSError, ValueError):  # (Python flushes stdout again at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a writer its pipe closed on (128 + SIGPIPE)
 
 
 if __name__ == "__main__":

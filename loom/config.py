@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import ctypes.util
 import dataclasses
+import datetime
 import difflib
 import functools
 import importlib.util
@@ -267,6 +268,11 @@ MAX_SEED = 2**32 - 1  # numpy's generators need seeds ≥ 0, torch's take up to 
 MAX_MB = 1e6  # bucket and unit sizes: a terabyte
 MAX_TIMEOUT_S = 1e6  # about eleven days
 MAX_EXPERTS = 65536
+# Learning rates and weight decay: AdamW moves each weight by about lr a step, and decoupled decay
+# shrinks it by lr × weight_decay a step; published values are lr ≤ 0.1 (Muon's too) and
+# weight_decay ≤ 1. Far above these no run trains (torch's Adam cannot even take an lr of 1e39): a typo.
+MAX_LR = 10
+MAX_WEIGHT_DECAY = 100
 SOURCE_KINDS = 'a text file, a directory, a glob, a .bin token file or "stdlib"'
 
 
@@ -293,12 +299,12 @@ def _count(low: int = 1, high: int = MAX_COUNT, why: str = "", eg: str = "") -> 
     return Rule(low, high, why=why, eg=eg)
 
 
-def _one_of(choices: typing.Iterable[str], why: str = "") -> Rule:
-    return Rule(choices=tuple(choices), why=why)
+def _one_of(choices: typing.Iterable[str], why: str = "", eg: str = "") -> Rule:
+    return Rule(choices=tuple(choices), why=why, eg=eg)
 
 
-def _name(why: str, optional: bool = False) -> Rule:
-    return Rule(name=True, optional=optional, why=why)
+def _name(why: str, optional: bool = False, eg: str = "") -> Rule:
+    return Rule(name=True, optional=optional, why=why, eg=eg)
 
 
 RULES: dict[str, Rule] = {
@@ -361,10 +367,10 @@ RULES: dict[str, Rule] = {
     "train.steps": _count(), "train.seed": _count(0, MAX_SEED),
     "train.batch_size": _count(), "train.grad_accum": _count(),
     "train.precision": _one_of(PRECISIONS),
-    "train.lr": Rule(0, above=True, eg="3e-4"),
+    "train.lr": Rule(0, MAX_LR, above=True, eg="3e-4"),
     "train.min_lr_ratio": Rule(0, 1, span=True, why="(the final LR as a fraction of train.lr)"),
     "train.warmup_steps": _count(0),
-    "train.weight_decay": Rule(0),
+    "train.weight_decay": Rule(0, MAX_WEIGHT_DECAY),
     "train.beta1": Rule(0, 1, below=True, span=True, why="(an AdamW decay rate)"),
     "train.beta2": Rule(0, 1, below=True, span=True, why="(an AdamW decay rate)"),
     "train.eps": Rule(0, above=True, why="(AdamW divides by it where a gradient is 0)", eg="1e-8"),
@@ -384,7 +390,7 @@ RULES: dict[str, Rule] = {
     "train.preempt_signal": _one_of(PREEMPT_SIGNALS),
     "train.on_nonfinite": _one_of(NONFINITE_POLICIES),
     "train.collective_timeout_s": Rule(0, MAX_TIMEOUT_S, above=True),
-    "train.log_to": _one_of(TRACKERS),
+    "train.log_to": _one_of(TRACKERS, eg='["tensorboard"]'),
     "train.wandb_project": _name("name the wandb project, e.g. loom"),
     "train.wandb_mode": _one_of(WANDB_MODES),
     # lora
@@ -392,13 +398,13 @@ RULES: dict[str, Rule] = {
     "lora.alpha": Rule(0, 1e6, above=True, eg="16"),
     "lora.dropout": Rule(0, 1, below=True, span=True, eg="0.05"),
     "lora.targets": _name("name linears to adapt: q, k, v, o, gate, up, down, all-linear or a module-name "
-                          "pattern"),
+                          "pattern", eg='["q", "v"]'),
     "lora.base_dtype": _one_of(LORA_BASE_DTYPES),
     # muon
-    "muon.lr": Rule(0, above=True, eg="0.02"),
+    "muon.lr": Rule(0, MAX_LR, above=True, eg="0.02"),
     "muon.momentum": Rule(0, 1, below=True, span=True, why="(the momentum's decay rate)", eg="0.95"),
     "muon.ns_steps": _count(1, 99, "(Newton-Schulz iterations; 5 is the published choice)", eg="5"),
-    "muon.weight_decay": Rule(0, eg="0.1"),
+    "muon.weight_decay": Rule(0, MAX_WEIGHT_DECAY, eg="0.1"),
     "muon.update_scale": _one_of(MUON_UPDATE_SCALES),
     "muon.ns_dtype": _one_of(MUON_NS_DTYPES),
     # profile
@@ -451,10 +457,7 @@ def _check_rule(path: str, value: Any) -> None:
             _choice(path, item, rule.choices, rule.why)
     elif rule.name:
         for item in value if isinstance(value, list) else [value]:
-            if "\x00" in item:
-                raise ConfigError(f"{path} = {_shown(value)} holds a NUL character; {rule.why}")
-            if not item.strip() and (item or not rule.optional):
-                raise ConfigError(f"{path} = {_shown(value)} is {'blank' if item else 'empty'}; {rule.why}")
+            _check_name(f"{path} = {_shown(value)}", item, rule)
     else:
         for item in value if isinstance(value, list) else [value]:
             if _within(item, rule):
@@ -464,6 +467,14 @@ def _check_rule(path: str, value: Any) -> None:
             which = f"{path} = {_shown(value)}" + (f": {_shown(item)}" if isinstance(value, list) else "")
             raise ConfigError(f"{which} must be {kind}{_bounds(item, rule)}{why}, "
                               f"e.g. --set {path}={_example(path, rule)}")
+
+
+def _check_name(which: str, item: str, rule: Rule) -> None:
+    """A path or field name (`which`: how the message names it): neither blank nor holding a NUL."""
+    if "\x00" in item:
+        raise ConfigError(f"{which} holds a NUL character; {rule.why}")
+    if not item.strip() and (item or not rule.optional):
+        raise ConfigError(f"{which} is {'blank' if item else 'empty'}; {rule.why}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,8 +494,9 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
     """Check `value` against the field's type hint; ints are accepted where floats are."""
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
-        example, items = {str: ('["tensorboard"]', "strings"), int: ("[3, 3, 2]", "integers"),
+        example, items = {str: ('["a", "b"]', "strings"), int: ("[3, 3, 2]", "integers"),
                           dict: ('[{source = "a.jsonl", weight = 1}]', "tables")}[item]
+        example = (RULES[path].eg if path in RULES else "") or example  # the key's own
         typed = isinstance(value, list) and all(isinstance(v, item) and type(v) is not bool for v in value)
         if not typed:
             raise ConfigError(f"{path} must be a list of {items}, got {_shown(value)}; "
@@ -519,12 +531,21 @@ def _typed_example(hint: type) -> str:
     return {bool: "true", int: "2", float: "0.5", str: "value"}[hint]
 
 
+# What TOML reads a bare `--set` value as when it is no string: a str-typed key takes the text instead.
+_NOT_TEXT = (bool, int, float, datetime.date, datetime.time)  # (datetime.datetime is a date)
+
+
 def _apply(cfg: Config, path: str, value: Any, raw: str | None = None) -> None:
     """Set `path` to `value`, checked; `raw`: the `--set` text it was parsed from, taken as written
-    by a str-typed key (`data.source=2024` names a file called 2024, not the number)."""
+    by a str-typed key (`data.source=2024` or `=2024-01-01` names a file called that, not the number
+    or the date)."""
     section, _, key = path.partition(".")
     sections = {f.name: _hints(type(getattr(cfg, f.name))) for f in dataclasses.fields(Config)}
-    if section not in sections or not key:
+    if section in sections and not key:
+        first = f"{section}.{next(iter(sections[section]))}"
+        raise ConfigError(f"'{path}' names the section [{section}] but no key; name one of its keys, e.g. "
+                          f"--set {first}={_example(first, RULES.get(first, Rule()))}")
+    if section not in sections:
         raise ConfigError(f"unknown config section '{section}' in '{path}'{_did_you_mean(section, sections)}")
     hints = sections[section]
     if key not in hints:
@@ -535,7 +556,7 @@ def _apply(cfg: Config, path: str, value: Any, raw: str | None = None) -> None:
         hint = f"; did you mean '{elsewhere[0]}'?" if elsewhere else f"; known: {', '.join(hints)}"
         raise ConfigError(f"unknown config key '{path}'{hint}")
     kind = hints[key]
-    if raw is not None and isinstance(value, (bool, int, float)) and typing.get_origin(kind) is not list \
+    if raw is not None and isinstance(value, _NOT_TEXT) and typing.get_origin(kind) is not list \
             and str in (typing.get_args(kind) or (kind,)):
         value = raw  # a str-typed key takes the text as written
     value = _coerce(path, value, hints[key])
@@ -558,8 +579,10 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     cfg = copy.deepcopy(base) if base is not None else Config()
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass an existing .toml file")
+        if not path.is_file():  # (a folder, a pipe or /dev/null is no config either: they exist)
+            what = ("is a folder, not a TOML file" if path.is_dir() else "is not a regular file (a device or "
+                    "a pipe)" if path.exists() else "does not exist")
+            raise ConfigError(f"config file {path} {what}; pass an existing .toml file")
         _apply_toml(cfg, read_text(path), str(path))
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -588,8 +611,13 @@ def _apply_toml(cfg: Config, text: str, origin: str) -> None:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{origin} is not valid TOML ({e}); fix the syntax at that position") from None
     for section, table in data.items():
-        if isinstance(table, list) and section in _SECTION_NAMES and all(isinstance(t, dict) for t in table):
+        if isinstance(table, list) and section in _SECTION_NAMES and table \
+                and all(isinstance(t, dict) for t in table):
             raise ConfigError(f"{origin}: [[{section}]] is an array of tables; write [{section}]")
+        if not isinstance(table, dict) and section in _SECTION_NAMES:  # `train = 3`, `train = []`
+            raise ConfigError(f"{origin}: '{section}' is a section, so it must be a [{section}] table, "
+                              f"not {_shown(table)}; write [{section}] on a line of its own and its keys "
+                              f"below it")
         if not isinstance(table, dict):
             owners = [f.name for f in dataclasses.fields(Config)
                       if section in _hints(type(getattr(cfg, f.name)))]
@@ -1002,6 +1030,10 @@ def _check_mix(mix: list[dict]) -> None:
         if not _finite_positive(weight):
             raise ConfigError(f"data.mix[{i}] weight = {_shown(weight)} must be a finite number > 0, e.g. "
                               f"weight = 3")
+        text_field = entry.get("text_field")
+        if isinstance(text_field, str):  # as data.text_field (its type: loom/data/mix.py)
+            _check_name(f"data.mix[{i}] text_field = {_shown(text_field)}", text_field,
+                        RULES["data.text_field"])
 
 
 def _finite_positive(x: Any) -> bool:
@@ -1250,8 +1282,28 @@ def inert_settings(cfg: Config, dims: ParallelDims) -> list[str]:
                   for k in ("dp_replicate", "dp_shard") if getattr(p, k) != getattr(default, k)]
     if dims.pp == 1:
         inert += [f"parallel.{k} = {getattr(p, k)!r} has no effect with parallel.pp = 1 (no pipeline)"
-                  for k in ("microbatches", "pp_schedule", "pp_stage_layers")
+                  for k in ("microbatches", "pp_schedule", "pp_stage_layers", "pp_virtual_stages")
                   if getattr(p, k) != getattr(default, k)]
+    if not p.dualpipev_overlap and not (dims.pp > 1 and p.pp_schedule == "dualpipev" and dims.ep > 1):
+        inert.append("parallel.dualpipev_overlap = false has no effect unless parallel.pp_schedule = "
+                     "dualpipev with pp > 1 and ep > 1 (it overlaps that schedule's expert all-to-alls)")
+    if p.activation_checkpointing != "selective" and p.ac_every != default.ac_every:
+        inert.append(f"parallel.ac_every = {p.ac_every} has no effect with parallel.activation_checkpointing "
+                     f"= {p.activation_checkpointing!r} (only selective checkpoints every ac_every-th block)")
+    # FSDP2's keys (loom/parallel/fsdp.py): ddp and zero1 wrap the model in FSDP2 only under tp, ep or
+    # a split-backward schedule, and the deepspeed engine never does
+    s = strategies.lookup(p.strategy)
+    fsdp = p.engine == "torch" and s.uses_fsdp(dims.tp, dims.ep, splits_backward(p))
+    why = ("parallel.engine = 'deepspeed' (an FSDP2 setting, the torch engine's)" if p.engine != "torch" else
+           f"parallel.strategy = {p.strategy} (an FSDP2 setting: {p.strategy} runs on FSDP2 only under tp, "
+           f"ep or a zb/zbv/dualpipev pipeline)")
+    inert += [f"parallel.{k} = {_toml_value(getattr(p, k))} has no effect with {why}"
+              for k in ("reshard_after_forward", "fsdp_unit_mb", "fsdp_prefetch")
+              if not fsdp and getattr(p, k) != getattr(default, k)]
+    if p.nvme_path and "nvme" not in (p.offload_optimizer, p.offload_params):
+        inert.append(f"parallel.nvme_path = {p.nvme_path!r} has no effect without NVMe offload (the "
+                     f"deepspeed engine's parallel.offload_optimizer or offload_params = nvme)")
+    inert += _inert_moe_keys(cfg.model)
     if dims.tp == 1 and p.sequence_parallel:
         inert.append("parallel.sequence_parallel = true has no effect with parallel.tp = 1 (it splits "
                      "tensor parallelism's norms and residuals)")
@@ -1259,3 +1311,14 @@ def inert_settings(cfg: Config, dims: ParallelDims) -> list[str]:
         inert.append(f"parallel.cp_mode = {p.cp_mode!r} has no effect with parallel.cp = 1 (no context "
                      f"parallelism)")
     return inert
+
+
+def _inert_moe_keys(m: ModelConfig) -> list[str]:
+    """The MoE keys set on a dense model (moe_experts 0: no block routes to experts). A pretrained
+    model's shape is known only once its folder is read, so model.init_from's go without a note."""
+    experts = m.moe_experts if m.moe_experts is not None else getattr(PRESETS.get(m.preset), "moe_experts", 1)
+    if m.init_from or experts:
+        return []
+    return [f"model.{k} = {_toml_value(v)} has no effect on a dense model (model.moe_experts = 0: no block "
+            f"routes to experts)" for k, v in vars(m).items()
+            if k.startswith("moe_") and k != "moe_experts" and v is not None]

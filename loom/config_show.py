@@ -17,7 +17,7 @@ import tokenize
 from typing import Any
 
 from loom.config import Config, ModelConfig, _toml_key, _toml_value
-from loom.models.gpt.config import PRESETS, GPTConfig
+from loom.models.gpt.config import GPTConfig, preset
 
 
 def class_docs(cls: type) -> dict[str, str]:
@@ -73,7 +73,8 @@ def show_config(cfg: Config, path: str | None = None, overrides: list[str] = ())
     A key that is unset (None) is shown commented out: a model shape with the preset's value (unless
     model.init_from gives the shape), any other as unset. Loading the text gives `cfg` back."""
     docs = field_docs()
-    origin = " ← ".join(["defaults", *([path] if path else []), *(f"--set {o}" for o in overrides)])
+    origin = " ← ".join(["defaults", *([_one_line(path)] if path else []),
+                         *(f"--set {_one_line(o)}" for o in overrides)])
     lines = [f"# loom config: {origin}", ""]
     for section, cls in _sections().items():
         if section_doc(cls):
@@ -87,6 +88,12 @@ def show_config(cfg: Config, path: str | None = None, overrides: list[str] = ())
     return "\n".join(lines)
 
 
+def _one_line(text: str) -> str:
+    """`text` for a TOML comment: a line break (or any other control character) escaped, so that the
+    rest of it is not read as TOML."""
+    return text if text.isprintable() else repr(text)
+
+
 def _key_line(cfg: Config, section: str, key: str, value: Any) -> str:
     if value is not None:
         return f"{_toml_key(key)} = {_toml_value(value)}"
@@ -96,5 +103,6 @@ def _key_line(cfg: Config, section: str, key: str, value: Any) -> str:
         m: ModelConfig = cfg.model
         if key == "vocab_size" and cfg.data.tokenizer not in ("auto", "byte"):  # (task.model_config)
             return f"# {key}: data.tokenizer's"
-        return f"# {key} = {_toml_value(getattr(PRESETS[m.preset], key))}  (preset {m.preset}'s)"
+        shape = preset(m.preset)  # an unknown preset: the one line train gives
+        return f"# {key} = {_toml_value(getattr(shape, key))}  (preset {m.preset}'s)"
     return f"# {key}: unset"

@@ -15,8 +15,10 @@ from loom.errors import LoomError
 
 # In every run directory loom makes: `--overwrite` replaces only a directory that carries it.
 RUN_MARKER = ".loom-run"
+# Locked (flock) by the launcher of the run training there, for as long as it trains (run_dir_lock)
+RUN_LOCK = ".loom-lock"
 # What a run directory holds besides the marker: every entry `loom train` writes there.
-RUN_ENTRIES = frozenset({"checkpoints", "config.toml", "memory.json", "metrics.jsonl", "plan.json",
+RUN_ENTRIES = frozenset({RUN_LOCK, "checkpoints", "config.toml", "memory.json", "metrics.jsonl", "plan.json",
                          "summary.json", "stopped.json", "logs", "traces", "tensorboard",
                          "deepspeed_config.json"})
 
@@ -98,6 +100,59 @@ def _no_link_below(folder: Path, path: Path) -> None:
         if at.is_symlink():
             raise LoomError(f"{at} is a symbolic link; loom writes into {folder} only, never through a link: "
                             f"remove the link")
+
+
+# The run directory's entries that are folders; every other entry of RUN_ENTRIES is a file
+RUN_FOLDERS = frozenset({"checkpoints", "logs", "traces", "tensorboard"})
+
+
+def check_run_entries(run_dir: Path) -> None:
+    """Each entry loom writes into an existing run directory is of its kind: a metrics.jsonl (or
+    summary.json …) that is a folder, or a traces that is a file, would fail the run at its end."""
+    for name in sorted(RUN_ENTRIES):
+        path = Path(run_dir) / name
+        folder = name in RUN_FOLDERS
+        if (path.exists() or path.is_symlink()) and path.is_dir() != folder:
+            kind = "a file" if path.is_file() else "a folder" if path.is_dir() else "not a regular file"
+            raise LoomError(f"{path} is {kind}, where loom writes the run's {name} "
+                            f"({'a folder' if folder else 'a file'}); move it aside, or pick another --out")
+
+
+def check_writable(folder: Path, what: str, other: str = "pick another --out") -> None:
+    """`folder` takes a new file (made and removed at once): learnt before the work, not when its
+    first checkpoint, record or output is written."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".tmp-probe.")
+    except OSError as e:
+        raise LoomError(f"cannot write into {what} {folder}: {e.strerror}; make it writable "
+                        f"(chmod u+w {folder}), or {other}") from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def lock_run_dir(run_dir: Path) -> int:
+    """Lock `run_dir` for this process's run (an exclusive flock of its RUN_LOCK file, freed by
+    release_run_dir or when the process ends, however it ends): a second `loom train` there would
+    delete this run's checkpoint in progress with the stale writes it cleans up, and interleave its
+    records with this run's. Returns the lock's file descriptor."""
+    import fcntl
+
+    fd = os.open(Path(run_dir) / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise LoomError(f"run directory {run_dir} is in use: another loom train (process {holder}) is "
+                        f"training there; wait for it to end, or pick another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def release_run_dir(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # (closing the descriptor frees its flock)
 
 
 def is_loom_run(run_dir: Path) -> bool:

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
+from loom.data.cache_files import write_cache
+from loom.data.token_files import check_ids, open_npy
 from loom.data.tokenizer import BPETokenizer, make_tokenizer
 from loom.errors import ConfigError, LoomError
-from loom.files import atomic_write
+from loom.hf_config import MAX_VOCAB
 
 _WHAT_TO_GIVE = 'give a text file, a directory, a glob, a .bin token file or "stdlib"'
 # Stdlib folders that are not representative source (tests, IDE, third-party packages).
@@ -75,13 +77,30 @@ def _inside(files: list[Path], root: Path, source: str) -> list[Path]:
     return files
 
 
+def unreadable(path: Path, e: OSError) -> LoomError:
+    """A source's file or folder loom may not read (its permissions, an I/O error) as one line naming
+    it, not an OSError from deep inside a reader, or a rank."""
+    what, mode = ("the folder ", "a+rx") if os.path.isdir(path) else ("", "a+r")
+    return LoomError(f"{what}{path} cannot be read ({e.strerror or type(e).__name__}); make it readable "
+                     f"(e.g. chmod {mode} '{path}'), or leave it out of the data source")
+
+
+def _raise(e: OSError) -> None:
+    raise e
+
+
 def folder_files(root: Path, source: str) -> list[Path]:
     """A directory's files, sorted by path: hidden files and everything under hidden folders (.git,
-    .ssh, .cache) skipped, linked folders not entered, linked files only if they stay inside."""
+    .ssh, .cache) skipped, linked folders not entered, linked files only if they stay inside. A folder
+    it cannot list is refused (os.walk would skip it silently: training on part of the data)."""
     files = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        files += [Path(folder) / n for n in names if not n.startswith(".") and (Path(folder) / n).is_file()]
+    try:
+        for folder, dirs, names in os.walk(root, onerror=_raise):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            files += [Path(folder) / n for n in names
+                      if not n.startswith(".") and (Path(folder) / n).is_file()]
+    except OSError as e:
+        raise unreadable(Path(e.filename or root), e) from None
     return _inside(sorted(files), root, source)
 
 
@@ -113,6 +132,9 @@ def resolve_source(source: str, max_bytes: int = 8_000_000) -> list[Path] | Path
         files = glob_files(source)
         if not files:
             raise LoomError(f"data.source '{source}' matched no files; {_WHAT_TO_GIVE}")
+    elif path.exists():  # a FIFO would block the read forever, /dev/zero never end
+        raise LoomError(f"data.source '{source}' is not a regular file (a pipe, device or socket); "
+                        f"{_WHAT_TO_GIVE}")
     else:
         raise LoomError(f"data.source '{source}' does not exist; {_WHAT_TO_GIVE}")
     bins = [p for p in files if p.suffix == ".bin"]
@@ -136,7 +158,10 @@ def _looks_utf16(sample: bytes) -> bool:
 def read_text(path: Path) -> str:
     """A text source's file as UTF-8 text. UTF-16 or binary bytes (an image, a .npy, random bytes)
     would train as byte soup, NUL being the byte tokenizer's EOS: refused in one line."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise unreadable(path, e) from None
     sample = data[:_SAMPLE]
     encoding = next((name for bom, name in _BOMS.items() if sample.startswith(bom)), None)
     if encoding is None and b"\0" in data and _looks_utf16(sample):
@@ -165,12 +190,19 @@ def load_bin(path: Path, bin_dtype: str, vocab_size: int) -> np.ndarray:
     if size % dtype.itemsize:
         raise LoomError(f"data.source '{path}' has {size} bytes, not a multiple of {dtype.itemsize} "
                         f"for {bin_dtype}; check data.bin_dtype")
-    tokens = np.memmap(path, dtype=dtype, mode="r")
+    try:
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+    except OSError as e:
+        raise unreadable(path, e) from None
     top = int(tokens.max())
+    if top >= MAX_VOCAB:  # no model has such a vocabulary: the bytes are not ids of this width
+        raise LoomError(f"data.source '{path}' holds token id {top:,}, more than any model's vocabulary (at "
+                        f"most {MAX_VOCAB:,}): it is likely not {bin_dtype} token ids; check data.bin_dtype "
+                        f"(uint16 or uint32: the width it was written with) and that it holds token ids")
     if top >= vocab_size:
         raise LoomError(f"data.source '{path}' has token id {top} but the vocab size is {vocab_size}; "
-                        f"set data.bpe_vocab_size (the vocab of .bin tokens) and model.vocab_size "
-                        f"to at least {top + 1}")
+                        f"set model.vocab_size to at least {top + 1} (or use the tokenizer, or model, the "
+                        f"file's ids come from)")
     return tokens
 
 
@@ -204,12 +236,20 @@ def _encode_cached(tokenizer: BPETokenizer, text: str) -> np.ndarray:
     """BPE-encoding a corpus takes seconds per rank, so the ids are cached next to the tokenizer.
 
     The tokenizer's cache key already covers the file list, sizes and mtimes, so it keys the ids too.
+    A cache is derived data: one that is damaged (cut short, not an array, ids past the vocabulary,
+    which would index out of the embedding mid-run) is a miss, made again and replaced atomically.
     """
     path = tokenizer.cache_path.with_suffix(".tokens.npy")
     if path.exists():
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        again = "a damaged cache: loom tokenizes the corpus again"
+        try:
+            tokens = open_npy(path, again)
+            check_ids(tokens, tokenizer.vocab_size, str(path), again)
+            return tokens
+        except LoomError as e:
+            print(f"note: {e}", flush=True)  # on stdout, as the run's other news
     tokens = tokenizer.encode(text)
     buf = io.BytesIO()
     np.save(buf, tokens)
-    atomic_write(path, buf.getvalue())
+    write_cache(path, buf.getvalue())
     return tokens

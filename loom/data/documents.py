@@ -22,6 +22,7 @@ import numpy as np
 
 from loom.checked import BadFile, Fields, read_json
 from loom.data import sft
+from loom.data.cache_files import write_cache
 from loom.data.chat_template import ChatTemplate
 from loom.data.corpus import read_text
 from loom.data.records import RecordFields, json_kind, open_records, record_batches, record_places
@@ -30,7 +31,6 @@ from loom.data.stream import TokenStream
 from loom.data.token_files import check_ids, check_starts, open_npy
 from loom.data.tokenizer import DocumentTokenizer, token_dtype
 from loom.errors import LoomError
-from loom.files import atomic_write
 
 _CACHE_FORMAT = "loom-docs-v2"  # bump when the layout or the tokenizing rules change
 TEXT_FILES_PER_BATCH = 64
@@ -233,7 +233,7 @@ def cache_folder(value: str | Path, name: str = "data.cache_dir") -> Path:
 def _save_npy(path: Path, array: np.ndarray) -> None:
     buf = io.BytesIO()
     np.save(buf, array)
-    atomic_write(path, buf.getvalue())
+    write_cache(path, buf.getvalue())
 
 
 def _cached(folder: Path, key: str, tokenizer: DocumentTokenizer,
@@ -277,7 +277,7 @@ def tokenize_source(source: Source, tokenizer: DocumentTokenizer, fields: Record
     if mask is not None:
         _save_npy(folder / f"{key}.mask.npy", mask)
     _save_npy(folder / f"{key}.tokens.npy", tokens)
-    atomic_write(meta_path, json.dumps({"source": source.spec, "tokenizer": tokenizer.name,
+    write_cache(meta_path, json.dumps({"source": source.spec, "tokenizer": tokenizer.name,
                                         "docs": len(starts), "tokens": len(tokens)}).encode())
     return Documents(name, [tokens], [starts], [mask] if mask is not None else None, tokenizer.vocab_size,
                      tokenizer.fingerprint)

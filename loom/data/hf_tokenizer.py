@@ -31,9 +31,14 @@ def resolve_tokenizer(setting: str, model_dir: Path | None = None) -> str | Path
     """What `data.tokenizer` (or `loom data prepare --tokenizer`) names: "byte", "bpe", or the Path
     of a tokenizer.json. "auto" is the model folder's tokenizer.json when there is one, else byte."""
     if setting == "auto":
-        if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
-            return Path(model_dir) / "tokenizer.json"
-        return "byte"
+        found = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
+        if found is None or not (found.exists() or found.is_symlink()):
+            return "byte"
+        if not found.is_file():  # a folder, or a link to nothing: never silently the byte tokenizer instead
+            raise ConfigError(f"{found} is not a file (a folder, or a link to nothing), so data.tokenizer = "
+                              f"auto cannot take the model's tokenizer from it; put the model's "
+                              f"tokenizer.json there, or set data.tokenizer (to a tokenizer.json, or byte)")
+        return found
     if setting in ("byte", "bpe"):
         return setting
     if not setting.strip():  # Path("") is the working directory

@@ -123,10 +123,16 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def __init__(self, num_windows: int, global_batch: int, dp_rank: int, dp_size: int, grad_accum: int,
                  seed: int, start_step: int = 0, num_steps: int | None = None,
-                 seq_len: int | None = None) -> None:
+                 seq_len: int | None = None, held_out: int = 0) -> None:
         self.micro_batch = micro_batch_size(global_batch, dp_size, grad_accum)
         if not 0 <= dp_rank < dp_size:
             raise ConfigError(f"data-parallel rank {dp_rank} is outside 0..{dp_size - 1}")
+        if num_windows < global_batch <= num_windows + held_out:  # the corpus alone was big enough
+            total = num_windows + held_out
+            raise ConfigError(f"data.eval_fraction holds out {held_out} of the corpus's {total} windows for "
+                              f"eval, leaving {num_windows} to train on, but one global batch needs "
+                              f"{global_batch}; lower data.eval_fraction (0 holds none out, e.g. --set "
+                              f"data.eval_fraction=0.02) or use a bigger corpus")
         if num_windows < global_batch:
             of_len = f" of {seq_len + 1} tokens" if seq_len is not None else ""
             raise ConfigError(f"the corpus has {num_windows} windows{of_len} but one global batch needs "

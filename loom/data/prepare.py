@@ -102,10 +102,30 @@ def shard_files(out: Path, shard: int) -> tuple[Path, Path]:
     return out / f"shard_{shard:05d}.tokens.npy", out / f"shard_{shard:05d}.docs.npy"
 
 
+def _write(path: Path, data: bytes) -> None:
+    """A file of OUT, atomically; a folder loom may not write (or a full disk) is one line."""
+    try:
+        atomic_write(path, data)
+    except OSError as e:
+        raise LoomError(f"cannot write {e.filename or path} ({e.strerror or type(e).__name__}); pick an OUT "
+                        f"you can write to (a rerun keeps the shards already made)") from None
+
+
+def _make_out(out: Path) -> None:
+    """OUT made before the source is read, so that one loom may not write fails now, not once the
+    documents are counted; an existing OUT is _plan's to judge."""
+    if not (out.exists() or out.is_symlink()):
+        try:
+            out.mkdir(parents=True)
+        except OSError as e:
+            raise LoomError(f"cannot make OUT {out} ({e.strerror or type(e).__name__}: {e.filename}); pick "
+                            f"an OUT you can write to") from None
+
+
 def _write_npy(path: Path, array: np.ndarray) -> None:
     buf = io.BytesIO()
     np.save(buf, array)
-    atomic_write(path, buf.getvalue())
+    _write(path, buf.getvalue())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +263,7 @@ def _plan(out: Path, source: sources.Source, tokenizer: DocumentTokenizer, choic
                                               shard_tokens or DEFAULT_SHARD_TOKENS)
     job = Job(source.spec, key, str(choice), fields.text, shard_tokens, shard_docs, per_shard, num_docs,
               tokenizer.vocab_size, tokenizer.eos_id, token_dtype(tokenizer.vocab_size).name)
-    atomic_write(job_path, json.dumps(asdict(job), indent=1).encode())
+    _write(job_path, json.dumps(asdict(job), indent=1).encode())
     return job
 
 
@@ -337,6 +357,11 @@ def prepare(source: str, out: Path, tokenizer: str = "byte", text_field: str = "
     src = sources.resolve(source)
     if src.kind in ("bin", "prepared"):
         raise LoomError(f"'{source}' is already tokens ({src.kind}); give text files or records to prepare")
+    holder = sources.folder_holding(source, out)
+    if holder is not None:  # its shards would join the source: a rerun, or training on it, would fail
+        raise LoomError(f"OUT {out} is inside the source folder {holder}, whose every file is read as data: "
+                        f"its shards and index.json would join the source; pick an OUT outside {holder}")
+    _make_out(out)
     fields = RecordFields(text=text_field)
     job = _plan(out, src, tok, choice, fields, cache_dir, shard_tokens, shard_docs)
     index_path = out / INDEX_FILE
@@ -363,7 +388,7 @@ def prepare(source: str, out: Path, tokenizer: str = "byte", text_field: str = "
     index = {"format": sources.PREPARED_FORMAT, **asdict(job), "num_docs": texts.kept,
              "tokenizer_fingerprint": tok.fingerprint, "num_tokens": sum(s["num_tokens"] for s in shards),
              "shards": shards}
-    atomic_write(index_path, json.dumps(index, indent=1).encode())
+    _write(index_path, json.dumps(index, indent=1).encode())
     if texts.note():
         print(f"note: {texts.note()}")  # on stdout, as training's note of the same
     return index

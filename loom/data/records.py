@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from loom.checked import cause
+from loom.data.cache_files import cache_error
 from loom.data.sources import Source
 from loom.errors import ConfigError, LoomError
 
@@ -272,7 +273,8 @@ def open_records(source: Source, cache_dir: Path, streaming: bool = False) -> An
         raise
     except Exception as e:  # malformed files surface as many exception types
         failed = e
-    raise _unreadable(source, failed) from None  # read here, outside the handler: no chained context
+    # A cache folder loom may not write is not the records' fault (outside the handler: no chained context).
+    raise cache_error(failed, cache_dir) or _unreadable(source, failed) from None
 
 
 def record_places(source: Source) -> Callable[[int], str]:

@@ -28,6 +28,19 @@ def identity(d: DataConfig) -> list[dict]:
     return [_identity(spec, str(Path.cwd())) for spec in listed]
 
 
+def check_out(d: DataConfig, run_dir: Path) -> None:
+    """Before launch: a run directory inside a folder the run reads would add the run's own files
+    (metrics.jsonl, checkpoints/) to its data, and every checkpoint's fingerprint would then fail."""
+    listed = [(f"data.mix source '{spec}'", spec) for spec, _, _ in parse_mix(d.mix)] if d.mix else \
+        [(f"data.source '{d.source}'", d.source)]
+    for what, spec in listed:
+        folder = sources.folder_holding(spec, run_dir)
+        if folder is not None:
+            raise LoomError(f"--out {run_dir} is inside {what}, a folder whose every file this run "
+                            f"reads: the run's own files (metrics.jsonl, checkpoints) would join its data; "
+                            f"pick an --out outside {folder}")
+
+
 def _identity(spec: str, cwd: str) -> dict:
     files = sources.resolve(spec).files
     stamp = tuple((str(f), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()])

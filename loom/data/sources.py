@@ -9,11 +9,12 @@ files inside it only: hidden files and folders are skipped, a link leaving it is
 from __future__ import annotations
 
 import glob
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from loom.checked import BadFile, read_json
-from loom.data.corpus import check_spec, folder_files, glob_files, resolve_source
+from loom.data.corpus import check_spec, folder_files, glob_files, resolve_source, unreadable
 from loom.errors import LoomError
 
 # A record file's suffix -> the `datasets` builder that reads it (compressed JSON too).
@@ -90,11 +91,19 @@ def _folder(spec: str, path: Path) -> Source:
 
 def resolve(spec: str, stdlib_max_bytes: int = 8_000_000) -> Source:
     """Classify a data.source; text sources keep corpus.py's rules (sorted files, stdlib's cap)."""
+    try:
+        return _resolve(spec, stdlib_max_bytes)
+    except OSError as e:  # a folder loom may not list or enter: one line, not a traceback
+        raise unreadable(Path(e.filename if isinstance(e.filename, str) else spec), e) from None
+
+
+def _resolve(spec: str, stdlib_max_bytes: int) -> Source:
     if spec == "stdlib":
         return Source(spec, "text", tuple(resolve_source(spec, stdlib_max_bytes)))
     check_spec(spec)
     path = Path(spec).expanduser()
     if path.is_dir():
+        os.listdir(path)  # a folder loom may not list is refused by its name, before what is inside
         return _folder(spec, path)
     if path.is_file():
         if path.suffix == ".bin":
@@ -110,3 +119,19 @@ def resolve(spec: str, stdlib_max_bytes: int = 8_000_000) -> Source:
     if isinstance(resolved, Path):
         return Source(spec, "bin", (resolved,))
     return Source(spec, "text", tuple(resolved))
+
+
+def folder_holding(spec: str, place: Path) -> Path | None:
+    """The folder of source `spec` that `place` (a run directory, `loom data prepare`'s OUT) lies
+    inside, when what loom writes there would join the source: a directory read file by file (a
+    prepared folder reads only its own shards). None when `place` is elsewhere."""
+    if spec == "stdlib" or not spec.strip():
+        return None
+    folder = Path(spec).expanduser()
+    try:
+        if not folder.is_dir() or ((folder / "index.json").is_file() and _prepared(folder / "index.json")):
+            return None
+    except OSError:  # a folder loom may not read: reading the data says so, in its own line
+        return None
+    inside = Path(os.path.realpath(place)).is_relative_to(os.path.realpath(folder))
+    return folder if inside else None

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from loom.checked import translated
+from loom.data.cache_files import write_cache
 from loom.errors import ConfigError, LoomError
-from loom.files import atomic_write
 from loom.hf_config import MAX_VOCAB
 
 # Bump when the training recipe changes, so stale cached tokenizers are not reused.
@@ -166,7 +166,7 @@ class BPETokenizer:
             with translated(f"training the BPE tokenizer (data.bpe_vocab_size={vocab_size}) failed",
                             "use a smaller data.bpe_vocab_size, or data.tokenizer = 'byte'"):
                 self._tok = self._train(tk, items, vocab_size)
-            atomic_write(self.cache_path, self._tok.to_str().encode("utf-8"))
+            write_cache(self.cache_path, self._tok.to_str().encode("utf-8"))
             self.loaded_from_cache = False
         self.vocab_size: int = self._tok.get_vocab_size()
 

@@ -119,15 +119,37 @@ def add_lora(model: nn.Module, blocks: list[nn.Module], spec: LoRASpec, targets:
             raise ConfigError(f"lora.targets entry {target!r} matches no linear of the model's blocks "
                               f"(e.g. {_examples(model, owned)}); use q, k, v, o, gate, up, down, "
                               f"all-linear or a pattern such as '*.{_examples(model, owned, 1)}'")
-    for name, module in list(model.named_modules()):
-        if id(module) not in owned or not _adaptable(name, module, targets):
-            continue
+    chosen = [(n, m) for n, m in model.named_modules() if id(m) in owned and _adaptable(n, m, targets)]
+    _check_rank(spec.rank, chosen, targets)
+    for name, module in chosen:
         if type(module) is nn.Linear:
             _adapt_linear(module, spec)
         else:
             module.add_lora(spec, [w for w in module.EXPERT_WEIGHTS if _expert_targeted(name, w, targets)])
         adapted.append(name)
     return adapted
+
+
+def _check_rank(rank: int, chosen: list[tuple[str, nn.Module]], targets: list[str]) -> None:
+    """A rank above min(in, out) of every matrix adapted is pointless (PEFT takes it): B A of rank
+    min(in, out) can already be any update of such a matrix, so the rest only adds parameters and
+    memory. It is a typo, or a rank meant for a bigger model."""
+    shapes = []  # (name, out, in) of each adapted matrix
+    for name, m in chosen:
+        if type(m) is nn.Linear:
+            shapes.append((name, m.out_features, m.in_features))
+        else:  # loom's stacked experts: [E, out, in] each
+            shapes += [(f"{name}.{w}", *getattr(m, w).shape[-2:]) for w in m.EXPERT_WEIGHTS
+                       if _expert_targeted(name, w, targets)]
+    if not shapes:
+        return
+    name, out, inp = max(shapes, key=lambda s: min(s[1:]))
+    most = min(out, inp)
+    if rank > most:
+        raise ConfigError(f"lora.rank = {rank} is above the rank of every matrix lora.targets adapts (the "
+                          f"largest, {name}, is {out} × {inp}: rank {most}); an adapter of rank {most} can "
+                          f"already learn any update of it, so a higher one only adds parameters: set "
+                          f"lora.rank ≤ {most}, e.g. --set lora.rank={min(16, most)}")
 
 
 def _adaptable(name: str, module: nn.Module, targets: list[str]) -> bool:

@@ -207,6 +207,9 @@ def _open_export(path: Path) -> Pretrained:
     if path.suffix != ".safetensors":
         raise ConfigError(f"model.init_from = '{path}' is a file but not a .safetensors export; {_WHAT}")
     tensors, metadata = read_header(path)
+    if "loom_model" not in metadata and (path.parent / "config.json").is_file():
+        raise ConfigError(f"model.init_from {path} is the weights of a model folder (config.json beside "
+                          f"them); give the folder: model.init_from={path.parent}")
     if "loom_model" not in metadata:
         raise ConfigError(f"model.init_from {path} is a safetensors file without loom's model config (an "
                           f"export by an older loom, or not loom's); export again with `loom export`, or "

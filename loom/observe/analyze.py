@@ -22,7 +22,7 @@ import loom
 from loom.checked import Fields, parse_json, read_json, read_text, read_toml
 from loom.config import CP_MODES, MAX_EXPERTS
 from loom.errors import LoomError
-from loom.files import atomic_write
+from loom.files import atomic_write, check_writable
 from loom.observe.curves import read_curves
 from loom.observe.diagnose import diagnose, moe_config, try_text
 from loom.observe.ledger import analyze_dir
@@ -352,6 +352,8 @@ def render_table(analysis: dict) -> str:
               + (f" {'cp exp ms':>9} {'cp hid ms':>9}" if cp else "")
               + (f" {'ep exp ms':>9} {'ep hid ms':>9}" if ep else "")
               + (f" {'bubble':>7} {'B ms':>8} {'W ms':>8}" if pp else ""))]
+    # files skipped as no trace: said, or a rank's file that is not a trace vanishes from the table
+    lines += [f"  warning: {w}" for w in analysis.get("warnings", [])]
     for rank, info in sorted(analysis["ranks"].items(), key=lambda kv: int(kv[0])):
         for w in info.get("warnings", []):
             lines.append(f"  rank {rank}: warning: {w}")
@@ -417,6 +419,14 @@ def check_outputs(out_dir: Path, overwrite: bool) -> None:
             raise LoomError(f"{path} exists and is not one loom analyze wrote; loom analyze writes "
                             f"{' and '.join(OUTPUTS)} there: pass --overwrite to replace it, or --out a "
                             f"folder for them")
+
+
+def check_out_writable(out_dir: Path, command: str = "loom analyze") -> None:
+    """Its outputs can be written to `out_dir` (or where it would be made): a read-only trace folder
+    is told before the analysis runs, not by a traceback after it."""
+    folder = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    what = f"{command}'s output folder" if folder == out_dir else f"{out_dir}'s parent folder"
+    check_writable(folder, what)
 
 
 def _written_by_analyze(path: Path) -> bool:

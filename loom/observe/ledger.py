@@ -913,6 +913,13 @@ def analyze_file(path: str, rank: int | None = None) -> dict:
     col = _collect(stream, str(path))
     rank = rank if rank is not None else stream.distributed_rank
     ledger = _ledger(col, rank, stream.base_ns, str(path), stream.header, list(stream.warnings))
+    if not ledger["steps"]:  # a verdict from no events would read as a healthy run: refused
+        held = f"{stream.count} event{'' if stream.count == 1 else 's'}"
+        held += ", cut short" if stream.truncated else ""
+        raise BadTrace(f"{path} holds no timed events of torch.profiler's (steps, ops, kernels; it has "
+                       f"{held}): nothing to analyze; the profiler stopped before it recorded a step (a run "
+                       "shorter than profile.wait + warmup + active steps?) or it is another tool's trace: "
+                       "record one with loom profile")
     ledger["_distributed_rank"] = stream.distributed_rank
     ledger["_world_size"] = distributed_info(stream.header, path).get("world_size")
     return ledger
@@ -985,7 +992,34 @@ def analyze_dir(path, workers: int | None = None) -> dict:
     for rank, ledgers in by_rank.items():
         ranks[str(rank)] = ledgers[0] if len(ledgers) == 1 else _merge(ledgers)
         ranks[str(rank)]["rank"] = rank
+    refuse_apart(ranks)
     return {"ranks": ranks, "warnings": warnings}
+
+
+# One run's ranks profile the same steps together (their collectives tie them): traces whose steps
+# ran further apart than this were recorded by different runs (or on clocks this far apart).
+MAX_APART_S = 60.0
+
+
+def refuse_apart(ranks: dict) -> None:
+    """Traces of different runs in one folder (world sizes alike) would be analyzed as ranks of one,
+    the later run's reading as a straggler hours behind: refused, by when their steps ran."""
+    spans = {r: (min(s["start_us"] for s in led["steps"]),
+                 max(s["start_us"] + s["wall_ms"] * 1000 for s in led["steps"]))
+             for r, led in ranks.items() if led.get("steps")}
+    if len(spans) < 2:
+        return
+    first = min(spans, key=lambda r: spans[r][1])  # the rank whose steps ended first
+    last = max(spans, key=lambda r: spans[r][0])  # and the one whose steps began last
+    apart_s = (spans[last][0] - spans[first][1]) / 1e6
+    if apart_s <= MAX_APART_S:
+        return
+    gap = (f"{apart_s:.0f} s" if apart_s < 120 else f"{apart_s / 60:.0f} min" if apart_s < 7200
+           else f"{apart_s / 3600:.1f} h")
+    pa, pb = (ranks[r]["trace"].split("; ")[0] for r in (first, last))
+    raise LoomError(f"{pb}'s steps began {gap} after {pa}'s ended: traces of different runs (the ranks of "
+                    "one profile the same steps together); analyze one run's traces at a time (a folder "
+                    "each)")
 
 
 def _merge(ledgers: list[dict]) -> dict:

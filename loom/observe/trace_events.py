@@ -28,6 +28,7 @@ from pathlib import Path
 
 from loom.checked import BadFile, Fields
 from loom.errors import LoomError
+from loom.files import RUN_ENTRIES, is_loom_run
 
 CHUNK_CHARS = 1 << 20  # text read per refill
 MAX_VALUE_CHARS = 64 << 20  # one JSON value (an event, a header entry) larger than this is malformed
@@ -39,6 +40,9 @@ _SKIP = re.compile(r"[\s,]*")  # whitespace and the commas between array items /
 _WS = re.compile(r"\s*")
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _DIGITS = re.compile(r"(\d+)")
+# The JSON files a run directory holds besides its traces: what loom train and loom analyze write
+_OUTPUTS = ("ledger.json", "compare.json")
+RUN_RECORDS = frozenset({*(n for n in RUN_ENTRIES if n.endswith(".json")), *_OUTPUTS})
 
 
 class BadTrace(LoomError):
@@ -72,7 +76,8 @@ def _natural_key(path: Path) -> list:
 
 
 def _trace_files(folder: Path) -> list[Path]:
-    named = [p for p in folder.iterdir() if p.name.endswith((".json", ".json.gz"))]
+    # loom analyze's own outputs are no traces (a plain folder of traces is its default --out)
+    named = [p for p in folder.iterdir() if p.name.endswith((".json", ".json.gz")) and p.name not in _OUTPUTS]
     for p in named:
         _own_regular_file(folder, p)
     return sorted((p for p in named if p.is_file()), key=_natural_key)
@@ -102,12 +107,25 @@ def find_traces(path: str | Path) -> list[TraceFile]:
     elif path.is_dir():
         sub = path / "traces"
         files = (sub.is_dir() and _trace_files(sub)) or _trace_files(path)
+        if _untraced_run(path, files):
+            held = ("its traces/ folder holds no trace files" if sub.is_dir()
+                    else "no traces/ folder: it trained without the profiler")
+            raise LoomError(f"{path} is a loom run directory without traces ({held}); record them with "
+                            "loom profile (or loom train --set profile.enabled=true) and analyze that run")
         if not files:
             raise LoomError(f"no trace files (*.json, *.json.gz) in {path}: point at the directory "
                             "torch.profiler's on_trace_ready wrote its Chrome traces to")
     else:
         raise LoomError(f"{path} does not exist: give the directory holding the profiler traces")
     return [TraceFile(p, rank_from_name(p.name)) for p in files]
+
+
+def _untraced_run(folder: Path, files: list[Path]) -> bool:
+    """A run directory of loom's (its marker, or the config.toml and summary.json every run writes)
+    whose only JSON files are its own records: read as traces, they would be refused one by one
+    as "not a trace" with advice to remove them."""
+    run = is_loom_run(folder) or ((folder / "config.toml").is_file() and (folder / "summary.json").is_file())
+    return run and all(p.parent == folder and p.name in RUN_RECORDS for p in files)
 
 
 def refuse_copies(files: list[TraceFile]) -> None:
@@ -169,6 +187,9 @@ class TraceStream:
         except EOFError as e:  # gzip stream cut short
             self._truncated(str(e))
         except _NotUTF8 as e:
+            if not self._events_started and not self.path.name.endswith(".gz") and _gzipped(self.path):
+                raise LoomError(f"{self.path} is gzip-compressed but not named .gz (a .json.gz trace "
+                                f"renamed?): rename it to {self.path.name}.gz") from None
             self._damaged(f"byte {e.offset:,} is not UTF-8 text (after {self.count} events)")
         except zlib.error as e:
             if self._events_started:
@@ -320,6 +341,11 @@ class TraceStream:
 
 
 _TRUNCATED = object()
+
+
+def _gzipped(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"  # gzip's magic number
 
 
 class _NotUTF8(Exception):

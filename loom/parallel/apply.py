@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from loom import strategies
 from loom.config import Config, pipeline_microbatches, rank_stages, splits_backward, stages_per_rank
+from loom.layout import validate_pipeline
 from loom.parallel.activation_checkpointing import apply_activation_checkpointing
 from loom.parallel.adapter import ModelAdapter
 from loom.parallel.context_parallel import SequenceSplit
@@ -28,7 +29,7 @@ from loom.parallel.expert_parallel import shard_experts
 from loom.parallel.fsdp import apply_fsdp
 from loom.parallel.known_warnings import silence_dtensor_sequential_redistribute
 from loom.parallel.mesh import Dist
-from loom.parallel.pipeline import stage_layers, validate_pipeline
+from loom.parallel.pipeline import stage_layers
 from loom.parallel.weights import WeightSource
 
 

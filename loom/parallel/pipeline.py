@@ -38,8 +38,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.pipelining.schedules import _ComputationType
 
-from loom.config import V_SCHEDULES, stage_sizes, stages_per_rank
+from loom.config import stage_sizes
 from loom.errors import ConfigError
+from loom.layout import refuse_more_stages_than_layers
 from loom.parallel.backward_pass import backward_pass
 
 # An action's kind (private, the same in torch 2.11 and 2.13; see pipeline_eval)
@@ -65,91 +66,6 @@ def stage_layers(n_layers: int, pp: int, virtual: int = 1, split: Sequence[int] 
         stages.append(list(range(start, start + size)))
         start += size
     return stages
-
-
-def refuse_more_stages_than_layers(n_layers: int, pp: int, local: int) -> None:
-    """Every stage holds at least one block (`local`: stages per rank)."""
-    if pp * local < 1 or pp * local > n_layers:
-        raise ConfigError(
-            f"{pp * local} pipeline stages (pp {pp} × virtual {local}) do not fit the model's "
-            f"{n_layers} layers; use at most one stage per layer"
-        )
-
-
-def refuse_tied_embeddings(tied: bool, num_stages: int, fix: str) -> None:
-    """The embedding (first stage) and the head (last stage) cannot share one weight across ranks."""
-    if tied and num_stages > 1:
-        raise ConfigError(f"pipeline parallelism cannot split tied embeddings; {fix}")
-
-
-def validate_pipeline(n_layers: int, pp: int, virtual: int, schedule: str, microbatches: int,
-                      *, tie_embeddings: bool = False, split: Sequence[int] = ()) -> None:
-    """Raise a one-line ConfigError for a pipeline setup that cannot run (checks the batch not at all)."""
-    for name, value in (("pp", pp), ("pp_virtual_stages", virtual), ("microbatches", microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"parallel.{name} must be a positive integer, got {value!r}")
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule = {schedule!r} is unknown; choose one of: "
-                          f"{', '.join(SCHEDULES)}")
-    if pp > n_layers:
-        raise ConfigError(f"parallel.pp = {pp} is more than the model's {n_layers} layers; "
-                          f"use pp ≤ {n_layers}")
-    if schedule in V_SCHEDULES and virtual > 2:
-        raise ConfigError(
-            f"parallel.pp_schedule = {schedule!r} runs exactly two stages per rank (a V), but "
-            f"parallel.pp_virtual_stages = {virtual}; set it to 2 (or 1), or use 'zb' or 'interleaved' "
-            f"for {virtual} stages per rank")
-    local = stages_per_rank(schedule, virtual)
-    refuse_tied_embeddings(tie_embeddings, pp * local, "set model.tie_embeddings=false")
-    if schedule in V_SCHEDULES and 2 * pp > n_layers:
-        raise ConfigError(
-            f"parallel.pp_schedule = {schedule!r} splits the model into 2 × pp = {2 * pp} stages (two per "
-            f"rank, in a V), more than its {n_layers} layers; use pp ≤ {n_layers // 2} or the 1f1b schedule")
-    if schedule == "interleaved" and virtual < 2:
-        raise ConfigError(
-            f"parallel.pp_schedule = 'interleaved' needs parallel.pp_virtual_stages ≥ 2, got {virtual}; "
-            "raise it or use the 1f1b schedule"
-        )
-    if virtual != 1 and schedule in ("gpipe", "1f1b"):
-        raise ConfigError(
-            f"parallel.pp_virtual_stages = {virtual} needs a schedule that runs several stages per rank "
-            f"(interleaved, zb, zbv, dualpipev); set it to 1 for {schedule!r}"
-        )
-    # Layers that do not divide into the stages split as config.stage_sizes says, in any schedule
-    refuse_more_stages_than_layers(n_layers, pp, local)
-    if split:
-        _check_split(split, n_layers, pp * local)
-    if schedule in ("1f1b", "interleaved", "zb") and microbatches < pp:
-        raise ConfigError(
-            f"parallel.microbatches = {microbatches} is fewer than parallel.pp = {pp}, "
-            f"which the {schedule} schedule needs; use microbatches ≥ {pp}"
-        )
-    if schedule in ("interleaved", "zb") and microbatches % (microbatches // pp):
-        # torch runs the micro-batches in rounds of microbatches // pp; they must divide evenly.
-        raise ConfigError(
-            f"parallel.microbatches = {microbatches} is not a multiple of {microbatches // pp} "
-            f"(microbatches // pp), which the {schedule} schedule needs; use a multiple of pp = {pp}"
-        )
-    if schedule in V_SCHEDULES and microbatches < 2 * pp:
-        raise ConfigError(
-            f"parallel.microbatches = {microbatches} is fewer than the {2 * pp} stages of the {schedule} "
-            f"schedule (two per rank), which it needs; use microbatches ≥ 2 × pp = {2 * pp}"
-        )
-
-
-def _check_split(split: Sequence[int], n_layers: int, stages: int) -> None:
-    """parallel.pp_stage_layers: one block count per stage, each at least one, summing to the model's."""
-    shown = list(split)
-    if len(shown) != stages:
-        raise ConfigError(f"parallel.pp_stage_layers = {shown} gives {len(shown)} stages, but the pipeline "
-                          f"runs {stages}; give {stages} block counts in stage order, or leave it empty")
-    if min(shown) < 1:
-        raise ConfigError(f"parallel.pp_stage_layers = {shown} leaves a stage without blocks; give each "
-                          f"stage at least one")
-    if sum(shown) != n_layers:
-        even = list(stage_sizes(n_layers, stages))
-        raise ConfigError(f"parallel.pp_stage_layers = {shown} sums to {sum(shown)} blocks, but the model "
-                          f"has {n_layers}; give counts that sum to {n_layers}, e.g. {even}")
 
 
 @functools.cache

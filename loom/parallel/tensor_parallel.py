@@ -14,8 +14,6 @@ from torch.distributed.tensor import Placement, Replicate, Shard, distribute_ten
 from torch.distributed.tensor import parallel as tp
 from torch.distributed.tensor.parallel import loss_parallel
 
-from loom.errors import ConfigError
-
 
 def _distribute(module: nn.Module, mesh, placements: dict[str, Placement], src_data_rank: int | None) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
@@ -54,16 +52,6 @@ def parallelize_root(model: nn.Module, mesh, plan: dict, embedding: nn.Module | 
         tp.parallelize_module(model, mesh, plan)
     if tied:
         head.weight = embedding.weight
-
-
-def check_tp_shapes(n_heads: int, n_kv_heads: int, ffn_hidden: int, vocab_size: int, tp: int) -> None:
-    """Every split dimension must divide by tp; one line naming the one that does not."""
-    for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("ffn_hidden", ffn_hidden),
-                        ("vocab_size", vocab_size)):
-        if value % tp:
-            divisors = [k for k in range(1, value + 1) if value % k == 0 and k <= 64]
-            raise ConfigError(f"parallel.tp = {tp} does not divide model.{name} = {value}; "
-                              f"use tp in {divisors[-6:]} or change the model")
 
 
 def loss_context(tp: int):

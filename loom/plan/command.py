@@ -21,7 +21,8 @@ from loom.config import (
 from loom.errors import ConfigError
 from loom.files import atomic_write
 from loom.hf_config import read_hf_config
-from loom.models.gpt.config import preset
+from loom.layout import check_experts, check_layout
+from loom.models.gpt.config import PRESETS, preset
 from loom.plan import device, lora, muon, starting_point
 from loom.plan.candidate import Workload
 from loom.plan.explain import explain
@@ -158,6 +159,9 @@ def plan_inputs(args) -> tuple[Config, str | None, ModelShape]:
     """The config, the model named and its shape: all that can be wrong without the machine's profile,
     checked before a first `loom plan` spends minutes calibrating (the CLI calls this first)."""
     config, model = args.config, args.model
+    if args.explain is not None and args.format == "json":  # (the text would break a JSON reader)
+        raise ConfigError(f"--explain {args.explain} prints its terms as text, not JSON; drop --format json, "
+                          f"or read candidate {args.explain} from --format json's candidates")
     if config is not None and str(config).endswith(".json"):  # a Hugging Face config.json in place of a TOML
         config, model = None, model or str(config)
     if model is not None and args.params is not None:  # --params would win and --model be ignored
@@ -166,7 +170,26 @@ def plan_inputs(args) -> tuple[Config, str | None, ModelShape]:
     cfg = load_config(config, args.set)
     if args.recipe not in RECIPES:
         raise ConfigError(f"--recipe {args.recipe!r} is not one of {', '.join(RECIPES)}")
+    changed = sorted(key for key in _set_keys(args.set) if key.startswith("model.") and key != "model.preset")
+    if model is not None and changed:  # --model's shape is planned whole: the --set would be ignored
+        fix = (f"plan the changed model without --model: --set model.preset={model} and the --set"
+               if model in PRESETS else "change the model's config.json instead")
+        raise ConfigError(f"--model {model} gives the whole model, so --set {changed[0]} would be ignored; "
+                          f"{fix}")
     return cfg, model, model_shape(cfg, model, args.params)
+
+
+def check_model_layout(cfg, shape: ModelShape) -> None:
+    """The config's own layout against the model planned, as `loom train` checks it once the world's
+    degrees are (after config.validate: the same first message for the same config)."""
+    if shape.known:
+        check_layout(cfg, shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.ffn_hidden, shape.vocab_size,
+                     None, shape.tie_embeddings)  # (any length: a long-context plan sets max_seq_len after)
+        check_experts(cfg, shape.moe_experts)
+
+
+def _set_keys(items) -> set[str]:
+    return {item.partition("=")[0].strip() for item in items}
 
 
 def run(args) -> tuple[Config, Plan, str | None]:
@@ -177,6 +200,7 @@ def run(args) -> tuple[Config, Plan, str | None]:
     local = cluster.profile is not None
     precision = planned_precision(cfg, local)
     dims = checked_config(cfg, cluster, precision if cfg.lora.rank is not None else None)
+    check_model_layout(cfg, shape)
     workload, origin = workload_of(args, cfg, shape, model, cluster.world_size, precision)
     if args.emit:  # a model --emit cannot write is refused before anything is printed
         planned_model(cfg, shape, model, workload.seq_len)

@@ -612,12 +612,12 @@ def _finish_records(cfg: Config, d: Dist, b: Built, result: RunResult, plan: dic
                  if from_config else
                  f"run your script again with train(cfg, Path('{run_dir}'), task=..., resume='auto') and a "
                  f"higher train.steps")
-        name = last.parents[1].name
-        weights = f"weights: loom export {last} model.safetensors"
+        name, step = last.parents[1].name, shlex.quote(str(last))
+        weights = f"weights: loom export {step} model.safetensors"
         if cfg.lora.rank and peft_holds([n for n, q in b.model.named_parameters() if q.requires_grad]):
-            weights = f"adapter: loom export {last} {name}-adapter --lora adapter"
+            weights = f"adapter: loom export {step} {shlex.quote(name + '-adapter')} --lora adapter"
         elif cfg.lora.rank:  # experts adapted, or norms trained whole: the merged model holds them
-            weights = f"merged: loom export {last} {name}-merged.safetensors --lora merged"
+            weights = f"merged: loom export {step} {shlex.quote(name + '-merged.safetensors')} --lora merged"
         print(f"checkpoint: {last}  (continue: {again}; {weights})")
 
 

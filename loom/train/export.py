@@ -38,7 +38,7 @@ from loom.checked import Fields
 from loom.config import load_config_text, shape_overrides
 from loom.data.hf_tokenizer import HFTokenizer
 from loom.errors import ConfigError, LoomError
-from loom.files import atomic_write, fsync_dir
+from loom.files import atomic_write, check_writable, fsync_dir
 from loom.hf_config import hf_config_from
 from loom.models.gpt.config import GPTConfig, preset
 from loom.models.gpt.config import validate as validate_gpt
@@ -78,6 +78,7 @@ def export(checkpoint: Path | str, output: Path | str, layout: str = "loom",
     else:
         _check_output(output, layout, overwrite)
     path = _resolve(Path(checkpoint))
+    _outside_checkpoints(output, path)
     meta = ckpt.read_meta(path)
     export_lora.check_mode(meta, path, lora)
     tokenizer = tokenizer_copy.carried(path, meta) if layout == "hf" else {}
@@ -213,6 +214,21 @@ def _not_a_shared_folder(folder: Path, writes: str) -> None:
                             f"is {what}; export into a folder of its own, e.g. {folder / 'model'}")
 
 
+def _outside_checkpoints(output: Path, checkpoint: Path) -> None:
+    """Never into the checkpoint being read (its files would be overwritten, even under --overwrite),
+    nor into a run's checkpoints/ folder, whose old step_N folders training prunes."""
+    read = checkpoint.resolve()
+    target = output.resolve()
+    for folder in (target, *target.parents):  # (an adapter's output is itself a folder)
+        run = folder.parent if folder.name == CHECKPOINTS else None
+        if folder != read and (run is None or latest_checkpoint(run) is None):
+            continue
+        run = run or folder.parent.parent
+        what = "the checkpoint it reads" if folder == read else "a run's checkpoints folder"
+        raise LoomError(f"{output} is inside {folder}, {what}, where loom replaces and prunes files; "
+                        f"export outside it, e.g. {run / output.name}")
+
+
 def _check_output(output: Path, layout: str, overwrite: bool) -> None:
     parent = output.parent
     if not parent.is_dir():
@@ -226,6 +242,7 @@ def _check_output(output: Path, layout: str, overwrite: bool) -> None:
                         f"name the weights file model.safetensors")
     if layout == "hf":
         _not_a_shared_folder(parent, "--layout hf")
+    check_writable(parent, "the output folder", "choose an output path in a folder you can write")
     if overwrite:
         return
     if output.exists() or output.is_symlink():
@@ -248,6 +265,8 @@ def _check_adapter_output(folder: Path, overwrite: bool) -> None:
                         f"and {folder} is a file; name a folder, e.g. {folder.with_suffix('')}-adapter")
     if folder.is_dir():
         _not_a_shared_folder(folder, "--lora adapter")
+    check_writable(folder if folder.is_dir() else folder.parent, "the output folder",
+                   "choose an output folder you can write")
     held = [p for p in (folder / export_lora.ADAPTER_FILE, folder / export_lora.ADAPTER_CONFIG) if p.exists()]
     if held and not overwrite:
         raise LoomError(f"{folder} already holds an adapter ({held[0].name}); pass --overwrite to replace "

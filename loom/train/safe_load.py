@@ -105,6 +105,9 @@ def refused(path: Path, what: str) -> LoomError:
 
 def unreadable(path: Path, e: BaseException,
                hint: str = "resume from an earlier checkpoint or start without --resume") -> LoomError:
+    if isinstance(e, PermissionError):  # intact, but not this user's to read: no other checkpoint needed
+        return LoomError(f"checkpoint {path} could not be read: {e.strerror} ({e.filename}); make its files "
+                         f"readable (chmod -R u+r {path})")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return LoomError(f"checkpoint {path} could not be read ({type(e).__name__}: {first[:200]}); "
                      f"it is damaged or from another model: {hint}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,21 +17,20 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from loom.config import Config, pipeline_microbatches, shape_overrides
+from loom.config import Config, load_config_text, shape_overrides
 from loom.data.corpus import load_tokens
 from loom.data.run_data import build_run_data
 from loom.errors import ConfigError
+from loom.layout import check_experts, check_layout
 from loom.models.chunked_loss import IGNORE, cross_entropy  # noqa: F401 (IGNORE: a supervised prompt)
 from loom.models.gpt.config import GPTConfig, preset
 from loom.models.gpt.model import build_model
 from loom.models.hf.experts import MOE_DECODERS
 from loom.models.pretrained import CHECKPOINT, SPECIAL_TOKENS, Pretrained, open_pretrained
-from loom.parallel.pipeline import validate_pipeline
-from loom.parallel.tensor_parallel import check_tp_shapes
 from loom.parallel.weights import WeightSource
 from loom.plan.shapes import ModelShape, from_gpt_config, from_hf
 from loom.train import checkpoint as ckpt
-from loom.train import safe_load
+from loom.train import safe_load, tokenizer_copy
 
 
 @dataclass
@@ -148,8 +148,9 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
         checkpoint = ckpt.resolve_resume(str(pretrained.path.absolute()), None)
         if ckpt.read_meta(checkpoint).get("lora_base") is not None:
             raise ConfigError(f"model.init_from {checkpoint} holds a LoRA run's adapters alone; start "
-                              f"from the merged model: loom export {checkpoint} merged.safetensors --lora "
-                              f"merged, then model.init_from=merged.safetensors")
+                              f"from the merged model: loom export {shlex.quote(str(checkpoint))} "
+                              f"merged.safetensors --lora merged, then model.init_from=merged.safetensors")
+        _check_same_tokenizer(cfg, ckpt.read_meta(checkpoint), checkpoint)
         pretrained.gpt = checkpoint_gpt(checkpoint)
     if pretrained.gpt is not None:
         gpt = model_config(cfg, data_vocab, pretrained.gpt)
@@ -174,8 +175,8 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
                               f"transformers' modules (data parallel only); set it to 1 (zero3 shards the "
                               f"experts with the rest)")
     else:
-        _check_experts(cfg, 0, f"the {hf.model_type} model of model.init_from")
-    _check_layout(cfg, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads,
+        check_experts(cfg, 0, f"the {hf.model_type} model of model.init_from")
+    check_layout(cfg, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads,
                   hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings or cfg.data.seq_len,
                   hf.tie_word_embeddings)
     model = pretrained.hf_model("meta")
@@ -194,6 +195,27 @@ def check_lora_targets(cfg: Config, model: nn.Module) -> None:
 
     add_lora(model, blocks_of(adapter_for(model).layers(model)), LoRASpec(cfg.lora.rank, cfg.lora.alpha),
              cfg.lora.targets)
+
+
+def _check_same_tokenizer(cfg: Config, meta: dict, path: Path) -> None:
+    """A checkpoint's weights learnt its run's token ids: loom's byte ids and its corpus-trained BPE's
+    name other tokens, so a run that tokenizes the other way would train them on what they never
+    meant. (A tokenizer.json is carried in the checkpoint and checked where it is used.)"""
+    saved = load_config_text(meta.get("config", ""), f"{path}/meta.json").data
+    byte = {"byte"} | ({"auto"} if not meta.get(tokenizer_copy.META_KEY) else set())
+    then, now = saved.tokenizer, cfg.data.tokenizer
+    if then == "bpe" and (now != "bpe" or saved.bpe_vocab_size != cfg.data.bpe_vocab_size):
+        want = f"data.tokenizer=bpe with data.bpe_vocab_size={saved.bpe_vocab_size} on the same corpus"
+    elif then in byte and now == "bpe":
+        want = "data.tokenizer=byte"
+    else:
+        return
+    def named(tokenizer: str, vocab: int) -> str:
+        return f"{tokenizer!r}" + (f" (bpe_vocab_size {vocab})" if tokenizer == "bpe" else "")
+
+    raise ConfigError(f"model.init_from {path} was trained on the token ids of data.tokenizer = "
+                      f"{named(then, saved.bpe_vocab_size)}, and this run tokenizes with "
+                      f"{named(now, cfg.data.bpe_vocab_size)}, whose ids name other tokens; set {want}")
 
 
 def checkpoint_gpt(path: Path) -> GPTConfig:
@@ -219,21 +241,10 @@ def model_config(cfg: Config, data_vocab: int, base: GPTConfig | None = None) ->
             overrides["vocab_size"] = data_vocab
         gpt = preset(m.preset, **overrides)
     _check_vocab(gpt.vocab_size, data_vocab, "" if base is None else f" (model.init_from {m.init_from})")
-    _check_layout(cfg, gpt.n_layers, gpt.n_heads, gpt.n_kv_heads, gpt.ffn_hidden, gpt.vocab_size,
+    check_layout(cfg, gpt.n_layers, gpt.n_heads, gpt.n_kv_heads, gpt.ffn_hidden, gpt.vocab_size,
                   gpt.max_seq_len, gpt.tie_embeddings)
-    _check_experts(cfg, gpt.moe_experts)
+    check_experts(cfg, gpt.moe_experts)
     return gpt
-
-
-def _check_experts(cfg: Config, experts: int, what: str = "the model") -> None:
-    """Expert parallelism needs experts it can split evenly."""
-    ep = cfg.parallel.ep
-    if ep > 1 and experts == 0:
-        raise ConfigError(f"parallel.ep = {ep} splits a mixture of experts, but {what} has none "
-                          f"(model.moe_experts = 0); set parallel.ep=1, or model.moe_experts (e.g. 8)")
-    if experts % ep:
-        raise ConfigError(f"model.moe_experts = {experts} cannot be split evenly over parallel.ep = {ep} "
-                          f"ranks; pick an ep that divides {experts}")
 
 
 def _check_vocab(model_vocab: int, data_vocab: int, pretrained: str) -> None:
@@ -245,23 +256,6 @@ def _check_vocab(model_vocab: int, data_vocab: int, pretrained: str) -> None:
                           f"folder's tokenizer.json)")
     raise ConfigError(f"model vocab_size {model_vocab} is smaller than the tokenizer's {data_vocab}; "
                       f"set model.vocab_size={data_vocab}")
-
-
-def _check_layout(cfg: Config, n_layers: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, vocab: int,
-                  max_seq_len: int, tied: bool) -> None:
-    p = cfg.parallel
-    if p.pp > 1:
-        validate_pipeline(n_layers, p.pp, p.pp_virtual_stages, p.pp_schedule, pipeline_microbatches(p),
-                          tie_embeddings=tied, split=p.pp_stage_layers)
-    if p.tp > 1:
-        check_tp_shapes(n_heads, n_kv_heads, ffn_hidden, vocab, p.tp)
-    if p.cp > 1 and p.cp_mode == "alltoall" and n_heads % (p.cp * p.tp):
-        raise ConfigError(f"parallel.cp_mode = 'alltoall' gives each cp rank n_heads / (cp × tp) heads, but "
-                          f"{n_heads} heads do not divide by {p.cp} × {p.tp}; set parallel.cp_mode=ring, or "
-                          f"a cp that divides {n_heads // p.tp} (k/v heads cp does not divide are repeated)")
-    if cfg.data.seq_len > max_seq_len:
-        raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's max_seq_len "
-                          f"{max_seq_len}; lower data.seq_len or set model.max_seq_len")
 
 
 def load_data(cfg: Config) -> tuple[Any, int]:

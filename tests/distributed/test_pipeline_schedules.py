@@ -11,10 +11,11 @@ from distributed import run_ranks
 from test_pipeline import _batch
 
 from loom.config import rank_stages, stages_per_rank
+from loom.layout import validate_pipeline
 from loom.models.gpt.config import preset
 from loom.models.gpt.model import GPT, build_model
 from loom.models.gpt.pipeline import build_stage
-from loom.parallel.pipeline import stage_layers, validate_pipeline
+from loom.parallel.pipeline import stage_layers
 
 SEED = 7
 RTOL = 1e-5

@@ -91,7 +91,7 @@ BUGS = [
         'document_eos=data.eos_id if cfg.data.packing == "documents" else None)', "document_eos=None)",
         ("tests/distributed/test_sft.py::test_packed_documents_train_alike_under_cp",)),
     Bug("cp-alltoall-heads-let-through", "alltoall with heads cp does not divide is let through",
-        "loom/train/task.py", 'if p.cp > 1 and p.cp_mode == "alltoall" and n_heads % (p.cp * p.tp):',
+        "loom/layout.py", 'if p.cp > 1 and p.cp_mode == "alltoall" and n_heads % (p.cp * p.tp):',
         "if False:", ("tests/unit/test_bad_input.py::test_bad_input[parallel-cp-alltoall-heads]",)),
     Bug("cp-deepspeed-let-through", "cp under the deepspeed engine is not refused", "loom/config.py",
         '        if p.engine == "deepspeed":\n            raise ConfigError(f"parallel.cp',

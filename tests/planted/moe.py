@@ -78,7 +78,7 @@ BUGS = [
         'FUSED = {"mlp.experts.gate_up_proj": ("gate_proj", "up_proj"),',
         'FUSED = {"mlp.experts.gate_up_proj": ("up_proj", "gate_proj"),',
         (f"{HF}::test_qwen_moe_folders_read_fused_and_export_apart",)),
-    Bug("ep-dense-model-let-through", "ep on a dense model is not refused", "loom/train/task.py",
+    Bug("ep-dense-model-let-through", "ep on a dense model is not refused", "loom/layout.py",
         "    if ep > 1 and experts == 0:\n", "    if False:\n",
         ("tests/unit/test_bad_input.py::test_bad_input[moe-ep-dense-model]",)),
     Bug("moe-bias-not-saved", "the balancing bias is left out of checkpoints", MOE,

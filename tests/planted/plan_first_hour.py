@@ -160,7 +160,8 @@ BUGS = [
     Bug("plan-calibrates-before-its-arguments", "a first `loom plan` calibrates the machine for minutes "
         "before it reads its own --model and --set",
         "loom/cli.py",
-        "        plan_inputs(args)  # a bad --model or --set is told at once, not after the calibration\n",
+        "        cfg, _, shape = plan_inputs(args)  # a bad --model or --set: at once, not after the "
+        "calibration\n        check_model_layout(cfg, shape)\n",
         "",
         (f"{HOUR}::test_a_bad_first_plan_is_told_before_the_calibration",
          "tests/unit/test_bad_input.py::test_bad_input[plan-first-preset-unknown]")),

@@ -69,7 +69,7 @@ BUGS = [
         "loom/plan/search.py", "        p.pp_stage_layers = list(record.get(\"pp_stage_layers\", []))\n", "",
         (f"{SPLIT}::test_the_plan_runs_the_split_it_emits",)),
     Bug("split-sum-unchecked", "a split that does not sum to the model's blocks reaches the run",
-        "loom/parallel/pipeline.py", "    if sum(shown) != n_layers:\n", "    if False:\n",
+        "loom/layout.py", "    if sum(shown) != n_layers:\n", "    if False:\n",
         (f"{SPLIT}::test_a_split_that_cannot_run_is_one_line", f"{BAD}[parallel-stage-layers-sum]")),
     Bug("split-count-checked-late", "a split of the wrong stage count found only once the model is built",
         "loom/config.py", "    if dims.pp > 1 and p.pp_stage_layers:\n        _check_stage_count(p)\n", "",
@@ -84,7 +84,7 @@ BUGS = [
         "    return split if balanced <= (1 - SPLIT_WORTH) * even else ()\n", "    return split\n",
         (f"{SPLIT}::test_a_split_is_offered_where_it_takes_five_percent_off_the_busiest_rank",)),
     Bug("stage-without-blocks-accepted", "a split whose counts sum right but leave a stage empty reaches the "
-        "run", "loom/parallel/pipeline.py", "    if min(shown) < 1:\n", "    if False:\n",
+        "run", "loom/layout.py", "    if min(shown) < 1:\n", "    if False:\n",
         (f"{SPLIT}::test_a_split_that_cannot_run_is_one_line",)),
     Bug("split-rule-allows-zero", "parallel.pp_stage_layers's rule takes a stage of 0 blocks, refused only "
         "once the model is known", "loom/config.py",
@@ -92,8 +92,8 @@ BUGS = [
         '"parallel.pp_stage_layers": _count(0, MAX_LAYERS,',
         (f"{BAD}[parallel-stage-layers-empty-stage]",)),
     Bug("split-inert-unsaid", "parallel.pp_stage_layers without a pipeline accepted without a word",
-        "loom/config.py", 'for k in ("microbatches", "pp_schedule", "pp_stage_layers")',
-        'for k in ("microbatches", "pp_schedule")',
+        "loom/config.py", 'for k in ("microbatches", "pp_schedule", "pp_stage_layers", "pp_virtual_stages")',
+        'for k in ("microbatches", "pp_schedule", "pp_virtual_stages")',
         (f"{SPLIT}::test_a_split_without_a_pipeline_is_said_to_do_nothing",)),
     Bug("stages-built-evenly", "the pipeline's stage builder ignores the split it is given",
         "loom/parallel/pipeline.py", "    for size in stage_sizes(n_layers, num_stages, tuple(split)):\n",
@@ -118,7 +118,7 @@ BUGS = [
         "        options += [(\"zbv\", 2)]",
         (f"{SCHEDULES}::test_interleaved_is_searched_where_the_layers_do_not_divide",)),
     Bug("stage-count-unchecked", "more stages than layers let through until a rank builds its stage",
-        "loom/parallel/pipeline.py",
+        "loom/layout.py",
         "says, in any schedule\n    refuse_more_stages_than_layers(n_layers, pp, local)\n", "says, in any "
         "schedule\n",
         (f"{PIPELINE}::test_validate_pipeline_errors",)),

@@ -25,7 +25,7 @@ BUGS = [
         '    training = getattr(schedule, "pipeline_order_with_comms", None)\n    if True:',
         (f"{ZB}::test_schedules_compose_as_1f1b_does[lora]",)),
     Bug("v-microbatches-unchecked", "a V schedule accepted with fewer micro-batches than its 2·pp stages",
-        "loom/parallel/pipeline.py",
+        "loom/layout.py",
         "    if schedule in V_SCHEDULES and microbatches < 2 * pp:",
         "    if schedule in V_SCHEDULES and microbatches < pp:",
         ("tests/unit/test_pipeline.py::test_validate_pipeline_errors",

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "loom"
 FLOORS = {
     "loom.errors": 0, "loom.files": 0, "loom.heap": 0, "loom.checked": 0,
     "loom.config": 1, "loom.strategies": 1, "loom.launch": 1, "loom.models.gpt.config": 1,
-    "loom.hf_config": 1, "loom.config_show": 1,
+    "loom.hf_config": 1, "loom.config_show": 1, "loom.layout": 1,
     "loom.plan": 2, "loom.preset_table": 2,
     "loom.data": 3, "loom.parallel": 3,
     "loom.models": 4,
@@ -30,7 +30,8 @@ FLOORS = {
     "loom.cli": 7,
 }
 TORCH_FREE = ("loom.errors", "loom.files", "loom.heap", "loom.checked", "loom.config", "loom.strategies",
-              "loom.launch", "loom.models.gpt.config", "loom.hf_config", "loom.config_show", "loom.plan",
+              "loom.launch", "loom.models.gpt.config", "loom.hf_config", "loom.config_show", "loom.layout",
+              "loom.plan",
               "loom.preset_table")
 THIRD_PARTY_HEAVY = ("torch", "numpy", "transformers", "safetensors", "tokenizers")
 

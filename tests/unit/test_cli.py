@@ -81,3 +81,14 @@ def test_invalid_toml_file(tmp_path):
     cfg.write_text("[train\nsteps = 3\n")
     r = loom("train", str(cfg), timeout=60)
     assert r.returncode != 0 and "not valid TOML" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_closed_pipe_is_no_traceback():
+    """`loom … | head`: the reader closes the pipe early; loom stops quietly (141, as a shell reports
+    SIGPIPE), without a BrokenPipeError traceback."""
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as in a terminal's shell
+    proc = subprocess.Popen([sys.executable, "-m", "loom.cli", "presets"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=buffered)
+    proc.stdout.close()  # before loom writes a byte
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -100,7 +100,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
                                                      (4, 2, 129, 256, "ffn_hidden"),
                                                      (4, 2, 128, 255, "vocab_size")])
 def test_tp_must_divide_every_split_dimension(heads, kv, ffn, vocab, name):
-    from loom.parallel.tensor_parallel import check_tp_shapes
+    from loom.layout import check_tp_shapes
 
     with pytest.raises(ConfigError, match=f"does not divide model.{name}") as err:
         check_tp_shapes(heads, kv, ffn, vocab, 2)

@@ -301,6 +301,21 @@ def test_not_json_and_not_a_trace(tmp_path):
     assert list(out["ranks"]) == ["0"] and "memory.json" in out["warnings"][0]
 
 
+def test_skipped_file_is_said_in_the_table_and_own_outputs_are_not_traces(tmp_path, capsys):
+    """A rank's file that is no trace is skipped: the table says so (it would vanish from it
+    otherwise); loom analyze's own ledger.json beside the traces is never read as one."""
+    import loom.cli
+
+    write_trace(tmp_path / "rank0.json", cpu_events())
+    (tmp_path / "rank1.json").write_text("hello")
+    assert loom.cli.main(["analyze", str(tmp_path)]) == 0
+    assert "warning: skipped: " + str(tmp_path / "rank1.json") in capsys.readouterr().out
+    (tmp_path / "rank1.json").unlink()
+    assert (tmp_path / "ledger.json").is_file()
+    assert loom.cli.main(["analyze", str(tmp_path)]) == 0  # its ledger.json of the run before
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_truncated_trace_analyzes_what_was_read(tmp_path):
     text = write_trace(tmp_path / "full.json", cpu_events()).read_text()
     (tmp_path / "full.json").unlink()

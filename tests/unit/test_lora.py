@@ -266,3 +266,19 @@ def test_base_dtype_bf16_with_bf16_precision_freezes_in_bf16():
     assert lora_base_dtype(cfg) == "bf16"
     assert lora_base_dtype(load_config(None, ["lora.rank=4"])) == "fp32"
     freeze_base(_gpt(), torch.bfloat16, False, False)  # runs on a built model too
+
+
+@pytest.mark.parametrize("rank, targets, refused", [
+    (48, ["all-linear"], False),  # above k's and v's rank (32), not q's (64): taken for those that use it
+    (64, ["q"], False),
+    (65, ["all-linear"], True),
+    (33, ["k", "v"], True),
+    (40, ["gate"], True),  # tiny-moe's experts: [8, 32, 64]
+])
+def test_a_rank_above_every_adapted_matrix_is_refused(rank, targets, refused):
+    model = build_model(preset("tiny-moe" if targets == ["gate"] else "tiny"), "meta")
+    if not refused:
+        assert add_lora(model, blocks_of(model.layers), LoRASpec(rank, 8.0), targets)
+        return
+    with pytest.raises(ConfigError, match=rf"^lora.rank = {rank} is above the rank of every matrix"):
+        add_lora(model, blocks_of(model.layers), LoRASpec(rank, 8.0), targets)

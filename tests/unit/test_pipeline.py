@@ -8,10 +8,11 @@ import torch
 
 from loom.config import rank_stages, stages_per_rank
 from loom.errors import ConfigError
+from loom.layout import validate_pipeline
 from loom.models.gpt.config import preset
 from loom.models.gpt.model import build_model
 from loom.models.gpt.pipeline import build_stage
-from loom.parallel.pipeline import stage_layers, validate_pipeline
+from loom.parallel.pipeline import stage_layers
 from loom.plan.step import bubble_fraction
 
 SEED = 7

@@ -274,7 +274,7 @@ def test_plan_does_not_import_torch_and_is_fast():
     (["--model", "70b", "--gpu", "RTX-4090", "--gpus-per-node", "8", "--hw", "host_memory_gb=64",
       "--hw", "nvme_gb=500"],
      "the smallest cluster that fits is"),
-    (["--set", "parallel.tp=3", "--gpus-per-node", "8"], "does not divide the world size 8"),
+    (["--set", "parallel.pp=3", "--gpus-per-node", "8"], "does not divide the world size 8"),
     (["--recipe", "fp8"], "--recipe 'fp8' is not one of torch, zero, megatron"),
     (["--hw", "bf16_tflops=fast"], "must be a number"),
     (["--hw", "warp_speed=2"], "must be key=value with key one of"),

@@ -13,7 +13,8 @@ import pytest
 from loom.cli import main
 from loom.config import load_config, stages_per_rank
 from loom.errors import ConfigError
-from loom.parallel.pipeline import stage_layers, validate_pipeline
+from loom.layout import validate_pipeline
+from loom.parallel.pipeline import stage_layers
 from loom.plan import device, in_flight
 from loom.plan.candidate import Candidate, Workload, head_recomputed, loss_chunk, plain_ops
 from loom.plan.comm import comm_per_step, pp_sends

@@ -162,11 +162,12 @@ def test_the_stop_hint_continues_the_run_as_it_was_configured(tmp_path, corpus, 
     assert (saved["steps"], saved["lr"]) == (8, 2e-3)
 
 
-def test_the_end_hint_extends_the_run_and_init_from_is_kept(tmp_path, corpus, capsys, one_rank):
+def test_the_end_hint_extends_the_run_and_init_from_is_kept(tmp_path, corpus, capsys, one_rank, monkeypatch):
     """A run from a loom checkpoint (model.init_from, another model than the default preset's)
     ends with a command that extends it, which works as printed; dropping model.init_from on a
-    resume is one line that says so (not that the checkpoint looks altered)."""
-    source, run = tmp_path / "source", tmp_path / "run"
+    resume is one line that says so (not that the checkpoint looks altered). Both printed commands
+    run as pasted, the run's folder named with a space."""
+    source, run = tmp_path / "source", tmp_path / "my run"
     data = [f'data.source="{corpus}"', "data.seq_len=32", "train.batch_size=4", "data.num_workers=0",
             "train.device=cpu", "train.eval_batches=0", "train.ckpt_every_min=0"]
     rc, _, err = _loom(["train", "--out", str(source), *_sets([*TINY, *data, "train.steps=2"])], capsys)
@@ -175,8 +176,11 @@ def test_the_end_hint_extends_the_run_and_init_from_is_kept(tmp_path, corpus, ca
     rc, out, err = _loom(["train", "--out", str(run), *_sets([*data, f"model.init_from={start}",
                                                               "train.steps=2"])], capsys)
     assert rc == 0, err
-    hint = re.search(r"\(continue: (.*?); weights:", out).group(1)
-    assert hint == f"loom train --resume auto --out {run} --set train.steps=4 --nproc 1"
+    hint, weights = re.search(r"\(continue: (.*?); weights: (.*)\)$", out, re.M).groups()
+    assert hint == f"loom train --resume auto --out '{run}' --set train.steps=4 --nproc 1"
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _loom(_printed(weights), capsys)
+    assert rc == 0 and (tmp_path / "model.safetensors").is_file(), err
 
     rc, out, err = _loom(_printed(hint), capsys)
     assert rc == 0, err

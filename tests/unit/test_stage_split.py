@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from loom.config import load_config, rank_stages, stage_sizes, stages_per_rank, validate
 from loom.errors import ConfigError
-from loom.parallel.pipeline import SCHEDULES, stage_layers, validate_pipeline
+from loom.layout import validate_pipeline
+from loom.parallel.pipeline import SCHEDULES, stage_layers
 from loom.plan.candidate import Candidate, Workload
 from loom.plan.hardware import Cluster, lookup
 from loom.plan.search import (

@@ -11,8 +11,8 @@ import copy
 
 from torch import nn
 
+from loom.layout import refuse_tied_embeddings
 from loom.models.gpt.model import GPT
-from loom.parallel.pipeline import refuse_tied_embeddings
 
 
 def build_stage(model: GPT, stage_index: int, num_stages: int, layer_ids: list[int]) -> GPT:

@@ -11,10 +11,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from loom.errors import ConfigError
+from loom.layout import check_tp_shapes, refuse_tied_embeddings
 from loom.models.hf.tensor_parallel import apply_hf_decoder_tensor_parallel
 from loom.parallel.adapter import ModelAdapter
-from loom.parallel.pipeline import refuse_tied_embeddings
-from loom.parallel.tensor_parallel import check_tp_shapes
 from loom.parallel.weights import WeightSource, write_weights
 
 # mixtral runs as loom's GPT (loom/hf_config.py); the MoE ones (loom/models/hf/experts.py) through

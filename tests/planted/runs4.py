@@ -1,0 +1,47 @@
+"""Planted bugs in the fourth pass over bad input: exports into checkpoints, run directories loom could
+not finish in, `loom plan`'s own layout against its model, printed commands that run as pasted."""
+
+from __future__ import annotations
+
+from planted import Bug
+
+BAD = "tests/unit/test_bad_input.py::test_bad_input"
+
+BUGS = [
+    Bug("export-into-its-checkpoint", "loom export writes into the checkpoint it reads (--overwrite replaces "
+        "its files)", "loom/train/export.py", "    _outside_checkpoints(output, path)\n", "",
+        (f"{BAD}[export-into-its-checkpoint]", f"{BAD}[export-into-checkpoints]")),
+    Bug("export-read-only-late", "an output folder loom cannot write found after the checkpoint is read",
+        "loom/train/export.py",
+        '    check_writable(parent, "the output folder", "choose an output path in a folder you can '
+        'write")\n',
+        "",
+        (f"{BAD}[export-output-read-only]",)),
+    Bug("run-dir-writable-unchecked", "a continued run's folder that takes no file found at its first write",
+        "loom/cli.py", '    check_writable(run_dir, "the run directory")  # one that exists, a continued '
+        'run\'s\n', "", (f"{BAD}[resume-run-dir-read-only]",)),
+    Bug("run-entries-unchecked", "a run file that is a folder found when the run ends", "loom/cli.py",
+        "    check_checkpoints_dir(run_dir)\n    check_run_entries(run_dir)\n",
+        "    check_checkpoints_dir(run_dir)\n", (f"{BAD}[resume-run-file-is-a-folder]",)),
+    Bug("plan-layout-unchecked", "loom plan prices a config's layout its model cannot take (a traceback "
+        "where the pipeline has more stages than layers)", "loom/plan/command.py",
+        "    if shape.known:\n        check_layout(", "    if False:\n        check_layout(",
+        (f"{BAD}[plan-set-pp-over-layers]", f"{BAD}[plan-set-tp-heads]", f"{BAD}[plan-set-ep-dense]")),
+    Bug("plan-model-set-ignored", "loom plan --model X --set model.* plans X and drops the --set unsaid",
+        "loom/plan/command.py", "    if model is not None and changed:", "    if False:",
+        (f"{BAD}[plan-model-and-set-model]",)),
+    Bug("permission-read-as-damage", "a checkpoint this user may not read called damaged",
+        "loom/train/safe_load.py",
+        "    if isinstance(e, PermissionError):", "    if False:", (f"{BAD}[ckpt-not-readable]",)),
+    Bug("export-hint-unquoted", "the end of a run prints its export command with the path unquoted",
+        "loom/train/driver.py", "name, step = last.parents[1].name, shlex.quote(str(last))",
+        "name, step = last.parents[1].name, str(last)",
+        ("tests/unit/test_resume_config.py::test_the_end_hint_extends_the_run_and_init_from_is_kept",)),
+    Bug("closed-pipe-traceback", "`loom … | head` ends in a BrokenPipeError traceback", "loom/cli.py",
+        "        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit\n", "",
+        ("tests/unit/test_cli.py::test_a_closed_pipe_is_no_traceback",)),
+    Bug("init-from-tokenizer-unchecked", "a checkpoint trained on one tokenizer's ids fine-tuned on "
+        "another's", "loom/train/task.py",
+        "        _check_same_tokenizer(cfg, ckpt.read_meta(checkpoint), checkpoint)\n", "",
+        (f"{BAD}[model-init-from-other-tokenizer]",)),
+]
