@@ -47,7 +47,9 @@ def parse_mix(mix: list[dict]) -> list[tuple[str, float, str | None]]:
 
 
 def _cdf(weights: Sequence[float]) -> np.ndarray:
-    cdf = np.cumsum(np.asarray(weights, dtype=np.float64))
+    scaled = np.asarray(weights, dtype=np.float64)
+    scaled /= scaled.max()  # weights near float64's top would sum to inf (and a source never be drawn)
+    cdf = np.cumsum(scaled)
     cdf /= cdf[-1]
     cdf[-1] = 1.0  # so that a draw just below 1.0 never falls past the last source
     return cdf

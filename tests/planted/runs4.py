@@ -44,4 +44,8 @@ BUGS = [
         "another's", "loom/train/task.py",
         "        _check_same_tokenizer(cfg, ckpt.read_meta(checkpoint), checkpoint)\n", "",
         (f"{BAD}[model-init-from-other-tokenizer]",)),
+    Bug("mix-weights-overflow", "data.mix's weights summed as given: the largest floats overflow to inf "
+        "and a source is never drawn", "loom/data/mix.py",
+        "    scaled /= scaled.max()  # weights near float64's top would sum to inf (and a source never be "
+        "drawn)\n", "", ("tests/unit/test_mix_weights.py",)),
 ]
