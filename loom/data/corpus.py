@@ -109,6 +109,12 @@ def glob_files(source: str) -> list[Path]:
     pattern = Path(os.path.expanduser(source))
     fixed = list(itertools.takewhile(lambda part: not glob.has_magic(part), pattern.parts))
     root = Path(*fixed) if fixed else Path(".")
+    if "**" in pattern.parts:  # glob skips a folder it cannot list (training on part of the data)
+        try:
+            for _, dirs, _ in os.walk(root, onerror=_raise):
+                dirs[:] = [d for d in dirs if not d.startswith(".")]
+        except OSError as e:
+            raise unreadable(Path(e.filename or root), e) from None
     files = sorted(Path(p) for p in glob.glob(str(pattern), recursive=True) if Path(p).is_file())
     return _inside(files, root, source)
 

@@ -993,6 +993,13 @@ def analyze_dir(path, workers: int | None = None) -> dict:
         ranks[str(rank)] = ledgers[0] if len(ledgers) == 1 else _merge(ledgers)
         ranks[str(rank)]["rank"] = rank
     refuse_apart(ranks)
+    world = next(iter(worlds), None)
+    missing = [r for r in range(world or 0) if str(r) not in ranks]
+    if missing:  # each present rank's ledger holds; the comparison across ranks is of these alone
+        shown = ", ".join(map(str, missing[:8])) + (", …" if len(missing) > 8 else "")
+        warnings.append(f"traces of {len(ranks)} of the run's {world} ranks (none of rank {shown}): "
+                        f"stragglers and imbalance are told among these only; put every rank's trace in "
+                        f"{path} for the whole run")
     return {"ranks": ranks, "warnings": warnings}
 
 

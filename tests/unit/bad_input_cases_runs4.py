@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 
 from bad_input import Ctx, case, cli
+from bad_input_cases_data import _train
+from bad_input_cases_data4 import _corpus, denied
 from bad_input_cases_user_files import unchanged
 
 import loom.cli
@@ -140,6 +142,16 @@ def _(c: Ctx) -> str:
 def _(c: Ctx) -> str:
     return c.train("--set", f"model.init_from={c.step_2}", "--set", "data.tokenizer=bpe",
                    "--set", "data.bpe_vocab_size=300")
+
+
+@case("data-glob-subfolder-unreadable")
+def _(c: Ctx) -> str:
+    folder = c.tmp / "texts"
+    (folder / "more").mkdir(parents=True)
+    _corpus(folder / "a.txt")
+    _corpus(folder / "more" / "b.txt")
+    with denied(folder / "more"):  # glob skipped it: half the data, and exit 0
+        return _train(c, Path(f"{folder}/**/*.txt"))
 
 
 # ---------------------------------------------------------------------------------------------

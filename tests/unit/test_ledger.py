@@ -313,7 +313,23 @@ def test_skipped_file_is_said_in_the_table_and_own_outputs_are_not_traces(tmp_pa
     (tmp_path / "rank1.json").unlink()
     assert (tmp_path / "ledger.json").is_file()
     assert loom.cli.main(["analyze", str(tmp_path)]) == 0  # its ledger.json of the run before
-    assert "warning" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "warning: skipped" not in out  # (its own ledger.json read as a trace would be skipped)
+
+
+def test_a_missing_ranks_trace_is_said(tmp_path):
+    """Traces of 2 of a 4-rank run: each ledger holds, and the analysis says whose are missing (the
+    comparison across ranks is of those present alone); every rank's trace, nothing said."""
+    for rank in (0, 2):
+        write_trace(tmp_path / f"rank{rank}.json", cpu_events(), rank=rank, world=4)
+    out = analyze_dir(tmp_path)
+    assert sorted(out["ranks"]) == ["0", "2"]
+    assert out["warnings"] == [f"traces of 2 of the run's 4 ranks (none of rank 1, 3): stragglers and "
+                               f"imbalance are told among these only; put every rank's trace in {tmp_path} "
+                               f"for the whole run"]
+    for rank in (1, 3):
+        write_trace(tmp_path / f"rank{rank}.json", cpu_events(), rank=rank, world=4)
+    assert analyze_dir(tmp_path)["warnings"] == []
 
 
 def test_truncated_trace_analyzes_what_was_read(tmp_path):
