@@ -161,10 +161,11 @@ def update_readme(markdown: str, readme: Path = ROOT / "README.md") -> bool:
 
 def _ensure_device_profile(quick: bool) -> None:
     """Planned step times need this machine's profile: measure one first if there is none."""
-    from loom.plan.device import default_path
+    from loom.plan.device import check_profile_target, default_path
 
     if default_path().is_file():
         return
+    check_profile_target()  # (a problem there is told now, not as a failed subprocess)
     print(
         f"== measuring this machine for the planner (loom plan --calibrate{' --quick' * quick})", flush=True
     )
@@ -198,14 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer pairs, steps and cases (about 10 minutes)")
     ap.add_argument("--only", nargs="+", metavar="NAME", help=f"run only these: {', '.join(NAMES)}")
     ap.add_argument("--gpu", action="store_true", help="the GPU benchmark (an NVIDIA GPU; bench/gpu.py)")
-    ap.add_argument("--out", type=Path, default=HERE, help="where results.json and results.md go (bench/)")
+    ap.add_argument("--out", default=str(HERE), help="where results.json and results.md go (bench/)")
     a = ap.parse_args(argv)
     from loom.cli import not_a_folder
 
+    if not a.out.strip():  # Path("") is the working directory, whose results.md may be the user's
+        print('loom: error: --out is empty (an unset variable, as in --out "$OUT"?); name the folder, or '
+              "leave --out out to write into the checkout's bench/", file=sys.stderr)
+        return 2
+    a.out = Path(a.out)
     if problem := not_a_folder(a.out):  # before any calibration or benchmark runs
         print(f"loom: error: {problem}", file=sys.stderr)
         return 2
-    names = a.only or [n for n in NAMES if REGISTRY[n].gpu == a.gpu]
+    names = list(dict.fromkeys(a.only or [n for n in NAMES if REGISTRY[n].gpu == a.gpu]))  # each once
     unknown = [n for n in names if n not in NAMES]
     if unknown:
         print(
@@ -213,13 +219,18 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if a.gpu and a.only and not any(REGISTRY[n].gpu for n in names):  # (it would run them on the CPU)
+        gpu = [n for n in NAMES if REGISTRY[n].gpu]
+        print(f"loom: error: --gpu runs the GPU benchmark ({', '.join(gpu)}), and --only names CPU ones "
+              f"({', '.join(names)}); drop --gpu, or --only", file=sys.stderr)
+        return 2
     if any(REGISTRY[n].gpu for n in names):
         import torch
 
         if not torch.cuda.is_available():
             print(
                 "loom: error: loom bench --gpu needs an NVIDIA GPU (torch.cuda.is_available() is False); "
-                "run it on a GPU machine, or drop --gpu",
+                f"run it on a GPU machine, or drop {'--gpu' if a.gpu else 'gpu from --only'}",
                 file=sys.stderr,
             )
             return 2

@@ -143,6 +143,7 @@ def _train_rank(cfg, args: argparse.Namespace) -> int:
     from loom.launch import (
         STOP_FILE_ENV,
         adopt_slurm_env,
+        check_rank_env,
         die_with_parent,
         end_launch,
         keep_for_restart,
@@ -152,6 +153,7 @@ def _train_rank(cfg, args: argparse.Namespace) -> int:
     from loom.train.driver import train
     from loom.train.stop import Stopped, listen, preempt_signal
 
+    check_rank_env()  # a RANK or SLURM_NTASKS left in a shell: one line, not torch's rendezvous error
     listen(preempt_signal(cfg))  # a stop signal during setup is honoured at step 1
     adopt_slurm_env()
     die_with_parent()  # never an orphan: torchrun's agent (or srun's step) gone, this rank goes
@@ -496,6 +498,12 @@ def _check_resume(cfg, run_dir: Path, resume: str | None, model) -> None:
     if path is not None:
         meta = read_meta(path)
         check_resumable(meta, cfg, path)
+        prof, done = cfg.profile, meta["step"]
+        needs = prof.wait + prof.warmup + prof.active
+        if prof.enabled and needs > cfg.train.steps - done:  # (the traces would be replaced by a part)
+            raise LoomError(f"the profiler needs profile.wait + warmup + active = {needs} steps but this "
+                            f"resume trains {cfg.train.steps - done} (steps {done + 1}..{cfg.train.steps}); "
+                            f"raise train.steps to at least {done + needs}, or lower profile.active")
         _check_same_model(meta, cfg, model, path)
         check_rng_files(path, meta)
         expected = safe_load.trained_entries(_as_trained(cfg, model.build("meta")), cfg.train.optimizer)
@@ -671,6 +679,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         cfg, _, shape = plan_inputs(args)  # a bad --model or --set: at once, not after the calibration
         check_model_layout(cfg, shape)
+        from loom.plan.device import check_profile_target
+
+        check_profile_target()  # and where the profile goes
         from loom.observe.calibrate import calibrate, calibration_notice
         from loom.plan.device import save
 

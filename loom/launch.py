@@ -36,9 +36,52 @@ class LaunchSpec:
 
 
 def under_launcher(launching: bool = False) -> bool:
-    """True inside a rank started by torchrun or srun (then we just join the group). `launching`:
-    the command asks to start ranks itself (--nproc/--nnodes: torchrun per node under srun)."""
-    return "RANK" in os.environ or (int(os.environ.get("SLURM_NTASKS", "1")) > 1 and not launching)
+    """True inside a rank started by torchrun or srun (then we just join the group; check_rank_env
+    says in one line where its variables are not a launcher's). `launching`: the command asks to
+    start ranks itself (--nproc/--nnodes: torchrun per node under srun), which a RANK left in the
+    shell does not override."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent started this process
+        return True
+    tasks = _env_int("SLURM_NTASKS", 1)
+    return not launching and ("RANK" in os.environ or tasks is None or tasks > 1)
+
+
+def _env_int(name: str, default: int) -> int | None:
+    """An integer environment variable, `default` where unset; None where it holds something else."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    return int(text) if text.strip().isdigit() else None
+
+
+# The variables a rank joins its group by: torch's env:// set, or srun's (adopt_slurm_env)
+ENV_RANK = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_NUMBERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+            "SLURM_LOCALID", "SLURM_JOB_ID")
+
+
+def check_rank_env() -> None:
+    """Before a rank joins its group: the variables it joins by are all there, and numbers where
+    numbers go. A RANK or SLURM_NTASKS left in a shell would otherwise make `loom train` a rank of a
+    group that does not exist (a traceback from torch's rendezvous, or a run of the wrong size)."""
+    env = os.environ
+    for name in _NUMBERS:
+        if name in env and _env_int(name, 0) is None:
+            raise LoomError(f"{name}={env[name]!r} in the environment must be a whole number ≥ 0 (a launcher "
+                            f"sets it); unset it, or start loom from torchrun or srun, which set it")
+    if "RANK" in env and "TORCHELASTIC_RUN_ID" not in env:
+        missing = [name for name in ENV_RANK if name not in env]
+        if missing:
+            raise LoomError(f"RANK={env['RANK']} is set in the environment but {missing[0]} is not: a rank "
+                            f"started by a launcher has all of {', '.join(ENV_RANK)}; unset RANK to have "
+                            f"loom start the ranks (--nproc N), or set the others")
+    elif "RANK" not in env and "SLURM_PROCID" not in env:
+        raise LoomError(f"SLURM_NTASKS={env.get('SLURM_NTASKS')} is set but this process is no srun task (no "
+                        f"SLURM_PROCID: an salloc shell?); start it with srun, or pass --nproc N to start N "
+                        f"ranks here")
+    elif "RANK" not in env and "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" not in env:
+        raise LoomError("an srun task without SLURM_JOB_NODELIST or MASTER_ADDR: loom cannot tell which "
+                        "node hosts rank 0; set MASTER_ADDR to it")
 
 
 def adopt_slurm_env() -> None:
@@ -59,7 +102,7 @@ def adopt_slurm_env() -> None:
 def srun_tasks() -> list[str]:
     """`srun --nodes N --ntasks T` when srun started this rank as one of its tasks (no torchrun
     between them), so that a printed command relaunches the same ranks; [] otherwise."""
-    if int(os.environ.get("SLURM_NTASKS", "1")) <= 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ or (_env_int("SLURM_NTASKS", 1) or 1) <= 1:
         return []
     nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or "1"
     return ["srun", "--nodes", nodes, "--ntasks", os.environ["SLURM_NTASKS"]]

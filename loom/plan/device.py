@@ -113,7 +113,28 @@ class DeviceProfile:
 
 def default_path() -> Path:
     env = os.environ.get("LOOM_DEVICE_PROFILE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "loom" / "device.json"
+    try:
+        return Path(env).expanduser() if env else Path.home() / ".cache" / "loom" / "device.json"
+    except RuntimeError:  # ~user of no such user, or no home to expand to
+        raise ConfigError(f"LOOM_DEVICE_PROFILE={env!r}: its ~ names no home folder; give a full path, "
+                          f"e.g. /tmp/device.json") from None
+
+
+def check_profile_target(path: Path | None = None) -> None:
+    """Before a calibration of minutes: its result can be written to `path`, and replaces nothing but a
+    device profile (a damaged one included: it is measured again)."""
+    path = path or default_path()
+    for above in path.parents:
+        if above.exists() and not above.is_dir():
+            raise ConfigError(f"the device profile {path} cannot be written: {above} is a file, not a "
+                              f"folder; point LOOM_DEVICE_PROFILE at a file in a folder")
+    if path.is_dir() or (path.exists() and not path.is_file()):
+        what = "a folder" if path.is_dir() else "not a regular file (a pipe or a device)"
+        raise ConfigError(f"the device profile {path} is {what}; point LOOM_DEVICE_PROFILE at a file such as "
+                          f"{path / 'device.json' if path.is_dir() else '/tmp/device.json'}")
+    if path.is_file() and path.stat().st_size and b'"by_ranks"' not in path.read_bytes()[:MAX_PROFILE_BYTES]:
+        raise ConfigError(f"{path} holds something other than a device profile, which the calibration would "
+                          f"replace; point LOOM_DEVICE_PROFILE at a new file, or move that one aside")
 
 
 def save(profile: DeviceProfile, path: Path | None = None) -> Path:
@@ -134,6 +155,8 @@ MAX_SIZE = 1 << 40  # a grid point's size (tokens, elements, bytes)
 
 def load(path: Path | None = None, required: bool = True) -> DeviceProfile | None:
     path = path or default_path()
+    if path.exists() and not path.is_file():  # (a folder or a pipe is no profile to measure again into)
+        check_profile_target(path)
     if not path.is_file():
         if not required:
             return None

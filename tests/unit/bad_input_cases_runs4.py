@@ -98,6 +98,13 @@ def _(c: Ctx) -> str:
         return c.train("--resume", "auto", "--set", "train.steps=3", out=run)
 
 
+@case("resume-profile-too-long")
+def _(c: Ctx) -> str:
+    run = run_copy(c)  # its checkpoint at step 2
+    with unchanged(run):
+        return c.train("--resume", "auto", "--set", "train.steps=6", "--set", "profile.enabled=true", out=run)
+
+
 @case("run-dir-in-use")
 def _(c: Ctx) -> str:
     run = run_copy(c)
@@ -152,6 +159,93 @@ def _(c: Ctx) -> str:
     _corpus(folder / "more" / "b.txt")
     with denied(folder / "more"):  # glob skipped it: half the data, and exit 0
         return _train(c, Path(f"{folder}/**/*.txt"))
+
+
+# ---------------------------------------------------------------------------------------------
+# a launcher's variables left in the shell: no rank of a group that does not exist
+
+
+def bare_train(c: Ctx, **env: str) -> str:
+    """`loom train` without --nproc (as a rank would be started), `env` in its environment."""
+    for name, value in env.items():
+        c.monkeypatch.setenv(name, value)
+    c.monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    return cli("train", "--out", str(c.tmp / "run"), *c.base(), capsys=c.capsys)
+
+
+@case("env-rank-not-a-number")
+def _(c: Ctx) -> str:
+    return bare_train(c, RANK="junk")
+
+
+@case("env-rank-alone")
+def _(c: Ctx) -> str:
+    return bare_train(c, RANK="0")
+
+
+@case("env-slurm-ntasks-no-task")
+def _(c: Ctx) -> str:
+    c.monkeypatch.delenv("SLURM_PROCID", raising=False)
+    return bare_train(c, SLURM_NTASKS="4")
+
+
+@case("env-rank-with-nproc")
+def _(c: Ctx) -> str:
+    launched = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29556"}
+    for name, value in launched.items():  # a whole env:// set, left in the shell
+        c.monkeypatch.setenv(name, value)
+    mine = c.tmp / "myproj"
+    mine.mkdir()
+    (mine / "config.toml").write_text("my own config\n")
+    with unchanged(mine):
+        return c.train(out=mine)
+
+
+# ---------------------------------------------------------------------------------------------
+# loom bench: where it writes, what it runs
+
+
+@case("bench-out-empty")
+def _(c: Ctx) -> str:
+    folder = c.tmp / "project"
+    folder.mkdir()
+    (folder / "results.md").write_text("# my own results\n")
+    c.monkeypatch.chdir(folder)
+    with unchanged(folder):
+        return cli("bench", "--quick", "--only", "checkpoint", "--out", "", capsys=c.capsys)
+
+
+@case("bench-gpu-only-cpu")
+def _(c: Ctx) -> str:
+    return cli("bench", "--gpu", "--only", "checkpoint", "--out", str(c.tmp / "bench"), capsys=c.capsys)
+
+
+# ---------------------------------------------------------------------------------------------
+# where a calibration writes the device profile: checked before minutes of measuring
+
+
+def calibrate_into(c: Ctx, target: Path) -> str:
+    import loom.observe.calibrate as calibrate
+
+    def work(*args, **kwargs):
+        raise AssertionError("loom plan calibrated before checking where the profile goes")
+
+    c.monkeypatch.setenv("LOOM_DEVICE_PROFILE", str(target))
+    c.monkeypatch.setattr(calibrate, "calibrate", work)
+    return cli("plan", "--calibrate", "--quick", "--model", "tiny", capsys=c.capsys)
+
+
+@case("plan-calibrate-over-other-file")
+def _(c: Ctx) -> str:
+    (c.tmp / "notes.txt").write_text("my notes\n")
+    with unchanged(c.tmp):
+        return calibrate_into(c, c.tmp / "notes.txt")
+
+
+@case("plan-calibrate-into-folder")
+def _(c: Ctx) -> str:
+    (c.tmp / "profiles").mkdir()
+    return calibrate_into(c, c.tmp / "profiles")
 
 
 # ---------------------------------------------------------------------------------------------
