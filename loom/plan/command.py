@@ -62,7 +62,7 @@ def workload_of(args, cfg, shape: ModelShape, model: str | None, world: int,
     gives its own data.seq_len and train.batch_size; a bare model (--model, --params, a
     config.json) planned for GPUs gets a realistic workload — the model's sequence length, about a
     million tokens per step, rounded to a multiple of the GPUs — rather than loom's CPU demo batch."""
-    chosen = {item.partition("=")[0].strip() for item in args.set}
+    chosen = _set_keys(args.set)
     chunk, every = loss_chunk_of(cfg, model), cfg.parallel.reduce_every_micro_step
     adapters = lora.from_config(cfg, precision)  # LoRA: its base stored in the priced precision under auto
     own_batch = args.config is not None and not str(args.config).endswith(".json")
@@ -189,6 +189,7 @@ def check_model_layout(cfg, shape: ModelShape) -> None:
 
 
 def _set_keys(items) -> set[str]:
+    """The keys a list of --set SECTION.KEY=VALUE items sets."""
     return {item.partition("=")[0].strip() for item in items}
 
 
@@ -208,7 +209,7 @@ def run(args) -> tuple[Config, Plan, str | None]:
     plan.workload_origin = origin
     # The config's own layout, priced beside the search: on its own batch, or on the plan's batch when
     # --set pins parallel keys (the user asked about that layout; the table alone would ignore it).
-    yours, pinned = None, sorted({item.partition("=")[0].strip() for item in args.set} & _PARALLEL_KEYS)
+    yours, pinned = None, sorted(_set_keys(args.set) & _PARALLEL_KEYS)
     priced = cfg
     if pinned and workload.global_batch != cfg.train.batch_size:
         batch = dataclasses.replace(cfg.train, batch_size=workload.global_batch)

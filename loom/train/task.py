@@ -146,11 +146,12 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
     checkpoint = None
     if pretrained.kind == CHECKPOINT:
         checkpoint = ckpt.resolve_resume(str(pretrained.path.absolute()), None)
-        if ckpt.read_meta(checkpoint).get("lora_base") is not None:
+        meta = ckpt.read_meta(checkpoint)
+        if meta.get("lora_base") is not None:
             raise ConfigError(f"model.init_from {checkpoint} holds a LoRA run's adapters alone; start "
                               f"from the merged model: loom export {shlex.quote(str(checkpoint))} "
                               f"merged.safetensors --lora merged, then model.init_from=merged.safetensors")
-        _check_same_tokenizer(cfg, ckpt.read_meta(checkpoint), checkpoint)
+        _check_same_tokenizer(cfg, meta, checkpoint)
         pretrained.gpt = checkpoint_gpt(checkpoint)
     if pretrained.gpt is not None:
         gpt = model_config(cfg, data_vocab, pretrained.gpt)
@@ -177,8 +178,8 @@ def resolve_model(cfg: Config, data_vocab: int, pretrained: Pretrained | None = 
     else:
         check_experts(cfg, 0, f"the {hf.model_type} model of model.init_from")
     check_layout(cfg, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads,
-                  hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings or cfg.data.seq_len,
-                  hf.tie_word_embeddings)
+                 hf.intermediate_size, hf.vocab_size, hf.max_position_embeddings or cfg.data.seq_len,
+                 hf.tie_word_embeddings)
     model = pretrained.hf_model("meta")
     pretrained.check(model)
     check_lora_targets(cfg, model)
@@ -210,12 +211,14 @@ def _check_same_tokenizer(cfg: Config, meta: dict, path: Path) -> None:
         want = "data.tokenizer=byte"
     else:
         return
-    def named(tokenizer: str, vocab: int) -> str:
-        return f"{tokenizer!r}" + (f" (bpe_vocab_size {vocab})" if tokenizer == "bpe" else "")
-
     raise ConfigError(f"model.init_from {path} was trained on the token ids of data.tokenizer = "
-                      f"{named(then, saved.bpe_vocab_size)}, and this run tokenizes with "
-                      f"{named(now, cfg.data.bpe_vocab_size)}, whose ids name other tokens; set {want}")
+                      f"{_tokenizer_named(then, saved.bpe_vocab_size)}, and this run tokenizes with "
+                      f"{_tokenizer_named(now, cfg.data.bpe_vocab_size)}, whose ids name other tokens; "
+                      f"set {want}")
+
+
+def _tokenizer_named(tokenizer: str, vocab: int) -> str:
+    return f"{tokenizer!r}" + (f" (bpe_vocab_size {vocab})" if tokenizer == "bpe" else "")
 
 
 def checkpoint_gpt(path: Path) -> GPTConfig:
@@ -242,7 +245,7 @@ def model_config(cfg: Config, data_vocab: int, base: GPTConfig | None = None) ->
         gpt = preset(m.preset, **overrides)
     _check_vocab(gpt.vocab_size, data_vocab, "" if base is None else f" (model.init_from {m.init_from})")
     check_layout(cfg, gpt.n_layers, gpt.n_heads, gpt.n_kv_heads, gpt.ffn_hidden, gpt.vocab_size,
-                  gpt.max_seq_len, gpt.tie_embeddings)
+                 gpt.max_seq_len, gpt.tie_embeddings)
     check_experts(cfg, gpt.moe_experts)
     return gpt
 

@@ -42,7 +42,7 @@ BUGS = [
         ("tests/unit/test_cli.py::test_a_closed_pipe_is_no_traceback",)),
     Bug("init-from-tokenizer-unchecked", "a checkpoint trained on one tokenizer's ids fine-tuned on "
         "another's", "loom/train/task.py",
-        "        _check_same_tokenizer(cfg, ckpt.read_meta(checkpoint), checkpoint)\n", "",
+        "        _check_same_tokenizer(cfg, meta, checkpoint)\n", "",
         (f"{BAD}[model-init-from-other-tokenizer]",)),
     Bug("mix-weights-overflow", "data.mix's weights summed as given: the largest floats overflow to inf "
         "and a source is never drawn", "loom/data/mix.py",
